@@ -1,0 +1,328 @@
+"""The storage backend contract.
+
+A backend stores opaque byte objects under validated string keys. It knows nothing of trees,
+models or layouts. Subclasses implement the ``_``-prefixed coroutines; the public methods here
+validate every argument once, keep the common counters and refuse calls after ``close()``, so a
+backend never re-checks keys itself.
+
+Buffers: a value is one buffer or a sequence of buffers (scatter-gather segments, for example a
+page header and a view of the payload), all C-contiguous. ``put`` copies what it needs before it
+returns; the caller may reuse its buffers at once. ``get_into`` fills caller-owned buffers.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeAlias, TypeVar
+from urllib.parse import parse_qsl, urlsplit
+
+from hicache.config import build_config
+from hicache.errors import BackendClosedError, InvalidArgumentError
+from hicache.keys import validate_key, validate_key_prefix
+
+__all__ = [
+    "MISS",
+    "BufferLike",
+    "Capabilities",
+    "ObjectInfo",
+    "Segments",
+    "StorageBackend",
+    "as_segments",
+    "copy_into_segments",
+    "join_segments",
+    "segments_nbytes",
+]
+
+BufferLike: TypeAlias = "bytes | bytearray | memoryview | Any"
+Segments: TypeAlias = "BufferLike | Sequence[BufferLike]"
+MISS = -1
+B = TypeVar("B", bound="StorageBackend")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend guarantees; tests and callers branch on these, never on the class."""
+
+    persistent: bool = False  # objects survive close() and a process restart
+    shared_across_processes: bool = False  # another process opening the same URL sees them
+    zero_copy: bool = False  # reads and writes go straight to or from registered memory
+    listable: bool = True  # scan() works
+    max_object_bytes: int | None = None  # larger objects are refused by put
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One stored object, as ``scan`` reports it."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+def as_segments(value: Segments, writable: bool) -> list[memoryview]:
+    """``value`` as a list of flat byte views; raises :class:`InvalidArgumentError`."""
+    items = value if isinstance(value, (list, tuple)) else (value,)
+    out: list[memoryview] = []
+    for item in items:
+        try:
+            view = memoryview(item)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"a buffer must support the buffer protocol, not {type(item).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise InvalidArgumentError("buffers must be C-contiguous")
+        if writable and view.readonly:
+            raise InvalidArgumentError("get_into needs writable buffers")
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        out.append(view)
+    return out
+
+
+def segments_nbytes(segments: Sequence[memoryview]) -> int:
+    return sum(s.nbytes for s in segments)
+
+
+def join_segments(segments: Sequence[memoryview]) -> bytearray:
+    """One new buffer holding the segments back to back (one copy)."""
+    out = bytearray(segments_nbytes(segments))
+    offset = 0
+    for seg in segments:
+        out[offset : offset + seg.nbytes] = seg
+        offset += seg.nbytes
+    return out
+
+
+def copy_into_segments(source: memoryview, segments: Sequence[memoryview]) -> None:
+    """Copy ``source`` across ``segments`` in order; the caller checked it fits."""
+    offset, total = 0, source.nbytes
+    for seg in segments:
+        if offset >= total:
+            return
+        n = min(seg.nbytes, total - offset)
+        seg[:n] = source[offset : offset + n]
+        offset += n
+
+
+def _validate_keys(keys: Sequence[str]) -> list[str]:
+    if isinstance(keys, (str, bytes)):
+        raise InvalidArgumentError("pass a sequence of keys, not a single key")
+    return [validate_key(k) for k in keys]
+
+
+class StorageBackend(abc.ABC):
+    """Async object store over validated keys. See the module docstring for buffer rules."""
+
+    name: ClassVar[str]
+    url_schemes: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    config_type: ClassVar[type[Any]]
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._counters: dict[str, int] = dict.fromkeys(
+            (
+                "get_hits",
+                "get_misses",
+                "get_too_small",
+                "bytes_read",
+                "puts",
+                "put_failures",
+                "bytes_written",
+                "deletes",
+            ),
+            0,
+        )
+
+    # ----- construction -------------------------------------------------------------------
+    @classmethod
+    def config_from_url(cls, url: str, overrides: Mapping[str, Any]) -> Any:
+        """The backend's config from ``scheme://location?option=value`` plus ``overrides``.
+
+        Query options and overrides are config fields; the location is given to
+        :meth:`url_location_fields`, which a backend overrides to say what it means.
+        """
+        parts = urlsplit(url)
+        values: dict[str, Any] = dict(cls.url_location_fields(parts.netloc, parts.path))
+        values.update(parse_qsl(parts.query, keep_blank_values=True))
+        values.update(overrides)
+        return build_config(cls.config_type, values)
+
+    @classmethod
+    def url_location_fields(cls, netloc: str, path: str) -> dict[str, Any]:
+        """Config fields named by the URL's location part; none by default."""
+        return {}
+
+    @classmethod
+    async def open(cls: type[B], config: Any) -> B:
+        """Open a backend from its config. Backends that connect override this."""
+        return cls(config)  # type: ignore[call-arg]
+
+    # ----- public API (validated) -----------------------------------------------------------
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """For each key, whether an object is stored under it."""
+        self._check_open()
+        checked = _validate_keys(keys)
+        return await self._exists(checked) if checked else []
+
+    async def get_into(self, keys: Sequence[str], buffers: Sequence[Segments]) -> list[int]:
+        """Read each object into its buffer.
+
+        Per key: ``MISS`` (-1) when absent; else the object's size ``n``. When ``n`` is larger
+        than the buffer, nothing useful was read (the buffer's contents are unspecified) and the
+        caller can retry with ``n`` bytes, as :meth:`get` does.
+        """
+        self._check_open()
+        checked = _validate_keys(keys)
+        if len(buffers) != len(checked):
+            raise InvalidArgumentError(f"{len(checked)} keys but {len(buffers)} buffers")
+        segments = [as_segments(b, writable=True) for b in buffers]
+        if not checked:
+            return []
+        results = await self._get_into(checked, segments)
+        c = self._counters
+        for n, segs in zip(results, segments):
+            if n < 0:
+                c["get_misses"] += 1
+            elif n > segments_nbytes(segs):
+                c["get_too_small"] += 1
+            else:
+                c["get_hits"] += 1
+                c["bytes_read"] += n
+        return results
+
+    async def put(self, keys: Sequence[str], values: Sequence[Segments]) -> list[bool]:
+        """Store each value under its key, replacing what was there; True where it was stored.
+
+        A put that fails for a storage reason (full, I/O error) is False and counted, never
+        an exception; an object visible under a key is always complete.
+        """
+        self._check_open()
+        checked = _validate_keys(keys)
+        if len(values) != len(checked):
+            raise InvalidArgumentError(f"{len(checked)} keys but {len(values)} values")
+        if len(set(checked)) != len(checked):
+            raise InvalidArgumentError("a put batch names the same key twice")
+        segments = [as_segments(v, writable=False) for v in values]
+        if not checked:
+            return []
+        results = await self._put(checked, segments)
+        c = self._counters
+        for ok, segs in zip(results, segments):
+            if ok:
+                c["puts"] += 1
+                c["bytes_written"] += segments_nbytes(segs)
+            else:
+                c["put_failures"] += 1
+        return results
+
+    async def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove each key; True where an object was there."""
+        self._check_open()
+        checked = _validate_keys(keys)
+        results = await self._delete(checked) if checked else []
+        self._counters["deletes"] += sum(results)
+        return results
+
+    def scan(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Every stored object whose key starts with ``prefix``, in no particular order."""
+        self._check_open()
+        return self._scan(validate_key_prefix(prefix))
+
+    async def stats(self) -> dict[str, int | float]:
+        """Counters kept by the base plus the backend's own (sizes, evictions, errors)."""
+        merged: dict[str, int | float] = dict(self._counters)
+        if not self._closed:
+            merged.update(await self._stats())
+        return merged
+
+    async def close(self) -> None:
+        """Release resources; later calls raise :class:`BackendClosedError`. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            await self._close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def __aenter__(self: B) -> B:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ----- concrete helpers -----------------------------------------------------------------
+    async def leading_hits(self, keys: Sequence[str], batch_size: int = 128) -> int:
+        """How many keys from the start exist without a gap: the prefix rule of L3 hits.
+
+        Asks in batches and stops at the first batch with a miss, so a long chain whose
+        beginning is missing costs one round trip.
+        """
+        if batch_size <= 0:
+            raise InvalidArgumentError("batch_size must be positive")
+        hits = 0
+        for start in range(0, len(keys), batch_size):
+            found = await self.exists(keys[start : start + batch_size])
+            for present in found:
+                if not present:
+                    return hits
+                hits += 1
+        return hits
+
+    async def get(self, keys: Sequence[str], size_hint: int = 1 << 20) -> list[bytes | None]:
+        """Each object as new bytes, None for a miss. Convenience, not the zero-copy path."""
+        return list(await asyncio.gather(*(self._get_one(k, size_hint) for k in keys)))
+
+    async def _get_one(self, key: str, size_hint: int) -> bytes | None:
+        capacity = max(size_hint, 0)
+        # An object replaced by a larger one between attempts needs another try; three is
+        # plenty, since a key names one page and its size never changes in normal use.
+        for _ in range(3):
+            buf = bytearray(capacity)
+            (n,) = await self.get_into([key], [buf])
+            if n < 0:
+                return None
+            if n <= capacity:
+                return bytes(memoryview(buf)[:n])
+            capacity = n
+        return None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError(f"{type(self).__name__} is closed")
+
+    def _count(self, counter: str, amount: int = 1) -> None:
+        self._counters[counter] = self._counters.get(counter, 0) + amount
+
+    # ----- what a backend implements ----------------------------------------------------------
+    @abc.abstractmethod
+    async def _exists(self, keys: list[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]: ...
+
+    @abc.abstractmethod
+    async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    async def _delete(self, keys: list[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def _scan(self, prefix: str) -> AsyncIterator[ObjectInfo]: ...
+
+    @abc.abstractmethod
+    async def _stats(self) -> dict[str, int | float]: ...
+
+    @abc.abstractmethod
+    async def _close(self) -> None: ...
+
+
+def config_fields(config: Any) -> dict[str, Any]:
+    """A config's fields as a dict, for display (``hicache backends``) and logs."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

@@ -1,0 +1,1 @@
+"""hicache: hierarchical KV-cache storage."""

@@ -1,0 +1,128 @@
+"""Building frozen config dataclasses from URL query strings, CLI flags and files.
+
+Values arrive as strings (``?fsync=true&max_bytes=10G``) or already typed (keyword arguments);
+:func:`build_config` turns them into the dataclass's field types and refuses unknown fields with
+a message that lists the known ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from hicache.errors import ConfigError
+
+__all__ = ["build_config", "parse_bool", "parse_size"]
+
+T = TypeVar("T")
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"512M"`` -> 536870912. Units are binary (K = 1024); a bare number is bytes."""
+    raw = text.strip().lower().replace("_", "")
+    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(digits) :]
+    if unit not in _SIZE_UNITS or not digits:
+        raise ValueError(f"not a size: {text!r} (use a number with an optional K, M, G or T)")
+    value = float(digits) * _SIZE_UNITS[unit]
+    if value < 0 or value != int(value):
+        raise ValueError(f"not a whole, non-negative size: {text!r}")
+    return int(value)
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true or false)")
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    tp, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ValueError("may not be None")
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        for member in tp:
+            if str(value).lower() in (member.name.lower(), str(getattr(member, "label", ""))):
+                return member
+        raise ValueError(f"use one of {', '.join(m.name.lower() for m in tp)}")
+    if not isinstance(value, str):
+        if tp is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(tp, type) and not isinstance(value, tp):
+            raise ValueError(f"expected {tp.__name__}, got {type(value).__name__}")
+        return value
+    if optional and value.strip().lower() in ("", "none", "null"):
+        return None
+    if tp is bool:
+        return parse_bool(value)
+    if tp is int:
+        return parse_size(value) if name.endswith("bytes") else int(value)
+    if tp is float:
+        return float(value)
+    if tp is str:
+        return value
+    raise ValueError(f"cannot be set from text (type {tp})")
+
+
+def build_config(config_type: type[T], values: Mapping[str, Any]) -> T:
+    """An instance of the frozen dataclass ``config_type`` from ``values``.
+
+    Raises :class:`ConfigError` naming the field for an unknown field or a bad value.
+    """
+    if not dataclasses.is_dataclass(config_type):
+        raise TypeError(f"{config_type!r} is not a dataclass")
+    hints = typing.get_type_hints(config_type)
+    fields = {f.name: f for f in dataclasses.fields(config_type) if f.init}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        known = ", ".join(sorted(fields)) or "(none)"
+        raise ConfigError(
+            f"{config_type.__name__}: unknown option(s) {', '.join(unknown)}; known: {known}"
+        )
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            kwargs[key] = _coerce(key, hints[key], value)
+        except ValueError as exc:
+            raise ConfigError(f"{config_type.__name__}.{key} = {value!r}: {exc}") from None
+    try:
+        return config_type(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{config_type.__name__}: {exc}") from None
