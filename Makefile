@@ -1,0 +1,45 @@
+# The two commands of the README: `make run` (the main job) and `make test` (what CI runs).
+# Both set everything up on a fresh machine: a virtual environment, torch (the CPU build
+# 2.13.0 when no torch is installed), and hicache with its test and dev extras.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hicache-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup run test lint typecheck pytest clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install torch==2.13.0
+	$(BIN)/python -m pip install -e '.[test,dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/hicache bench backends
+
+test: setup lint typecheck pytest
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# mypy cannot follow setuptools' package-dir mapping through an editable install, so it checks
+# a tree of links laid out the way the package is installed.
+typecheck: setup
+	rm -rf .mypy_src && mkdir -p .mypy_src/hicache
+	for f in hicache/*.py hicache/py.typed; do ln -s ../../$$f .mypy_src/hicache/; done
+	for d in hicache/*/; do [ -d "$$d" ] && ln -s ../../$${d%/} .mypy_src/hicache/ || true; done
+	ln -s ../../backends .mypy_src/hicache/backends
+	ln -s ../../layouts .mypy_src/hicache/layouts
+	ln -s ../../tools .mypy_src/hicache/tools
+	cd .mypy_src && ../$(BIN)/mypy --config-file ../pyproject.toml -p hicache
+
+pytest: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_src .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,391 @@
+"""The stored page format: a fixed 160-byte header followed by the payload.
+
+Header (little-endian), version 1::
+
+    0   4s  magic b"HCKV"            60  16s pool name (ASCII, NUL padded)
+    4   H   format version           76  B   dtype code, B layout code, B ndim, B codec
+    6   H   header size (160)        80  6I  shape (unused dims 0)
+    8   I   flags (reserved, 0)      104 I   page index in its chain (0xFFFFFFFF: unknown)
+    12  16s xxh3-128 of the key      108 Q   raw payload bytes
+    28  32s parent page hash         116 Q   stored payload bytes
+                                     124 Q   xxh3-64 of the stored payload
+                                     132 Q   xxh3-64 of the raw payload
+                                     140 12x reserved (zero)
+                                     152 Q   xxh3-64 of bytes 0..152
+
+The key digest makes a page copied or renamed under another key "foreign"; the parent hash lets
+tools find orphans (a page whose predecessor is gone can never be hit). Anything that does not
+check out raises a :class:`~hicache.errors.CodecError` subclass; callers turn that into a miss
+and a counter, so a bad page never reaches a model.
+
+Without compression, encode and decode touch no payload bytes except to checksum them: encode
+returns ``[header, payload view]`` for a scatter-gather put, and decode checks a payload that a
+backend read straight into the caller's buffer. With compression (``Codec.ZSTD_PLANES``) the
+payload is split into byte planes (byte j of every element), and each plane is stored zstd-
+compressed or raw, whichever is smaller; for bf16 KV the sign/exponent plane compresses well
+and the mantissa plane is nearly random, so this is both faster and smaller than plain zstd.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from hicache.dtypes import DType
+from hicache.errors import (
+    BadMagicError,
+    CorruptHeaderError,
+    ForeignPageError,
+    InvalidArgumentError,
+    PayloadChecksumError,
+    TruncatedPageError,
+    UnsupportedVersionError,
+)
+from hicache.layouts.kinds import Layout
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "MAX_PAYLOAD_BYTES",
+    "NO_PARENT",
+    "Codec",
+    "PageHeader",
+    "PageMeta",
+    "decode_into",
+    "decode_page",
+    "encode_page",
+    "key_digest",
+    "parse_header",
+]
+
+MAGIC = b"HCKV"
+FORMAT_VERSION = 1
+HEADER_SIZE = 160
+MAX_NDIM = 6
+MAX_PAYLOAD_BYTES = 1 << 34  # 16 GiB: anything larger is a corrupt length, not a page
+NO_PARENT = bytes(32)
+_UNKNOWN_INDEX = 0xFFFFFFFF
+_BODY = struct.Struct("<4sHHI16s32s16sBBBB6IIQQQQ12x")
+_CHECK = struct.Struct("<Q")
+_PLANE_ENTRY = struct.Struct("<BQ")  # per byte plane: stored raw (0) or zstd (1), stored length
+assert _BODY.size + _CHECK.size == HEADER_SIZE
+
+# Fast zstd parameters for KV planes: their redundancy is in symbol frequencies, not repeats, so
+# a tiny match finder with long minimum matches leaves nearly all work to the entropy coder.
+_ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
+    strategy=zstandard.STRATEGY_FAST,
+    window_log=17,
+    hash_log=10,
+    chain_log=10,
+    search_log=1,
+    min_match=7,
+    target_length=0,
+)
+_SAMPLE_BYTES = 8192
+_MIN_GAIN = 0.95  # compress a plane only when a sample shrinks below 95 %
+
+
+class Codec(enum.Enum):
+    """How the payload is stored."""
+
+    NONE = 0
+    ZSTD_PLANES = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PageMeta:
+    """What a page holds; a reader passes the meta it expects, and any difference is foreign."""
+
+    pool: str
+    dtype: DType
+    shape: tuple[int, ...]
+    layout: Layout = Layout.RAW
+    page_index: int | None = None
+    parent_hash: bytes = NO_PARENT
+
+    def __post_init__(self) -> None:
+        raw_pool = self.pool.encode("ascii", "replace") if isinstance(self.pool, str) else b""
+        if not raw_pool or len(raw_pool) > 16 or not self.pool.isascii():
+            raise InvalidArgumentError(f"pool must be 1-16 ASCII characters, got {self.pool!r}")
+        if not isinstance(self.dtype, DType) or not isinstance(self.layout, Layout):
+            raise InvalidArgumentError("dtype must be a DType and layout a Layout")
+        if len(self.shape) > MAX_NDIM or any(
+            not isinstance(d, int) or d < 0 or d > 0xFFFFFFFF for d in self.shape
+        ):
+            raise InvalidArgumentError(f"shape must have at most {MAX_NDIM} dims in [0, 2**32)")
+        if self.page_index is not None and not 0 <= self.page_index < _UNKNOWN_INDEX:
+            raise InvalidArgumentError(f"page_index out of range: {self.page_index}")
+        if len(self.parent_hash) != 32:
+            raise InvalidArgumentError("parent_hash must be 32 bytes")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def same_content_as(self, other: PageMeta) -> bool:
+        """Same pool, dtype, shape and layout: the fields that decide how bytes are read."""
+        return (self.pool, self.dtype, self.shape, self.layout) == (
+            other.pool,
+            other.dtype,
+            other.shape,
+            other.layout,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PageHeader:
+    """A parsed, checked header."""
+
+    meta: PageMeta
+    codec: Codec
+    key_digest: bytes
+    raw_len: int
+    payload_len: int
+    payload_checksum: int  # of the stored bytes: verifiable without decompressing
+    raw_checksum: int  # of the decoded bytes: what the model gets
+
+    @property
+    def object_len(self) -> int:
+        return HEADER_SIZE + self.payload_len
+
+
+def key_digest(key: str) -> bytes:
+    return xxhash.xxh3_128_digest(key.encode("utf-8"))
+
+
+def _flat(payload: object) -> memoryview:
+    view = memoryview(payload)  # type: ignore[arg-type]
+    if not view.c_contiguous:
+        raise InvalidArgumentError("page payloads must be C-contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _pack_header(
+    key: str, meta: PageMeta, codec: Codec, payload: Sequence[memoryview], raw_checksum: int
+) -> bytes:
+    if codec is Codec.NONE:
+        stored_checksum = raw_checksum
+    else:
+        hasher = xxhash.xxh3_64()
+        for part in payload:
+            hasher.update(part)
+        stored_checksum = hasher.intdigest()
+    shape = list(meta.shape) + [0] * (MAX_NDIM - len(meta.shape))
+    index = _UNKNOWN_INDEX if meta.page_index is None else meta.page_index
+    body = _BODY.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_SIZE,
+        0,
+        key_digest(key),
+        meta.parent_hash,
+        meta.pool.encode("ascii").ljust(16, b"\x00"),
+        meta.dtype.code,
+        meta.layout.code,
+        len(meta.shape),
+        codec.value,
+        *shape,
+        index,
+        meta.nbytes,
+        sum(p.nbytes for p in payload),
+        stored_checksum,
+        raw_checksum,
+    )
+    return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def encode_page(
+    key: str, payload: object, meta: PageMeta, compress: bool = False
+) -> list[bytes | memoryview]:
+    """The segments of the stored object, header first, ready for ``backend.put``.
+
+    Uncompressed, the payload segment is a view of the caller's buffer (no copy): keep the
+    buffer unchanged until the put has returned. Compression falls back to storing the payload
+    as is when it would not shrink.
+    """
+    view = _flat(payload)
+    if view.nbytes != meta.nbytes:
+        raise InvalidArgumentError(
+            f"payload is {view.nbytes} bytes but {meta.dtype.label}{list(meta.shape)} "
+            f"needs {meta.nbytes}"
+        )
+    raw_checksum = xxhash.xxh3_64_intdigest(view)
+    if compress and view.nbytes:
+        parts = _compress_planes(view, meta.dtype.itemsize)
+        if parts is not None:
+            return [_pack_header(key, meta, Codec.ZSTD_PLANES, parts, raw_checksum), *parts]
+    return [_pack_header(key, meta, Codec.NONE, [view], raw_checksum), view]
+
+
+def parse_header(key: str, header: object) -> PageHeader:
+    """Check and parse a header; raises a :class:`CodecError` subclass when it is not right."""
+    raw = _flat(header)
+    if raw.nbytes < HEADER_SIZE:
+        raise TruncatedPageError(f"{key}: {raw.nbytes} bytes, shorter than a page header")
+    if raw[:4] != MAGIC:
+        raise BadMagicError(f"{key}: not a hicache page (bad magic)")
+    (version,) = struct.unpack_from("<H", raw, 4)
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersionError(f"{key}: page format version {version} is not supported")
+    (check,) = _CHECK.unpack_from(raw, _BODY.size)
+    if xxhash.xxh3_64_intdigest(raw[: _BODY.size]) != check:
+        raise CorruptHeaderError(f"{key}: header checksum mismatch")
+    fields = _BODY.unpack_from(raw)
+    digest, parent, pool_raw = fields[4], fields[5], fields[6]
+    dtype_code, layout_code, ndim, codec_code = fields[7:11]
+    shape_all, index, raw_len, payload_len, checksum, raw_checksum = (
+        fields[11:17],
+        *fields[17:22],
+    )
+    if digest != key_digest(key):
+        raise ForeignPageError(f"{key}: the page was written under another key")
+    try:
+        meta = PageMeta(
+            pool=pool_raw.rstrip(b"\x00").decode("ascii"),
+            dtype=DType.from_code(dtype_code),
+            shape=tuple(shape_all[:ndim]),
+            layout=Layout.from_code(layout_code),
+            page_index=None if index == _UNKNOWN_INDEX else index,
+            parent_hash=parent,
+        )
+        codec = Codec(codec_code)
+    except (ValueError, InvalidArgumentError, UnicodeDecodeError) as exc:
+        raise CorruptHeaderError(f"{key}: bad header field: {exc}") from None
+    limit = raw_len if codec is Codec.NONE else raw_len + 16 * meta.dtype.itemsize + 64
+    if raw_len != meta.nbytes or payload_len > limit or payload_len > MAX_PAYLOAD_BYTES:
+        raise CorruptHeaderError(f"{key}: inconsistent lengths (raw {raw_len}, {payload_len})")
+    if codec is Codec.NONE and checksum != raw_checksum:
+        raise CorruptHeaderError(f"{key}: an uncompressed page with two different checksums")
+    return PageHeader(meta, codec, digest, raw_len, payload_len, checksum, raw_checksum)
+
+
+def _check_expected(key: str, header: PageHeader, expect: PageMeta | None) -> None:
+    if expect is not None and not header.meta.same_content_as(expect):
+        got = header.meta
+        raise ForeignPageError(
+            f"{key}: holds {got.pool} {got.dtype.label}{list(got.shape)} {got.layout.label}, "
+            f"expected {expect.pool} {expect.dtype.label}{list(expect.shape)} {expect.layout.label}"
+        )
+
+
+def decode_into(
+    key: str,
+    header_buf: object,
+    payload_buf: object,
+    nread: int,
+    expect: PageMeta | None = None,
+) -> PageHeader:
+    """Check an object a backend read as ``[header_buf, payload_buf]`` and leave the raw
+    payload in ``payload_buf``. ``nread`` is what ``get_into`` returned for it.
+    """
+    header = parse_header(key, header_buf)
+    _check_expected(key, header, expect)
+    dest = _flat(payload_buf)
+    if nread < header.object_len:
+        raise TruncatedPageError(f"{key}: {nread} bytes, the header says {header.object_len}")
+    if nread > header.object_len:
+        raise CorruptHeaderError(f"{key}: {nread} bytes, the header says {header.object_len}")
+    if header.raw_len > dest.nbytes or header.payload_len > dest.nbytes:
+        raise InvalidArgumentError(f"{key}: the payload buffer holds {dest.nbytes} bytes")
+    stored = dest[: header.payload_len]
+    if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
+        raise PayloadChecksumError(f"{key}: payload checksum mismatch")
+    if header.codec is Codec.ZSTD_PLANES:
+        raw = dest[: header.raw_len]
+        _decompress_planes(key, bytes(stored), raw, header.meta.dtype.itemsize)
+        _check_raw(key, header, raw)
+    return header
+
+
+def decode_page(
+    key: str, data: object, expect: PageMeta | None = None
+) -> tuple[PageHeader, memoryview]:
+    """Check a whole object held in one buffer; returns the header and the raw payload."""
+    raw = _flat(data)
+    header = parse_header(key, raw)
+    _check_expected(key, header, expect)
+    if raw.nbytes < header.object_len:
+        raise TruncatedPageError(f"{key}: {raw.nbytes} bytes, the header says {header.object_len}")
+    if raw.nbytes > header.object_len:
+        raise CorruptHeaderError(f"{key}: {raw.nbytes} bytes, the header says {header.object_len}")
+    stored = raw[HEADER_SIZE : header.object_len]
+    if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
+        raise PayloadChecksumError(f"{key}: payload checksum mismatch")
+    if header.codec is Codec.NONE:
+        return header, stored
+    out = memoryview(bytearray(header.raw_len))
+    _decompress_planes(key, bytes(stored), out, header.meta.dtype.itemsize)
+    _check_raw(key, header, out)
+    return header, out
+
+
+def _check_raw(key: str, header: PageHeader, raw: memoryview) -> None:
+    if xxhash.xxh3_64_intdigest(raw) != header.raw_checksum:
+        raise PayloadChecksumError(f"{key}: decoded payload checksum mismatch")
+
+
+def _compress_planes(view: memoryview, itemsize: int) -> list[memoryview] | None:
+    """A plane table and the byte planes, each zstd-compressed where that pays.
+
+    Returned as segments, so nothing is joined: the backend writes them back to back. None when
+    the result would not be smaller than the payload.
+    """
+    if view.nbytes % itemsize:
+        return None
+    flat = np.frombuffer(view, dtype=np.uint8)
+    planes = flat.reshape(-1, itemsize).T.copy() if itemsize > 1 else flat.reshape(1, -1)
+    compressor = zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS)
+    table = bytearray()
+    parts: list[memoryview] = [memoryview(b"")]  # the table, once complete
+    for plane_array in planes:
+        plane = memoryview(plane_array.data)
+        # A sample tells cheaply whether a plane is worth compressing: mantissa planes of
+        # floating-point KV are close to random and would cost time for nothing.
+        squeezed: bytes | None = None
+        sample = plane[:_SAMPLE_BYTES]
+        if len(compressor.compress(sample)) < _MIN_GAIN * sample.nbytes:
+            squeezed = compressor.compress(plane)
+        if squeezed is not None and len(squeezed) < plane.nbytes:
+            table += _PLANE_ENTRY.pack(1, len(squeezed))
+            parts.append(memoryview(squeezed))
+        else:
+            table += _PLANE_ENTRY.pack(0, plane.nbytes)
+            parts.append(plane)
+    parts[0] = memoryview(bytes(table))
+    if sum(p.nbytes for p in parts) >= view.nbytes:
+        return None
+    return parts
+
+
+def _decompress_planes(key: str, stored: bytes, dest: memoryview, itemsize: int) -> None:
+    n_elems = dest.nbytes // itemsize
+    out = np.frombuffer(dest, dtype=np.uint8)
+    if itemsize > 1:
+        out = out.reshape(n_elems, itemsize)
+    decompressor = zstandard.ZstdDecompressor()
+    offset = _PLANE_ENTRY.size * itemsize
+    try:
+        for j in range(itemsize):
+            mode, length = _PLANE_ENTRY.unpack_from(stored, j * _PLANE_ENTRY.size)
+            part = stored[offset : offset + length]
+            offset += length
+            if mode == 1:
+                part = decompressor.decompress(part, max_output_size=n_elems)
+            if len(part) != n_elems or mode not in (0, 1):
+                raise CorruptHeaderError(f"{key}: byte plane {j} has the wrong size")
+            plane = np.frombuffer(part, dtype=np.uint8)
+            if itemsize > 1:
+                out[:, j] = plane
+            else:
+                out[:] = plane
+    except (zstandard.ZstdError, struct.error) as exc:
+        raise CorruptHeaderError(f"{key}: compressed payload does not decode: {exc}") from None
+    if offset != len(stored):
+        raise CorruptHeaderError(f"{key}: compressed payload has trailing bytes")
