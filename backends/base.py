@@ -13,8 +13,8 @@ returns; the caller may reuse its buffers at once. ``get_into`` fills caller-own
 from __future__ import annotations
 
 import abc
-import asyncio
 import dataclasses
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias, TypeVar
@@ -40,6 +40,7 @@ __all__ = [
 BufferLike: TypeAlias = "bytes | bytearray | memoryview | Any"
 Segments: TypeAlias = "BufferLike | Sequence[BufferLike]"
 MISS = -1
+_FIELD_NAME_RE = re.compile(r":[^:]*:")
 B = TypeVar("B", bound="StorageBackend")
 
 
@@ -70,7 +71,7 @@ def as_segments(value: Segments, writable: bool) -> list[memoryview]:
     for item in items:
         try:
             view = memoryview(item)
-        except TypeError:
+        except (TypeError, ValueError):  # numpy raises ValueError for dtypes with no buffer
             raise InvalidArgumentError(
                 f"a buffer must support the buffer protocol, not {type(item).__name__}"
             ) from None
@@ -78,10 +79,18 @@ def as_segments(value: Segments, writable: bool) -> list[memoryview]:
             raise InvalidArgumentError("buffers must be C-contiguous")
         if writable and view.readonly:
             raise InvalidArgumentError("get_into needs writable buffers")
+        if _holds_objects(view.format):
+            # Its bytes are object pointers: storing them is meaningless, reading into it unsafe.
+            raise InvalidArgumentError("a buffer of Python objects cannot be stored or filled")
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         out.append(view)
     return out
+
+
+def _holds_objects(fmt: str) -> bool:
+    """Whether a PEP 3118 format has an object ('O') item; ``:name:`` field labels are skipped."""
+    return "O" in fmt and "O" in _FIELD_NAME_RE.sub("", fmt)
 
 
 def segments_nbytes(segments: Sequence[memoryview]) -> int:
@@ -120,7 +129,8 @@ class StorageBackend(abc.ABC):
 
     name: ClassVar[str]
     url_schemes: ClassVar[tuple[str, ...]] = ()
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    # A class default, not a ClassVar: a wrapper backend reports its inner backend's per instance.
+    capabilities: Capabilities = Capabilities()
     config_type: ClassVar[type[Any]]
 
     def __init__(self) -> None:
@@ -186,7 +196,7 @@ class StorageBackend(abc.ABC):
             return []
         results = await self._get_into(checked, segments)
         c = self._counters
-        for n, segs in zip(results, segments):
+        for n, segs in zip(results, segments, strict=True):
             if n < 0:
                 c["get_misses"] += 1
             elif n > segments_nbytes(segs):
@@ -213,7 +223,7 @@ class StorageBackend(abc.ABC):
             return []
         results = await self._put(checked, segments)
         c = self._counters
-        for ok, segs in zip(results, segments):
+        for ok, segs in zip(results, segments, strict=True):
             if ok:
                 c["puts"] += 1
                 c["bytes_written"] += segments_nbytes(segs)
@@ -262,13 +272,17 @@ class StorageBackend(abc.ABC):
         """How many keys from the start exist without a gap: the prefix rule of L3 hits.
 
         Asks in batches and stops at the first batch with a miss, so a long chain whose
-        beginning is missing costs one round trip.
+        beginning is missing costs one round trip. Every key is validated first, so a bad key
+        raises whatever is stored.
         """
+        self._check_open()
+        checked = _validate_keys(keys)
         if batch_size <= 0:
             raise InvalidArgumentError("batch_size must be positive")
         hits = 0
-        for start in range(0, len(keys), batch_size):
-            found = await self.exists(keys[start : start + batch_size])
+        for start in range(0, len(checked), batch_size):
+            self._check_open()  # close() may have run while the previous batch was in flight
+            found = await self._exists(checked[start : start + batch_size])
             for present in found:
                 if not present:
                     return hits
@@ -276,22 +290,32 @@ class StorageBackend(abc.ABC):
         return hits
 
     async def get(self, keys: Sequence[str], size_hint: int = 1 << 20) -> list[bytes | None]:
-        """Each object as new bytes, None for a miss. Convenience, not the zero-copy path."""
-        return list(await asyncio.gather(*(self._get_one(k, size_hint) for k in keys)))
+        """Each object as new bytes, None for a miss. Convenience, not the zero-copy path.
 
-    async def _get_one(self, key: str, size_hint: int) -> bytes | None:
-        capacity = max(size_hint, 0)
+        One batched read into ``size_hint``-byte buffers, then a read of just the objects that
+        did not fit, at the size they reported.
+        """
+        self._check_open()
+        checked = _validate_keys(keys)
+        out: list[bytes | None] = [None] * len(checked)
+        sizes = [max(size_hint, 0)] * len(checked)
+        pending = list(range(len(checked)))
         # An object replaced by a larger one between attempts needs another try; three is
         # plenty, since a key names one page and its size never changes in normal use.
         for _ in range(3):
-            buf = bytearray(capacity)
-            (n,) = await self.get_into([key], [buf])
-            if n < 0:
-                return None
-            if n <= capacity:
-                return bytes(memoryview(buf)[:n])
-            capacity = n
-        return None
+            if not pending:
+                break
+            buffers = [bytearray(sizes[i]) for i in pending]
+            results = await self.get_into([checked[i] for i in pending], buffers)
+            retry: list[int] = []
+            for i, buf, n in zip(pending, buffers, results, strict=True):
+                if n > len(buf):
+                    sizes[i] = n
+                    retry.append(i)
+                elif n >= 0:
+                    out[i] = bytes(buf) if n == len(buf) else bytes(memoryview(buf)[:n])
+            pending = retry
+        return out
 
     def _check_open(self) -> None:
         if self._closed:

@@ -55,7 +55,7 @@ class MemoryBackend(StorageBackend):
 
     async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
         results: list[int] = []
-        for key, segs in zip(keys, buffers):
+        for key, segs in zip(keys, buffers, strict=True):
             entry = self._objects.get(key)
             if entry is None:
                 results.append(MISS)
@@ -69,7 +69,7 @@ class MemoryBackend(StorageBackend):
 
     async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
         results: list[bool] = []
-        for key, segs in zip(keys, values):
+        for key, segs in zip(keys, values, strict=True):
             size = segments_nbytes(segs)
             if size > self.config.capacity_bytes:
                 self._count("put_too_large")

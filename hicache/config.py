@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import types
 import typing
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any, TypeVar
 
 from hicache.errors import ConfigError
@@ -36,18 +38,21 @@ _SIZE_UNITS = {
     "tb": 1 << 40,
     "tib": 1 << 40,
 }
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*\Z", re.ASCII)
 
 
 def parse_size(text: str) -> int:
-    """``"512M"`` -> 536870912. Units are binary (K = 1024); a bare number is bytes."""
-    raw = text.strip().lower().replace("_", "")
-    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(digits) :]
-    if unit not in _SIZE_UNITS or not digits:
+    """``"512M"`` -> 536870912. Units are binary (K = 1024); a bare number is bytes.
+
+    The number is read exactly (``"1.5K"`` is 1536), so a huge or fractional value is either
+    exact or refused, never rounded through a float.
+    """
+    match = _SIZE_RE.match(text.lower().replace("_", "")) if isinstance(text, str) else None
+    if match is None or match.group(2) not in _SIZE_UNITS:
         raise ValueError(f"not a size: {text!r} (use a number with an optional K, M, G or T)")
-    value = float(digits) * _SIZE_UNITS[unit]
-    if value < 0 or value != int(value):
-        raise ValueError(f"not a whole, non-negative size: {text!r}")
+    value = Fraction(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    if value.denominator != 1:
+        raise ValueError(f"not a whole number of bytes: {text!r}")
     return int(value)
 
 
@@ -69,27 +74,40 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _coerce_enum(tp: type[enum.Enum], value: Any) -> enum.Enum:
+    if isinstance(value, tp):
+        return value
+    text = str(value).strip().lower()
+    for member in tp:
+        # A member is named by its name, or by its label or str value where it has one.
+        names = {member.name.lower()}
+        for alias in (getattr(member, "label", None), member.value):
+            if isinstance(alias, str) and alias:
+                names.add(alias.lower())
+        if text in names:
+            return member
+    raise ValueError(f"use one of {', '.join(m.name.lower() for m in tp)}")
+
+
 def _coerce(name: str, tp: Any, value: Any) -> Any:
     tp, optional = _unwrap_optional(tp)
+    if isinstance(value, str) and optional and value.strip().lower() in ("", "none", "null"):
+        value = None
     if value is None:
         if optional:
             return None
         raise ValueError("may not be None")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        if isinstance(value, tp):
-            return value
-        for member in tp:
-            if str(value).lower() in (member.name.lower(), str(getattr(member, "label", ""))):
-                return member
-        raise ValueError(f"use one of {', '.join(m.name.lower() for m in tp)}")
+        return _coerce_enum(tp, value)
     if not isinstance(value, str):
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
-        if isinstance(tp, type) and not isinstance(value, tp):
-            raise ValueError(f"expected {tp.__name__}, got {type(value).__name__}")
+        # bool is an int subclass, but True for a size or a count is a mistake, not 1.
+        wrong_bool = isinstance(value, bool) and tp is not bool
+        if wrong_bool or (isinstance(tp, type) and not isinstance(value, tp)):
+            expected = getattr(tp, "__name__", str(tp))
+            raise ValueError(f"expected {expected}, got {type(value).__name__}")
         return value
-    if optional and value.strip().lower() in ("", "none", "null"):
-        return None
     if tp is bool:
         return parse_bool(value)
     if tp is int:
