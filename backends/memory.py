@@ -75,6 +75,14 @@ class MemoryBackend(StorageBackend):
                 self._count("put_too_large")
                 results.append(False)
                 continue
+            old = self._objects.get(key)
+            if old is not None and len(old[0]) == size:
+                # Same size (a page rewritten): reuse its memory; fresh pages cost faults.
+                _fill_from_segments(segs, old[0])
+                self._objects[key] = (old[0], time.time())
+                self._objects.move_to_end(key)
+                results.append(True)
+                continue
             self._drop(key)
             self._evict_for(size)
             self._objects[key] = (join_segments(segs), time.time())
@@ -119,3 +127,11 @@ class MemoryBackend(StorageBackend):
     @classmethod
     def url_location_fields(cls, netloc: str, path: str) -> dict[str, Any]:
         return {}
+
+
+def _fill_from_segments(segments: list[memoryview], target: bytearray) -> None:
+    """Copy ``segments`` back to back into ``target`` (their total size)."""
+    view, offset = memoryview(target), 0
+    for seg in segments:
+        view[offset : offset + seg.nbytes] = seg
+        offset += seg.nbytes
