@@ -1,0 +1,7 @@
+"""The RadixAttention prefix tree: what is cached, who holds it, what to evict."""
+
+from hicache.radix.node import TreeNode
+from hicache.radix.policies import EvictionPolicy
+from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
+
+__all__ = ["EvictionPolicy", "MatchResult", "RadixCache", "RadixCacheConfig", "TreeNode"]

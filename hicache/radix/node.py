@@ -1,0 +1,85 @@
+"""A node of the radix tree: one span of tokens and where its KV lives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TreeNode"]
+
+
+class TreeNode:
+    """One span of tokens (``key``: packed units) that requests share.
+
+    ``value`` holds the device slot indices of the span (``None`` once evicted from the device,
+    and always ``None`` in a simulated tree); ``host_value`` the host slots once backed up;
+    ``hash_value`` the chained page hashes when computed. ``lock_ref`` counts the requests using
+    the span (a locked node is never evicted); ``pin_count`` counts pins that hold it.
+    """
+
+    __slots__ = (
+        "access_tick",
+        "children",
+        "creation_time",
+        "hash_value",
+        "heap_version",
+        "hit_count",
+        "host_ref",
+        "host_value",
+        "id",
+        "in_storage",
+        "key",
+        "last_access_time",
+        "length",
+        "lock_ref",
+        "namespace",
+        "parent",
+        "priority",
+        "protected",
+        "value",
+    )
+
+    def __init__(
+        self, node_id: int, key: bytes, length: int, parent: TreeNode | None, now: float
+    ) -> None:
+        self.id = node_id
+        self.key = key
+        self.length = length  # in units (tokens, or token pairs for bigram keys)
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.value: Any = None
+        self.host_value: Any = None
+        self.hash_value: list[bytes] | None = None
+        self.in_storage = False
+        self.lock_ref = 0
+        self.host_ref = 0
+        self.hit_count = 0
+        self.priority = 0
+        self.protected = False  # SLRU: in the protected segment
+        self.creation_time = now
+        self.last_access_time = now
+        self.access_tick = 0
+        self.heap_version = 0
+        self.namespace: tuple[str | None, bool] = (None, False)
+
+    @property
+    def evicted(self) -> bool:
+        return self.value is None
+
+    @property
+    def backuped(self) -> bool:
+        return self.host_value is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, len={self.length}, lock_ref={self.lock_ref}, "
+            f"children={len(self.children)})"
+        )
+
+    def path_to_root(self) -> list[TreeNode]:
+        """This node and its ancestors, nearest first, excluding the namespace root."""
+        out = []
+        node: TreeNode | None = self
+        while node is not None and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return out

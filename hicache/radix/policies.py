@@ -1,0 +1,70 @@
+"""Eviction policies: which evictable leaf goes first.
+
+Each policy is a pure function from a node to a sort key; the smallest key is evicted first.
+``access_tick`` (a counter the tree bumps on every access) breaks ties in timestamps, so the
+order is exact even when many accesses share one clock reading.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+from hicache.radix.node import TreeNode
+
+__all__ = ["EvictionPolicy", "eviction_key"]
+
+
+class EvictionPolicy(enum.Enum):
+    LRU = "lru"  # least recently used first
+    LFU = "lfu"  # fewest hits first, then least recently used
+    FIFO = "fifo"  # oldest creation first
+    MRU = "mru"  # most recently used first
+    FILO = "filo"  # newest creation first
+    PRIORITY = "priority"  # lowest priority first, then least recently used
+    SLRU = "slru"  # probation segment before protected, each least recently used first
+
+
+def _lru(n: TreeNode) -> Any:
+    return (n.last_access_time, n.access_tick)
+
+
+def _lfu(n: TreeNode) -> Any:
+    return (n.hit_count, n.last_access_time, n.access_tick)
+
+
+def _fifo(n: TreeNode) -> Any:
+    return (n.creation_time, n.id)
+
+
+def _mru(n: TreeNode) -> Any:
+    return (-n.last_access_time, -n.access_tick)
+
+
+def _filo(n: TreeNode) -> Any:
+    return (-n.creation_time, -n.id)
+
+
+def _priority(n: TreeNode) -> Any:
+    return (n.priority, n.last_access_time, n.access_tick)
+
+
+def _slru(n: TreeNode) -> Any:
+    return (n.protected, n.last_access_time, n.access_tick)
+
+
+_KEYS: dict[EvictionPolicy, Callable[[TreeNode], Any]] = {
+    EvictionPolicy.LRU: _lru,
+    EvictionPolicy.LFU: _lfu,
+    EvictionPolicy.FIFO: _fifo,
+    EvictionPolicy.MRU: _mru,
+    EvictionPolicy.FILO: _filo,
+    EvictionPolicy.PRIORITY: _priority,
+    EvictionPolicy.SLRU: _slru,
+}
+
+
+def eviction_key(policy: EvictionPolicy) -> Callable[[TreeNode], Any]:
+    """The sort key of ``policy``: smaller is evicted first."""
+    return _KEYS[policy]

@@ -1,0 +1,347 @@
+"""RadixCache: the prefix tree over page-aligned token spans (RadixAttention).
+
+Keys are packed once into bytes (4 bytes a token, 8 a bigram pair), so walking the tree compares
+whole node spans with one ``bytes.startswith`` in C, and a mismatch inside a span is found by a
+binary search over pages: the cost of a match grows with the matched pages, not with the number
+of cached sequences. Eviction keeps a lazy heap of evictable leaves keyed by the policy, so an
+eviction costs O(log n) per freed node instead of a scan of the tree.
+
+Sizes: ``evictable_size`` counts the tokens of unlocked nodes that hold KV, ``protected_size``
+those of locked nodes; both are kept exact by every operation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.errors import InvalidArgumentError, InvalidTokenError
+from hicache.keys import RadixKey
+from hicache.radix.node import TreeNode
+from hicache.radix.packing import common_prefix_bytes, pack_key, unit_bytes
+from hicache.radix.policies import EvictionPolicy, eviction_key
+
+__all__ = ["MatchResult", "RadixCache", "RadixCacheConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class RadixCacheConfig:
+    page_size: int = 1
+    policy: EvictionPolicy = EvictionPolicy.LRU
+    simulated: bool = False  # hold no KV: for scheduling decisions and trace replay
+    slru_protected_share: float = 0.8  # SLRU: at most this share of cached tokens is protected
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size <= 0:
+            raise InvalidArgumentError(f"page_size must be a positive int, got {self.page_size}")
+        if not isinstance(self.policy, EvictionPolicy):
+            raise InvalidArgumentError("policy must be an EvictionPolicy")
+        if not 0.0 <= self.slru_protected_share <= 1.0:
+            raise InvalidArgumentError("slru_protected_share must be in [0, 1]")
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """The longest cached page-aligned prefix of a key.
+
+    ``device_indices`` are the device slots of the prefix (None in a simulated tree).
+    ``last_host_node`` and ``host_hit_length`` are filled by HiRadixCache (host tier).
+    """
+
+    prefix_len: int
+    last_device_node: TreeNode
+    device_indices: Any = None
+    last_host_node: TreeNode | None = None
+    host_hit_length: int = 0
+    path: list[TreeNode] = field(default_factory=list)
+
+
+class RadixCache:
+    """A radix tree of cached token prefixes, one subtree per namespace."""
+
+    def __init__(
+        self,
+        config: RadixCacheConfig | None = None,
+        allocator: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or RadixCacheConfig()
+        self.page_size = self.config.page_size
+        self.allocator = allocator  # frees the slots of evicted nodes (``free(indices)``)
+        self._clock = clock
+        self._ids = itertools.count(1)
+        self._ticks = itertools.count(1)
+        self._roots: dict[tuple[str | None, bool], TreeNode] = {}
+        self._key_fn = eviction_key(self.config.policy)
+        self._heap: list[tuple[Any, int, int, TreeNode]] = []
+        self._protected: OrderedDict[int, TreeNode] = OrderedDict()  # SLRU, LRU order
+        self._protected_tokens = 0
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.total_nodes = 0
+
+    # ----- public API -----------------------------------------------------------------------
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """The longest cached page-aligned prefix of ``key``; counts a hit on every matched node.
+
+        A match that ends inside a node splits it at that page boundary, so the returned last
+        node covers exactly the prefix.
+        """
+        data, unit = self._pack(key)
+        root = self._root_for(key)
+        node, pos, path = self._walk(root, data, unit, hit=True)
+        result = MatchResult(pos // unit, node, path=path)
+        if not self.config.simulated:
+            result.device_indices = self._concat([n.value for n in path])
+        return result
+
+    def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
+        """Cache ``key`` (truncated to whole pages) with its device slots ``value``.
+
+        Returns how many units were already cached: the caller owns the slots of that part of
+        ``value`` and should free them (the tree keeps its own). Refreshes access time and
+        priority along the shared path.
+        """
+        data, unit = self._pack(key)
+        n_units = len(data) // unit
+        if self.config.simulated:
+            value = None
+        elif value is None or len(value) < n_units:
+            got = "no value" if value is None else f"{len(value)} slots"
+            raise InvalidArgumentError(f"insert of {n_units} units needs as many slots, got {got}")
+        elif len(value) != len(key):
+            raise InvalidArgumentError(f"a key of {len(key)} units with {len(value)} slots")
+        root = self._root_for(key)
+        node, pos, _ = self._walk(root, data, unit, hit=False, priority=priority)
+        if pos < len(data):
+            leaf = self._new_node(node, data[pos:], unit, key.extra_key, key.is_bigram)
+            leaf.priority = priority
+            if value is not None:
+                leaf.value = value[pos // unit : n_units]
+            self.evictable_size += leaf.length
+            self._push(leaf)
+        return pos // unit
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Lock ``node`` and its ancestors: none of them is evicted until unlocked."""
+        for n in node.path_to_root():
+            if n.lock_ref == 0:
+                self.evictable_size -= n.length
+                self.protected_size += n.length
+            n.lock_ref += 1
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one :meth:`inc_lock_ref`; raises (and changes nothing) if it would go negative."""
+        path = node.path_to_root()
+        if any(n.lock_ref <= 0 for n in path):
+            raise InvalidArgumentError(f"dec_lock_ref below zero on {node!r}")
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.protected_size -= n.length
+                self.evictable_size += n.length
+                if self._is_evictable_leaf(n):
+                    self._push(n)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` tokens of unlocked leaves, by policy, if there are as many.
+
+        Whole nodes are freed, so the result may exceed the request; it is exactly what was freed.
+        """
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidArgumentError(f"evict needs a non-negative int, got {num_tokens!r}")
+        freed = 0
+        heap = self._heap
+        while freed < num_tokens and heap:
+            _, version, _, node = heapq.heappop(heap)
+            if version != node.heap_version or not self._is_evictable_leaf(node):
+                continue  # stale entry: the node changed, was locked, or grew children
+            freed += self._evict_leaf(node)
+        if len(heap) > 1024 and len(heap) > 4 * self.total_nodes:
+            self._rebuild_heap()
+        return freed
+
+    def all_nodes(self) -> list[TreeNode]:
+        """Every node except the namespace roots (for tests, tools and DFS orderings)."""
+        out: list[TreeNode] = []
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                out.append(child)
+                stack.append(child)
+        return out
+
+    def namespace_root(self, extra_key: str | None, is_bigram: bool = False) -> TreeNode | None:
+        return self._roots.get((extra_key, is_bigram))
+
+    @property
+    def total_size(self) -> int:
+        """Tokens cached on the device (simulated: tokens in the tree)."""
+        return self.evictable_size + self.protected_size
+
+    def reset(self) -> None:
+        for node in self.all_nodes():
+            if node.value is not None and self.allocator is not None:
+                self.allocator.free(node.value)
+        self.__init__(self.config, self.allocator, self._clock)  # type: ignore[misc]
+
+    # ----- walking --------------------------------------------------------------------------
+    def _walk(
+        self, root: TreeNode, data: bytes, unit: int, hit: bool, priority: int = 0
+    ) -> tuple[TreeNode, int, list[TreeNode]]:
+        """Follow ``data`` from ``root``; (last node, matched bytes, matched nodes)."""
+        page_bytes = self.page_size * unit
+        now, tick = self._clock(), next(self._ticks)
+        node, pos, end, path = root, 0, len(data), []
+        while pos < end:
+            child = node.children.get(data[pos : pos + page_bytes])
+            if child is None:
+                break
+            span = child.key
+            if not data.startswith(span, pos):
+                child = self._split(child, common_prefix_bytes(span, data, pos, page_bytes), unit)
+                span = child.key
+            self._touch(child, now, tick, hit, priority)
+            path.append(child)
+            pos += len(span)
+            node = child
+        if path and self._is_evictable_leaf(node):
+            self._push(node)  # its sort key changed
+        return node, pos, path
+
+    def _touch(self, node: TreeNode, now: float, tick: int, hit: bool, priority: int) -> None:
+        node.last_access_time = now
+        node.access_tick = tick
+        if priority > node.priority:
+            node.priority = priority
+        if hit:
+            node.hit_count += 1
+            if self.config.policy is EvictionPolicy.SLRU:
+                self._promote(node)
+
+    def _split(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
+        """Cut ``child`` after ``nbytes``; the new upper node takes its place and is returned."""
+        parent = child.parent
+        assert parent is not None
+        upper = TreeNode(next(self._ids), child.key[:nbytes], nbytes // unit, parent, 0.0)
+        for name in ("creation_time", "last_access_time", "access_tick", "hit_count",
+                     "priority", "lock_ref", "namespace", "in_storage"):  # fmt: skip
+            setattr(upper, name, getattr(child, name))
+        cut = upper.length
+        if child.value is not None:
+            upper.value, child.value = child.value[:cut], child.value[cut:]
+        if child.host_value is not None:
+            upper.host_value, child.host_value = child.host_value[:cut], child.host_value[cut:]
+        if child.hash_value is not None:
+            pages = cut // self.page_size
+            upper.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
+        first_page = child.key[: self.page_size * unit]
+        child.key = child.key[nbytes:]
+        child.length -= cut
+        child.parent = upper
+        upper.children[child.key[: self.page_size * unit]] = child
+        parent.children[first_page] = upper
+        self.total_nodes += 1
+        if child.protected:
+            upper.protected = True
+            self._protected[upper.id] = upper
+        return upper
+
+    # ----- eviction internals ---------------------------------------------------------------
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        if node.lock_ref > 0 or (node.value is None and not self.config.simulated):
+            return False
+        if node.parent is None or not node.key:
+            return False  # a namespace root
+        return not node.children
+
+    def _push(self, node: TreeNode) -> None:
+        node.heap_version += 1
+        heapq.heappush(self._heap, (self._key_fn(node), node.heap_version, node.id, node))
+
+    def _evict_leaf(self, node: TreeNode) -> int:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key[: self.page_size * unit_bytes(node.namespace[1])]]
+        if node.value is not None and self.allocator is not None:
+            self.allocator.free(node.value)
+        node.value = None
+        node.parent = None
+        self.evictable_size -= node.length
+        self.total_nodes -= 1
+        if node.protected:
+            self._unprotect(node)
+        if parent.parent is not None and self._is_evictable_leaf(parent):
+            self._push(parent)
+        elif parent.parent is None and not parent.children:
+            del self._roots[parent.namespace]
+        return node.length
+
+    def _rebuild_heap(self) -> None:
+        self._heap = []
+        for node in self.all_nodes():
+            if self._is_evictable_leaf(node):
+                self._push(node)
+
+    # ----- SLRU segments --------------------------------------------------------------------
+    def _promote(self, node: TreeNode) -> None:
+        if node.protected:
+            self._protected.move_to_end(node.id)
+            return
+        node.protected = True
+        self._protected[node.id] = node
+        self._protected_tokens += node.length
+        limit = self.config.slru_protected_share * self.total_size
+        while self._protected_tokens > limit and self._protected:
+            _, oldest = self._protected.popitem(last=False)
+            oldest.protected = False
+            self._protected_tokens -= oldest.length
+            if self._is_evictable_leaf(oldest):
+                self._push(oldest)
+
+    def _unprotect(self, node: TreeNode) -> None:
+        node.protected = False
+        if self._protected.pop(node.id, None) is not None:
+            self._protected_tokens -= node.length
+
+    # ----- helpers --------------------------------------------------------------------------
+    def _pack(self, key: RadixKey) -> tuple[bytes, int]:
+        if not isinstance(key, RadixKey):
+            raise InvalidArgumentError(f"expected a RadixKey, got {type(key).__name__}")
+        if len(key) == 0:
+            raise InvalidTokenError("an empty key cannot be matched or cached")
+        return pack_key(key, self.page_size)
+
+    def _root_for(self, key: RadixKey) -> TreeNode:
+        ns = (key.extra_key, key.is_bigram)
+        root = self._roots.get(ns)
+        if root is None:
+            root = TreeNode(0, b"", 0, None, self._clock())
+            root.lock_ref = 1  # never evicted
+            root.namespace = ns
+            self._roots[ns] = root
+        return root
+
+    def _new_node(
+        self, parent: TreeNode, span: bytes, unit: int, extra_key: str | None, bigram: bool
+    ) -> TreeNode:
+        node = TreeNode(next(self._ids), span, len(span) // unit, parent, self._clock())
+        node.access_tick = next(self._ticks)
+        node.namespace = (extra_key, bigram)
+        parent.children[span[: self.page_size * unit]] = node
+        self.total_nodes += 1
+        return node
+
+    @staticmethod
+    def _concat(values: Sequence[Any]) -> Any:
+        import torch
+
+        if not values:
+            return torch.empty(0, dtype=torch.int64)
+        return values[0] if len(values) == 1 else torch.cat(list(values))
