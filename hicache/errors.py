@@ -18,6 +18,7 @@ __all__ = [
     "BufferSizeError",
     "CodecError",
     "ConfigError",
+    "DoubleFreeError",
     "CorruptHeaderError",
     "ForeignPageError",
     "HiCacheError",
@@ -25,6 +26,7 @@ __all__ = [
     "InvalidKeyError",
     "InvalidTokenError",
     "PayloadChecksumError",
+    "TraceFormatError",
     "TruncatedPageError",
     "UnsupportedVersionError",
 ]
@@ -48,6 +50,18 @@ class InvalidKeyError(InvalidArgumentError):
 
 class InvalidTokenError(InvalidArgumentError):
     """A token id is negative, not an integer, or does not fit in 32 bits."""
+
+
+class DoubleFreeError(InvalidArgumentError):
+    """Slots or a request row were freed that are already free; nothing was changed."""
+
+
+class TraceFormatError(InvalidArgumentError):
+    """A line of a request trace (JSONL) is not JSON or lacks a field; ``line`` is 1-based."""
+
+    def __init__(self, line: int, problem: str) -> None:
+        super().__init__(f"trace line {line}: {problem}")
+        self.line = line
 
 
 class BufferSizeError(InvalidArgumentError):

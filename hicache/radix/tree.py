@@ -25,6 +25,7 @@ from hicache.keys import RadixKey
 from hicache.radix.node import TreeNode
 from hicache.radix.packing import common_prefix_bytes, pack_key, unit_bytes
 from hicache.radix.policies import EvictionPolicy, eviction_key
+from hicache.radix.request import CachedRequest, cache_finished_req, cache_unfinished_req
 
 __all__ = ["MatchResult", "RadixCache", "RadixCacheConfig"]
 
@@ -68,11 +69,13 @@ class RadixCache:
         self,
         config: RadixCacheConfig | None = None,
         allocator: Any = None,
+        req_to_token: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or RadixCacheConfig()
         self.page_size = self.config.page_size
         self.allocator = allocator  # frees the slots of evicted nodes (``free(indices)``)
+        self.req_to_token = req_to_token  # the request lifecycle's table (ReqToTokenPool)
         self._clock = clock
         self._ids = itertools.count(1)
         self._ticks = itertools.count(1)
@@ -81,6 +84,7 @@ class RadixCache:
         self._heap: list[tuple[Any, int, int, TreeNode]] = []
         self._protected: OrderedDict[int, TreeNode] = OrderedDict()  # SLRU, LRU order
         self._protected_tokens = 0
+        self._pins: list[tuple[float, int, TreeNode]] = []  # (expiry, tick, node)
         self.evictable_size = 0
         self.protected_size = 0
         self.total_nodes = 0
@@ -155,6 +159,7 @@ class RadixCache:
         """
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidArgumentError(f"evict needs a non-negative int, got {num_tokens!r}")
+        self._expire_pins()
         freed = 0
         heap = self._heap
         while freed < num_tokens and heap:
@@ -165,6 +170,46 @@ class RadixCache:
         if len(heap) > 1024 and len(heap) > 4 * self.total_nodes:
             self._rebuild_heap()
         return freed
+
+    def cache_finished_req(self, req: CachedRequest) -> None:
+        """Commit a finished request's KV; see :mod:`hicache.radix.request`."""
+        cache_finished_req(self, req)
+
+    def cache_unfinished_req(self, req: CachedRequest) -> None:
+        """Commit a running request's KV and move its lock; see :mod:`hicache.radix.request`."""
+        cache_unfinished_req(self, req)
+
+    def pin(self, key: RadixKey, ttl_s: float) -> TreeNode | None:
+        """Keep the cached prefix of ``key`` from eviction for ``ttl_s`` seconds.
+
+        Returns the pinned node (None if nothing is cached). A pin is a lock that the tree
+        releases itself once it expires (checked at each eviction) or on :meth:`unpin`.
+        """
+        if ttl_s <= 0:
+            raise InvalidArgumentError(f"a pin needs a positive ttl, got {ttl_s}")
+        match = self.match_prefix(key)
+        if match.prefix_len == 0:
+            return None
+        node = match.last_device_node
+        self.inc_lock_ref(node)
+        heapq.heappush(self._pins, (self._clock() + ttl_s, next(self._ticks), node))
+        return node
+
+    def unpin(self, node: TreeNode) -> None:
+        """Release one pin of ``node`` before it expires."""
+        for i, (_, _, pinned) in enumerate(self._pins):
+            if pinned is node:
+                self._pins.pop(i)
+                heapq.heapify(self._pins)
+                self.dec_lock_ref(node)
+                return
+        raise InvalidArgumentError(f"{node!r} is not pinned")
+
+    def _expire_pins(self) -> None:
+        now = self._clock()
+        while self._pins and self._pins[0][0] <= now:
+            _, _, node = heapq.heappop(self._pins)
+            self.dec_lock_ref(node)
 
     def all_nodes(self) -> list[TreeNode]:
         """Every node except the namespace roots (for tests, tools and DFS orderings)."""
@@ -189,7 +234,9 @@ class RadixCache:
         for node in self.all_nodes():
             if node.value is not None and self.allocator is not None:
                 self.allocator.free(node.value)
-        self.__init__(self.config, self.allocator, self._clock)  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            self.config, self.allocator, self.req_to_token, self._clock
+        )
 
     # ----- walking --------------------------------------------------------------------------
     def _walk(
