@@ -58,7 +58,7 @@ class TokenSlotAllocator:
         pages = slots.reshape(-1, self.page_size)[:, 0] // self.page_size
         if bool(((pages < 0) | (pages >= self.num_pages)).any()):
             raise InvalidArgumentError("slot index out of range")
-        if pages.unique().numel() != pages.numel():
+        if torch.unique(pages).numel() != pages.numel():
             raise DoubleFreeError("the same page appears twice in one free")
         if bool(self._is_free[pages].any()):
             already = pages[self._is_free[pages]].tolist()
