@@ -1,7 +1,8 @@
 """Keys as packed bytes, and prefix comparison over them (pure functions).
 
 A key packs once into bytes: 4 bytes a token, 8 a bigram pair. Comparing spans is then one
-``memcmp`` in C instead of a Python loop over tokens.
+``memcmp`` in C instead of a Python loop over tokens. Token ids held in an ``array('I')`` pack
+with one copy; a Python list costs about 10 ns a token to convert.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def pack_key(key: RadixKey, page_size: int) -> tuple[bytes, int]:
         pairs[1::2] = array("I", lanes[1 : n_units + 1])
         return pairs.tobytes(), unit
     if _PACKS_NATIVELY:
+        if type(tokens) is array and tokens.typecode == "I":
+            # Already packed, as an engine keeps a request's tokens: a memcpy, no per-token work.
+            return (tokens[:n_units] if n_units != len(tokens) else tokens).tobytes(), unit
         try:
             return array(
                 "I", tokens[:n_units] if n_units != len(tokens) else tokens

@@ -104,6 +104,29 @@ class RadixCache:
             result.device_indices = self._concat([n.value for n in path])
         return result
 
+    def peek_prefix(self, key: RadixKey) -> tuple[int, TreeNode | None]:
+        """How much of ``key`` is cached, without touching the tree.
+
+        No split, no hit counted, no access time refreshed: for scheduling and routing
+        decisions that must not disturb eviction order. Returns the matched units and the
+        deepest node the match reaches (it may end inside that node), or ``(0, None)``.
+        """
+        data, unit = self._pack(key)
+        node = self._roots.get((key.extra_key, key.is_bigram))
+        page_bytes = self.page_size * unit
+        pos, deepest = 0, None
+        while node is not None and pos < len(data):
+            child = node.children.get(data[pos : pos + page_bytes])
+            if child is None:
+                break
+            deepest = child
+            if not data.startswith(child.key, pos):
+                pos += common_prefix_bytes(child.key, data, pos, page_bytes)
+                break
+            pos += len(child.key)
+            node = child
+        return pos // unit, deepest
+
     def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
         """Cache ``key`` (truncated to whole pages) with its device slots ``value``.
 

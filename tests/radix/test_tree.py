@@ -195,3 +195,16 @@ def test_bad_arguments_raise() -> None:
     with pytest.raises(InvalidArgumentError):
         RadixCacheConfig(page_size=0)
     assert tree.total_nodes == 0
+
+
+def test_peek_prefix_touches_nothing() -> None:
+    tree = sim(page_size=2)
+    tree.insert(RadixKey([1, 2, 3, 4, 5, 6]))
+    (node,) = tree.all_nodes()
+    stamp = (node.hit_count, node.last_access_time, node.access_tick, tree.total_nodes)
+    assert tree.peek_prefix(RadixKey([1, 2, 3, 4, 9, 9])) == (4, node)
+    assert tree.peek_prefix(RadixKey([1, 2, 3, 4, 5, 6, 7, 8])) == (6, node)
+    assert tree.peek_prefix(RadixKey([1, 2], "other-tenant")) == (0, None)
+    assert tree.namespace_root("other-tenant") is None
+    assert (node.hit_count, node.last_access_time, node.access_tick, tree.total_nodes) == stamp
+    assert tree.match_prefix(RadixKey([1, 2, 3, 4, 9, 9])).prefix_len == 4  # now it splits
