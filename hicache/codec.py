@@ -18,6 +18,12 @@ tools find orphans (a page whose predecessor is gone can never be hit). Anything
 check out raises a :class:`~hicache.errors.CodecError` subclass; callers turn that into a miss
 and a counter, so a bad page never reaches a model.
 
+Chains: a page stored under ``{ns16}-{fmt16}-{hash64}`` (see :mod:`hicache.keys`) records the
+hash of the page before it as ``parent_hash``, so its parent's key is
+``{ns16}-{fmt16}-{parent_hash.hex()}``, and its position as ``page_index``. The first page of a
+chain has ``parent_hash == NO_PARENT`` (all zeros) and ``page_index`` 0. Pages under keys of
+another shape (plugins, tests) are valid pages whose chain is unknown to tools.
+
 Without compression, encode and decode touch no payload bytes except to checksum them: encode
 returns ``[header, payload view]`` for a scatter-gather put, and decode checks a payload that a
 backend read straight into the caller's buffer. With compression (``Codec.ZSTD_PLANES``) the
@@ -58,6 +64,7 @@ __all__ = [
     "Codec",
     "PageHeader",
     "PageMeta",
+    "check_page",
     "decode_into",
     "decode_page",
     "encode_page",
@@ -304,6 +311,29 @@ def decode_into(
     return header
 
 
+def check_page(key: str, data: object) -> PageHeader:
+    """Check a whole stored object (header, length, stored-payload checksum) without decoding.
+
+    What ``hicache verify`` needs: a compressed page is checked without decompressing it.
+    """
+    raw = _flat(data)
+    header = parse_header(key, raw)
+    _check_stored(key, raw, header)
+    return header
+
+
+def _check_stored(key: str, raw: memoryview, header: PageHeader) -> memoryview:
+    """The stored payload of a whole object, once its length and checksum are right."""
+    if raw.nbytes < header.object_len:
+        raise TruncatedPageError(f"{key}: {raw.nbytes} bytes, the header says {header.object_len}")
+    if raw.nbytes > header.object_len:
+        raise CorruptHeaderError(f"{key}: {raw.nbytes} bytes, the header says {header.object_len}")
+    stored = raw[HEADER_SIZE:]
+    if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
+        raise PayloadChecksumError(f"{key}: payload checksum mismatch")
+    return stored
+
+
 def decode_page(
     key: str, data: object, expect: PageMeta | None = None
 ) -> tuple[PageHeader, memoryview]:
@@ -311,13 +341,7 @@ def decode_page(
     raw = _flat(data)
     header = parse_header(key, raw)
     _check_expected(key, header, expect)
-    if raw.nbytes < header.object_len:
-        raise TruncatedPageError(f"{key}: {raw.nbytes} bytes, the header says {header.object_len}")
-    if raw.nbytes > header.object_len:
-        raise CorruptHeaderError(f"{key}: {raw.nbytes} bytes, the header says {header.object_len}")
-    stored = raw[HEADER_SIZE : header.object_len]
-    if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
-        raise PayloadChecksumError(f"{key}: payload checksum mismatch")
+    stored = _check_stored(key, raw, header)
     if header.codec is Codec.NONE:
         return header, stored
     out = memoryview(bytearray(header.raw_len))

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from hicache.errors import ConfigError
 
-__all__ = ["build_config", "parse_bool", "parse_size"]
+__all__ = ["build_config", "parse_bool", "parse_duration", "parse_size"]
 
 T = TypeVar("T")
 
@@ -54,6 +54,18 @@ def parse_size(text: str) -> int:
     if value.denominator != 1:
         raise ValueError(f"not a whole number of bytes: {text!r}")
     return int(value)
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)\s*\Z", re.ASCII)
+
+
+def parse_duration(text: str) -> float:
+    """``"90s"``, ``"15m"``, ``"12h"``, ``"7d"``, ``"2w"`` -> seconds; a bare number is seconds."""
+    match = _DURATION_RE.match(text.lower()) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"not a duration: {text!r} (use a number with s, m, h, d or w)")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
 
 
 def parse_bool(text: str) -> bool:

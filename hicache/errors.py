@@ -25,9 +25,11 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidKeyError",
     "InvalidTokenError",
+    "LayoutError",
     "PayloadChecksumError",
     "TraceFormatError",
     "TruncatedPageError",
+    "UnsupportedLayoutError",
     "UnsupportedVersionError",
 ]
 
@@ -62,6 +64,14 @@ class TraceFormatError(InvalidArgumentError):
     def __init__(self, line: int, problem: str) -> None:
         super().__init__(f"trace line {line}: {problem}")
         self.line = line
+
+
+class LayoutError(InvalidArgumentError):
+    """A KV buffer, page or index list does not fit its layout spec; no buffer was changed."""
+
+
+class UnsupportedLayoutError(LayoutError):
+    """A layout, or a pair of layouts, has no implementation (``RAW`` holds no KV structure)."""
 
 
 class BufferSizeError(InvalidArgumentError):

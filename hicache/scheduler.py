@@ -221,7 +221,8 @@ def _dfs_weight_order(last_nodes: Sequence[TreeNode], matched: Sequence[int]) ->
 
     A node weighs the number of requests ending in its subtree; siblings of equal weight go in
     order of their earliest request. A node's own requests follow its subtrees, longest match
-    first (a match may end inside a node: the tree is only peeked, never split). Only nodes on some request's path are visited, iteratively (trees can be deep).
+    first (a match may end inside a node: the tree is only peeked, never split). Only nodes on
+    some request's path are visited, iteratively (trees can be deep).
     """
     weight: dict[TreeNode, int] = {}
     first: dict[TreeNode, int] = {}

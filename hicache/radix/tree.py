@@ -97,11 +97,14 @@ class RadixCache:
         node covers exactly the prefix.
         """
         data, unit = self._pack(key)
-        root = self._root_for(key)
-        node, pos, path = self._walk(root, data, unit, hit=True)
-        result = MatchResult(pos // unit, node, path=path)
+        root = self._roots.get((key.extra_key, key.is_bigram))
+        if root is None:  # nothing cached in this namespace: register no root for a miss
+            result = MatchResult(0, self._make_root(key))
+        else:
+            node, pos, path = self._walk(root, data, unit, hit=True)
+            result = MatchResult(pos // unit, node, path=path)
         if not self.config.simulated:
-            result.device_indices = self._concat([n.value for n in path])
+            result.device_indices = self._concat([n.value for n in result.path])
         return result
 
     def peek_prefix(self, key: RadixKey) -> tuple[int, TreeNode | None]:
@@ -143,7 +146,11 @@ class RadixCache:
             raise InvalidArgumentError(f"insert of {n_units} units needs as many slots, got {got}")
         elif len(value) != len(key):
             raise InvalidArgumentError(f"a key of {len(key)} units with {len(value)} slots")
-        root = self._root_for(key)
+        if not data:
+            return 0  # shorter than a page: nothing to cache
+        root = self._roots.get((key.extra_key, key.is_bigram))
+        if root is None:
+            root = self._roots[(key.extra_key, key.is_bigram)] = self._make_root(key)
         node, pos, _ = self._walk(root, data, unit, hit=False, priority=priority)
         if pos < len(data):
             leaf = self._new_node(node, data[pos:], unit, key.extra_key, key.is_bigram)
@@ -388,14 +395,10 @@ class RadixCache:
             raise InvalidTokenError("an empty key cannot be matched or cached")
         return pack_key(key, self.page_size)
 
-    def _root_for(self, key: RadixKey) -> TreeNode:
-        ns = (key.extra_key, key.is_bigram)
-        root = self._roots.get(ns)
-        if root is None:
-            root = TreeNode(0, b"", 0, None, self._clock())
-            root.lock_ref = 1  # never evicted
-            root.namespace = ns
-            self._roots[ns] = root
+    def _make_root(self, key: RadixKey) -> TreeNode:
+        root = TreeNode(0, b"", 0, None, self._clock())
+        root.lock_ref = 1  # never evicted; locking it through a match is a no-op
+        root.namespace = (key.extra_key, key.is_bigram)
         return root
 
     def _new_node(

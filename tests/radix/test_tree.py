@@ -208,3 +208,15 @@ def test_peek_prefix_touches_nothing() -> None:
     assert tree.namespace_root("other-tenant") is None
     assert (node.hit_count, node.last_access_time, node.access_tick, tree.total_nodes) == stamp
     assert tree.match_prefix(RadixKey([1, 2, 3, 4, 9, 9])).prefix_len == 4  # now it splits
+
+
+def test_misses_and_sub_page_inserts_leave_no_namespace_behind() -> None:
+    tree = sim(page_size=4)
+    for i in range(50):
+        assert tree.match_prefix(RadixKey([1, 2, 3, 4], f"salt-{i}")).prefix_len == 0
+        assert tree.insert(RadixKey([1, 2], f"salt-{i}")) == 0
+    assert all(tree.namespace_root(f"salt-{i}") is None for i in range(50))
+    miss = tree.match_prefix(RadixKey([1, 2, 3, 4], "x"))
+    tree.inc_lock_ref(miss.last_device_node)  # locking a miss is harmless
+    tree.dec_lock_ref(miss.last_device_node)
+    assert tree.total_size == 0 and tree.protected_size == 0
