@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# On a machine with a CUDA GPU: run the CUDA tests and `hicache bench layouts` in one go and
+# write everything to one file.   Usage: tools/gpu_check.sh [RESULT_FILE]
+# RESULT_FILE defaults to $OUT/gpu_check.txt when OUT is set, else ./gpu_check.txt.
+# Needs a Python whose torch sees the GPU: the project's .venv if it has one, else python3.
+# Nothing is installed or downloaded: hicache is imported from this checkout through a tree of
+# links on PYTHONPATH (the package maps backends/, layouts/ and tools/ into hicache).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+result=${1:-${OUT:-.}/gpu_check.txt}
+mkdir -p "$(dirname "$result")"
+tests_limit=${GPU_CHECK_TEST_SECONDS:-150}
+bench_limit=${GPU_CHECK_BENCH_SECONDS:-120}
+
+has_cuda_torch() { "$1" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
+
+main() {
+    local py="" candidate
+    for candidate in "$PWD/.venv/bin/python" python3; do
+        if command -v "$candidate" >/dev/null && has_cuda_torch "$candidate"; then
+            py=$candidate
+            break
+        fi
+    done
+    if [ -z "$py" ]; then
+        echo "FAIL: no Python here has a torch that sees a CUDA device (tried .venv/bin/python,"
+        echo "python3). Install a CUDA build of torch; \`make setup\` installs the CPU build."
+        return 2
+    fi
+    local src
+    src=$(mktemp -d)
+    mkdir -p "$src/hicache"
+    ln -s "$PWD"/hicache/* "$src/hicache/"
+    ln -s "$PWD/backends" "$PWD/layouts" "$PWD/tools" "$src/hicache/"
+    export PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+    echo "== gpu_check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    "$py" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, torch.cuda.get_device_name())'
+
+    echo "== pytest -m cuda (limit ${tests_limit}s)"
+    # Modules needing packages this machine lacks fail to collect; the CUDA tests still run.
+    # Run from the link tree: `python -m` puts the working directory first on sys.path, and
+    # the checkout's hicache/ alone lacks the mapped subpackages.
+    local repo=$PWD
+    # Only the directories that hold CUDA tests: the rest need packages a bare GPU image may lack.
+    local dirs=() d
+    for d in tests/layouts tests/pools tests/serving; do [ -d "$repo/$d" ] && dirs+=("$repo/$d"); done
+    (cd "$src" && timeout "$tests_limit" "$py" -m pytest -m cuda -q -p no:cacheprovider \
+        -c "$repo/pyproject.toml" --rootdir "$repo" "${dirs[@]}")
+    local tests_rc=$?
+
+    echo "== bench layouts --json (limit ${bench_limit}s)"
+    local bench=(-m hicache.tools.bench_layouts)
+    if (cd "$src" && "$py" -m hicache.tools.cli bench layouts --help >/dev/null 2>&1); then
+        bench=(-m hicache.tools.cli bench layouts)
+    fi
+    local rows="$src/bench.jsonl"
+    (cd "$src" && timeout "$bench_limit" "$py" "${bench[@]}" --json) | tee "$rows"
+    local bench_rc=$?
+
+    echo "== goals: CUDA gather/scatter >= 0.8 of a pinned copy, CUDA convert >= 0.7 of a"
+    echo "   device copy, CPU convert >= 0.8 of a copy (CPU gather/scatter: no goal)"
+    "$py" - "$rows" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+goals = {("cuda", "convert"): 0.7, ("cuda", "gather"): 0.8, ("cuda", "scatter"): 0.8,
+         ("cpu", "convert"): 0.8}
+bad = 0
+for r in rows:
+    goal = goals.get((r["device"], r["op"]))
+    ok = goal is None or r["ratio"] >= goal
+    bad += not ok
+    mark = "MISS" if not ok else ("ok  " if goal else "    ")
+    print(f'{mark} {r["device"]:<4} {r["op"]:<7} {r["from"]:>17} -> {r["to"]:<17} '
+          f'{r["gbps"]:>9.1f} GB/s  baseline {r["baseline_gbps"]:>9.1f}  ratio {r["ratio"]:.3f}'
+          f'{f"  (goal {goal})" if goal else ""}')
+print(f"{len(rows)} rows, {bad} below goal")
+PY
+    rm -rf "$src"
+    echo "== exit: tests $tests_rc, bench $bench_rc"
+    [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+}
+
+main 2>&1 | tee "$result"
