@@ -1,6 +1,55 @@
-"""Memory pools: token-slot allocators and the request-to-token table."""
+"""Memory pools: pool specs and presets, device and host pools, slot allocators, the
+request-to-token table."""
 
 from hicache.pools.allocator import TokenSlotAllocator
+from hicache.pools.device import (
+    DevicePool,
+    default_device,
+    device_pools,
+    pack_indexer,
+    unpack_indexer,
+)
+from hicache.pools.host import HostPool, host_pools
 from hicache.pools.req_to_token import ReqToTokenPool
+from hicache.pools.spec import (
+    ALL_PAGES,
+    STATE_AT_END,
+    Granularity,
+    HitRule,
+    HitRuleKind,
+    ModelPools,
+    ModelShape,
+    PoolPreset,
+    PoolSpec,
+    common_usable_prefix,
+    preset,
+    usable_ends,
+    usable_prefix,
+    validate_pool_name,
+)
 
-__all__ = ["ReqToTokenPool", "TokenSlotAllocator"]
+__all__ = [
+    "ALL_PAGES",
+    "STATE_AT_END",
+    "DevicePool",
+    "Granularity",
+    "HitRule",
+    "HitRuleKind",
+    "HostPool",
+    "ModelPools",
+    "ModelShape",
+    "PoolPreset",
+    "PoolSpec",
+    "ReqToTokenPool",
+    "TokenSlotAllocator",
+    "common_usable_prefix",
+    "default_device",
+    "device_pools",
+    "host_pools",
+    "pack_indexer",
+    "preset",
+    "unpack_indexer",
+    "usable_ends",
+    "usable_prefix",
+    "validate_pool_name",
+]

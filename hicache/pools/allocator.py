@@ -35,6 +35,10 @@ class TokenSlotAllocator:
         """Free slots (whole pages only)."""
         return len(self._free_pages) * self.page_size
 
+    def is_allocated(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per slot, whether its page is allocated (slots must be in range)."""
+        return ~self._is_free[slots.reshape(-1) // self.page_size]
+
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for ``num_tokens`` (a multiple of page_size), or None if they do not fit."""
         if num_tokens < 0 or num_tokens % self.page_size:

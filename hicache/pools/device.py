@@ -1,0 +1,250 @@
+"""Device pools: one ``layer_first`` tensor per pool, on CUDA when there is one, else the CPU.
+
+The tensor is the layouts' device buffer ``(C, L, S, *item)``: component, layer, slot, item, so
+the layouts' gather/scatter move pages between it and a host pool. Attention reads and writes a
+layer through :meth:`DevicePool.layer_views`; :meth:`DevicePool.write` and :meth:`DevicePool.read`
+are the checked way in and out (tests, loading states, debugging). Slots come from a paged
+:class:`~hicache.pools.allocator.TokenSlotAllocator`; a pool that ``shares_slots_with`` another
+uses that pool's allocator and owns none.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from hicache.errors import ConfigError, InvalidArgumentError, LayoutError
+from hicache.layouts import Layout, buffer_shape
+from hicache.pools._index import IndexLike, check_indices
+from hicache.pools.allocator import TokenSlotAllocator
+from hicache.pools.spec import INDEXER_SCALE_BYTES, ModelPools, PoolSpec
+
+__all__ = ["DevicePool", "default_device", "device_pools", "pack_indexer", "unpack_indexer"]
+
+logger = logging.getLogger(__name__)
+
+
+# Writes and reads move bits through an integer view of the same width: exact for every dtype
+# (NaN payloads included), and indexing kernels exist for integers where not for fp8.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def default_device() -> torch.device:
+    """``cuda`` (the current CUDA device) when there is one, else ``cpu``."""
+    return _resolve_device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return default_device()
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {resolved} asked for, but CUDA is not available")
+    if resolved.type not in ("cuda", "cpu"):
+        raise ConfigError(f"device pools live on cuda or cpu, not {resolved}")
+    if resolved.type == "cuda" and resolved.index is None:  # equal to the tensors' device
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+class DevicePool:
+    """The slots of one pool on the compute device.
+
+    ``num_slots`` is in tokens for a per-token pool, in snapshots for a per-sequence pool, and
+    a multiple of the spec's page size. ``owner`` is the pool named by ``spec.shares_slots_with``
+    (and only then): both are addressed by the same slot indices, allocated through the owner.
+    """
+
+    def __init__(
+        self,
+        spec: PoolSpec,
+        num_slots: int,
+        device: torch.device | str | None = None,
+        owner: DevicePool | None = None,
+    ) -> None:
+        if not isinstance(spec, PoolSpec):
+            raise InvalidArgumentError(f"spec must be a PoolSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.device = _resolve_device(device)
+        self.allocator = self._allocator(num_slots, owner)
+        self._offsets = torch.arange(spec.page_size, dtype=torch.int64)
+        shape = buffer_shape(spec.layout, Layout.LAYER_FIRST, self.allocator.num_pages)
+        # Zeros: a per-sequence state starts from the zero state, and a fresh KV slot is defined.
+        self.buffer = torch.zeros(shape, dtype=spec.layout.dtype.to_torch(), device=self.device)
+        self._bits = self.buffer.view(_BITS[self.buffer.element_size()])
+        logger.debug("device pool %s: %s on %s", spec.name, list(shape), self.device)
+
+    def _allocator(self, num_slots: int, owner: DevicePool | None) -> TokenSlotAllocator:
+        shared = self.spec.shares_slots_with
+        if shared is None:
+            if owner is not None:
+                raise InvalidArgumentError(f"pool {self.spec.name!r} owns its slots; no owner")
+            return TokenSlotAllocator(num_slots, self.spec.page_size)
+        if not isinstance(owner, DevicePool) or owner.spec.name != shared:
+            raise InvalidArgumentError(f"pool {self.spec.name!r} needs its slot owner {shared!r}")
+        if owner.size != num_slots:
+            raise InvalidArgumentError(
+                f"pool {self.spec.name!r} shares {owner.size} slots with {shared!r}, "
+                f"not {num_slots}"
+            )
+        return owner.allocator
+
+    @property
+    def owns_slots(self) -> bool:
+        return self.spec.shares_slots_with is None
+
+    @property
+    def size(self) -> int:
+        return self.allocator.size
+
+    @property
+    def page_size(self) -> int:
+        return self.spec.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def available_size(self) -> int:
+        """Free slots (shared with the owner for a sidecar pool)."""
+        return self.allocator.available_size
+
+    @property
+    def used_size(self) -> int:
+        return self.size - self.available_size
+
+    def alloc(self, num_slots: int) -> torch.Tensor | None:
+        """Slots for ``num_slots`` (whole pages), or None when they do not fit; all or nothing."""
+        self._check_owner("allocate")
+        return self.allocator.alloc(num_slots)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return whole pages; a page already free raises DoubleFreeError and frees nothing."""
+        self._check_owner("free")
+        # Repeats are left to the allocator, which names them a double free.
+        index = check_indices(slots, self.size, "slot", distinct=False)
+        ps = self.page_size
+        if index.numel() % ps:
+            raise InvalidArgumentError(f"free whole pages of {ps} slots, not {index.numel()}")
+        rows = index.view(-1, ps)
+        if bool((rows[:, 0] % ps != 0).any()) or bool((rows - rows[:, :1] != self._offsets).any()):
+            raise InvalidArgumentError("free whole pages: each page's slots in order")
+        self.allocator.free(index)
+
+    def _check_owner(self, what: str) -> None:
+        if not self.owns_slots:
+            raise InvalidArgumentError(
+                f"pool {self.spec.name!r} shares slots with {self.spec.shares_slots_with!r}; "
+                f"{what} there"
+            )
+
+    def is_allocated(self, slots: IndexLike) -> torch.Tensor:
+        """Per slot, whether it is allocated."""
+        return self.allocator.is_allocated(check_indices(slots, self.size, "slot"))
+
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Views ``(S, *item)`` of ``layer``, one per component (``k, v`` for K/V pools)."""
+        self._check_layer(layer)
+        return tuple(self.buffer[c, layer] for c in range(self.spec.layout.num_components))
+
+    def component_view(self, name: str) -> torch.Tensor:
+        """The ``(L, S, *item)`` view of one component, e.g. ``"k"``."""
+        return self.buffer[self.spec.layout.component_index(name)]
+
+    def write(self, slots: IndexLike, data: torch.Tensor, layer: int | None = None) -> None:
+        """Copy ``data`` into ``slots``: shape ``(C, L, n, *item)``, or ``(C, n, *item)`` for one
+        ``layer``; the pool's dtype exactly. Everything is checked before the copy."""
+        index = self._checked(slots, layer)
+        expect = self._shape(index.numel(), layer)
+        if not isinstance(data, torch.Tensor):
+            raise LayoutError(f"data must be a torch.Tensor, got {type(data).__name__}")
+        if data.dtype != self.buffer.dtype:
+            raise LayoutError(
+                f"data has dtype {data.dtype}; pool {self.spec.name!r} holds {self.buffer.dtype}"
+            )
+        if tuple(data.shape) != expect:
+            raise LayoutError(f"data has shape {list(data.shape)}; expected {list(expect)}")
+        index = index.to(self.device)
+        bits = data.view(self._bits.dtype).to(self.device)
+        if layer is None:
+            self._bits[:, :, index] = bits
+        else:
+            self._bits[:, layer, index] = bits
+
+    def read(self, slots: IndexLike, layer: int | None = None) -> torch.Tensor:
+        """A copy of ``slots``: ``(C, L, n, *item)``, or ``(C, n, *item)`` for one ``layer``."""
+        index = self._checked(slots, layer).to(self.device)
+        bits = self._bits[:, :, index] if layer is None else self._bits[:, layer, index]
+        return bits.view(self.buffer.dtype)
+
+    def _checked(self, slots: IndexLike, layer: int | None) -> torch.Tensor:
+        if layer is not None:
+            self._check_layer(layer)
+        return check_indices(slots, self.size, "slot")
+
+    def _check_layer(self, layer: int) -> None:
+        layers = self.spec.layout.layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+            raise InvalidArgumentError(f"layer {layer!r} out of range [0, {layers})")
+
+    def _shape(self, n: int, layer: int | None) -> tuple[int, ...]:
+        layout = self.spec.layout
+        lead = (
+            (layout.num_components,)
+            if layer is not None
+            else (layout.num_components, layout.layers)
+        )
+        return (*lead, n, *layout.item_shape)
+
+    def __repr__(self) -> str:
+        return (
+            f"DevicePool({self.spec.name!r}, slots={self.size}, used={self.used_size}, "
+            f"device={self.device})"
+        )
+
+
+def device_pools(
+    model: ModelPools, slots: Mapping[str, int], device: torch.device | str | None = None
+) -> dict[str, DevicePool]:
+    """A device pool per pool of ``model``; ``slots`` sizes each slot owner (sidecars follow)."""
+    pools: dict[str, DevicePool] = {}
+    for spec in sorted(model, key=lambda s: s.shares_slots_with is not None):  # owners first
+        if spec.shares_slots_with is None:
+            if spec.name not in slots:
+                raise InvalidArgumentError(f"no slot count for pool {spec.name!r}")
+            pools[spec.name] = DevicePool(spec, slots[spec.name], device)
+        else:
+            owner = pools[spec.shares_slots_with]
+            size = slots.get(spec.name, owner.size)
+            pools[spec.name] = DevicePool(spec, size, owner.device, owner)
+    unknown = set(slots) - set(pools)
+    if unknown:
+        raise InvalidArgumentError(f"slot counts for unknown pools {sorted(unknown)}")
+    return {name: pools[name] for name in model.names}
+
+
+def pack_indexer(keys: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """DSA indexer items as bytes: each token's fp8 key (``..., D``) then its fp32 scale."""
+    if keys.dtype.itemsize != 1 or scales.dtype != torch.float32:
+        raise LayoutError("indexer keys are 1-byte (fp8) values and scales float32")
+    if tuple(scales.shape) != tuple(keys.shape[:-1]):
+        raise LayoutError(
+            f"scales shape {list(scales.shape)} must be keys shape {list(keys.shape)} less the "
+            "last dimension"
+        )
+    scale_bytes = scales.contiguous().unsqueeze(-1).view(torch.uint8)
+    return torch.cat([keys.contiguous().view(torch.uint8), scale_bytes], dim=-1)
+
+
+def unpack_indexer(
+    packed: torch.Tensor, key_dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (keys, scales) that :func:`pack_indexer` packed."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] <= INDEXER_SCALE_BYTES:
+        raise LayoutError("packed indexer items are uint8 with a key and a 4-byte scale")
+    keys = packed[..., :-INDEXER_SCALE_BYTES].contiguous().view(key_dtype)
+    scales = packed[..., -INDEXER_SCALE_BYTES:].contiguous().view(torch.float32).squeeze(-1)
+    return keys, scales
