@@ -220,3 +220,14 @@ def test_misses_and_sub_page_inserts_leave_no_namespace_behind() -> None:
     tree.inc_lock_ref(miss.last_device_node)  # locking a miss is harmless
     tree.dec_lock_ref(miss.last_device_node)
     assert tree.total_size == 0 and tree.protected_size == 0
+
+
+def test_keys_of_any_int_sequence_agree() -> None:
+    import array
+
+    import numpy as np
+
+    tree = sim(page_size=2)
+    tree.insert(RadixKey([5, 6, 7, 8]))
+    for tokens in ((5, 6, 7, 9), array.array("I", [5, 6, 7, 9]), np.array([5, 6, 7, 9])):
+        assert tree.match_prefix(RadixKey(tokens)).prefix_len == 2  # type: ignore[arg-type]
