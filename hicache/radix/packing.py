@@ -40,11 +40,11 @@ def pack_key(key: RadixKey, page_size: int) -> tuple[bytes, int]:
         head = tokens[:n_units] if n_units != len(tokens) else tokens
         try:
             if type(head) is list:
-                packed = array("I")
-                packed.fromlist(head)  # about 1.5x faster than the constructor on a list
+                words = array("I")
+                words.fromlist(head)  # about 1.5x faster than the constructor on a list
             else:
-                packed = array("I", head)  # tuples, numpy arrays, other sequences
-            return packed.tobytes(), unit
+                words = array("I", head)  # tuples, numpy arrays, other sequences
+            return words.tobytes(), unit
         except (OverflowError, TypeError) as exc:
             raise InvalidTokenError(f"token ids must be integers in [0, 2**32): {exc}") from None
     return pack_token_ids(tokens[:n_units]), unit  # pragma: no cover - big-endian hosts
