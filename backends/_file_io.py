@@ -10,11 +10,13 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import stat
+import time
 
 import xxhash
 
-from hicache.backends.base import ObjectInfo
+from hicache.backends.base import ObjectInfo, TempFile
 from hicache.errors import InvalidKeyError
 from hicache.keys import validate_key
 
@@ -23,7 +25,11 @@ __all__ = [
     "fsync_dir",
     "is_fan_dir",
     "object_info",
+    "read_head",
     "read_into",
+    "remove_if_stale",
+    "temp_files_in",
+    "temp_files_under",
     "unlink_quietly",
     "write_all",
 ]
@@ -32,6 +38,8 @@ ALIGN = 4096  # O_DIRECT alignment that every Linux filesystem and block size ac
 _IOV_MAX = 1024  # the POSIX minimum the kernel allows per writev/preadv call on Linux
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _HEX = frozenset("0123456789abcdef")
+# What a writer names its temporary file: ".<key>.<pid>.<48 random bits>.tmp" (see file.py).
+_TEMP_RE = re.compile(r"\..+\.[0-9]+\.[0-9a-f]{12}\.tmp\Z")
 
 
 def is_fan_dir(entry: os.DirEntry[str]) -> bool:
@@ -105,3 +113,63 @@ def fsync_dir(path: str) -> None:
 def unlink_quietly(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def read_head(path: str, nbytes: int) -> bytes | None:
+    """The first ``nbytes`` of a file (fewer when it is shorter); None when it is absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        return os.pread(fd, nbytes, 0)
+    finally:
+        os.close(fd)
+
+
+def temp_files_in(directory: str, relative: str) -> list[TempFile]:
+    """Writers' temporary files directly in ``directory``, named ``relative/name``."""
+    now = time.time()
+    out: list[TempFile] = []
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                if entry.name[0] != "." or _TEMP_RE.match(entry.name) is None:
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # its writer published or removed it meanwhile
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    name = f"{relative}/{entry.name}" if relative else entry.name
+                    out.append(TempFile(name, st.st_size, max(now - st.st_mtime, 0.0)))
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def remove_if_stale(path: str, min_age_s: float) -> bool:
+    """Unlink a temporary file unless it was written in the last ``min_age_s`` seconds.
+
+    The age is read again right here, so a file a slow writer touched since it was listed is
+    kept. A writer stalled for longer than the grace period loses its file: its rename then
+    fails and its put returns False, which costs a cache miss, never a torn object.
+    """
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < min_age_s:
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def temp_files_under(root: str, top: str) -> list[TempFile]:
+    """Temporary files in the fan-out directories below ``root/top``."""
+    try:
+        with os.scandir(f"{root}/{top}") as it:
+            subs = [e.name for e in it if is_fan_dir(e)]
+    except FileNotFoundError:
+        return []
+    return [t for sub in subs for t in temp_files_in(f"{root}/{top}/{sub}", f"{top}/{sub}")]

@@ -17,7 +17,7 @@ import dataclasses
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeAlias, TypeVar
+from typing import Any, ClassVar, Protocol, TypeAlias, TypeVar, runtime_checkable
 from urllib.parse import parse_qsl, urlsplit
 
 from hicache.config import build_config
@@ -31,6 +31,9 @@ __all__ = [
     "ObjectInfo",
     "Segments",
     "StorageBackend",
+    "TEMP_GRACE_S",
+    "TempFile",
+    "TempFileOwner",
     "as_segments",
     "copy_into_segments",
     "join_segments",
@@ -40,6 +43,8 @@ __all__ = [
 BufferLike: TypeAlias = "bytes | bytearray | memoryview | Any"
 Segments: TypeAlias = "BufferLike | Sequence[BufferLike]"
 MISS = -1
+# A temporary file younger than this may belong to a write in progress: never removed.
+TEMP_GRACE_S = 15 * 60.0
 _FIELD_NAME_RE = re.compile(r":[^:]*:")
 B = TypeVar("B", bound="StorageBackend")
 
@@ -62,6 +67,32 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float
+
+
+@dataclass(frozen=True, slots=True)
+class TempFile:
+    """A writer's temporary file (``path`` relative to the store), as a cleaner sees it."""
+
+    path: str
+    size: int
+    age_s: float  # seconds since it was last written
+
+
+@runtime_checkable
+class TempFileOwner(Protocol):
+    """A backend whose writers leave temporary files when they crash (``file``).
+
+    Backends without temporary files simply do not have these methods; tools check with
+    ``isinstance(backend, TempFileOwner)``.
+    """
+
+    def scan_temp_files(self) -> AsyncIterator[TempFile]:
+        """Every temporary file in the store, whatever its age."""
+        ...
+
+    async def remove_temp_files(self, min_age_s: float = TEMP_GRACE_S) -> list[TempFile]:
+        """Remove temporary files not written for ``min_age_s`` seconds; those removed."""
+        ...
 
 
 def as_segments(value: Segments, writable: bool) -> list[memoryview]:
@@ -317,6 +348,18 @@ class StorageBackend(abc.ABC):
             pending = retry
         return out
 
+    async def peek(self, keys: Sequence[str], nbytes: int) -> list[bytes | None]:
+        """The first ``nbytes`` of each object (all of it when shorter), None for a miss.
+
+        For tools that read page headers only. Backends that can read part of an object
+        override :meth:`_peek`; the default reads whole objects through :meth:`get`.
+        """
+        self._check_open()
+        checked = _validate_keys(keys)
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        return await self._peek(checked, nbytes) if checked else []
+
     def _check_open(self) -> None:
         if self._closed:
             raise BackendClosedError(f"{type(self).__name__} is closed")
@@ -325,6 +368,11 @@ class StorageBackend(abc.ABC):
         self._counters[counter] = self._counters.get(counter, 0) + amount
 
     # ----- what a backend implements ----------------------------------------------------------
+    async def _peek(self, keys: list[str], nbytes: int) -> list[bytes | None]:
+        """Optional fast path of :meth:`peek` (keys validated, at least one)."""
+        whole = await self.get(keys, size_hint=nbytes)
+        return [None if data is None else data[:nbytes] for data in whole]
+
     @abc.abstractmethod
     async def _exists(self, keys: list[str]) -> list[bool]: ...
 

@@ -10,6 +10,9 @@ publishes the object atomically. A reader in any process therefore sees the old 
 new one, never a mix, and its open descriptor keeps the inode alive if the object is replaced or
 evicted while it reads. Data moves with ``os.writev``/``os.preadv`` straight between the caller's
 segments and the kernel: no joined copy, no intermediate bytes.
+
+The ``mtime`` that ``scan`` reports is the object's write time: reads do not refresh it (no
+``utime`` per hit), so tools that evict by age (``hicache compact``) see write order.
 """
 
 from __future__ import annotations
@@ -34,11 +37,22 @@ from hicache.backends._file_io import (
     fsync_dir,
     is_fan_dir,
     object_info,
+    read_head,
     read_into,
+    remove_if_stale,
+    temp_files_in,
+    temp_files_under,
     unlink_quietly,
     write_all,
 )
-from hicache.backends.base import MISS, Capabilities, ObjectInfo, StorageBackend
+from hicache.backends.base import (
+    MISS,
+    TEMP_GRACE_S,
+    Capabilities,
+    ObjectInfo,
+    StorageBackend,
+    TempFile,
+)
 from hicache.errors import BackendError, BackendUnavailableError, ConfigError
 
 __all__ = ["FileBackend", "FileConfig"]
@@ -181,6 +195,29 @@ class FileBackend(StorageBackend):
             for info in await asyncio.to_thread(self._scan_top, top, prefix):
                 yield info
 
+    async def _peek(self, keys: list[str], nbytes: int) -> list[bytes | None]:
+        return await self._in_threads(self._peek_one, keys, [nbytes] * len(keys))
+
+    # ----- temporary files of crashed writers (the TempFileOwner protocol) ----------------------
+    async def scan_temp_files(self) -> AsyncIterator[TempFile]:
+        """Every writer's temporary file, with its age; one thread hop per top directory."""
+        self._check_open()
+        for info in await asyncio.to_thread(temp_files_in, self._root, ""):  # open()'s probe
+            yield info
+        for top in await asyncio.to_thread(self._top_dirs):
+            for info in await asyncio.to_thread(temp_files_under, self._root, top):
+                yield info
+
+    async def remove_temp_files(self, min_age_s: float = TEMP_GRACE_S) -> list[TempFile]:
+        """Remove temporary files not written for ``min_age_s`` seconds; those removed."""
+        removed: list[TempFile] = []
+        async for info in self.scan_temp_files():
+            if info.age_s >= min_age_s and await asyncio.to_thread(
+                remove_if_stale, f"{self._root}/{info.path}", min_age_s
+            ):
+                removed.append(info)
+        return removed
+
     async def _stats(self) -> dict[str, int | float]:
         with self._lock:
             out: dict[str, int | float] = dict(self._n)
@@ -238,6 +275,15 @@ class FileBackend(StorageBackend):
                 raise BackendError(f"cannot delete {path}: {exc.strerror}") from exc
             self._drop_locked(key)
         return found
+
+    def _peek_one(self, key: str, nbytes: int) -> bytes | None:
+        # No pin and no index update: a tool reading headers must not change eviction order.
+        try:
+            return read_head(f"{self._dir_of(key)}/{key}", nbytes)
+        except OSError as exc:
+            self._bump("read_errors")
+            self._warn_once("read", f"read of {key!r} failed: {exc}")
+            return None
 
     # ----- put ------------------------------------------------------------------------------
     def _put_one(self, key: str, segs: list[memoryview]) -> bool:

@@ -253,6 +253,20 @@ class BackendConformanceTests(StatefulConformanceTests):
             assert await backend.leading_hits(keys, batch_size=128) == gap, gap
             assert await backend.put([keys[gap]], [b"c"]) == [True]
 
+    @pytest.mark.asyncio
+    async def test_peek_reads_the_start_of_each_object(self, backend: StorageBackend) -> None:
+        values = {"pk-0": b"", "pk-1": random_bytes(10, 1), "pk-2": random_bytes(5000, 2)}
+        assert await backend.put(list(values), list(values.values())) == [True] * 3
+        keys = ["pk-2", "pk-absent", *values]
+        got = await backend.peek(keys, 160)
+        assert got == [values["pk-2"][:160], None, b"", values["pk-1"], values["pk-2"][:160]]
+        assert await backend.peek(["pk-2", "pk-1"], 0) == [b"", b""]
+        assert await backend.peek(["pk-2"], 1 << 20) == [values["pk-2"]]
+        assert await backend.peek([], 8) == []
+        assert await backend.get(list(values)) == list(values.values())  # unchanged
+        with pytest.raises(InvalidArgumentError):
+            await backend.peek(["pk-1"], -1)
+
     # ----- overwrite, delete, scan --------------------------------------------------------------
     @pytest.mark.asyncio
     async def test_overwrite_replaces(self, backend: StorageBackend) -> None:
@@ -346,6 +360,7 @@ class BackendConformanceTests(StatefulConformanceTests):
             backend.delete(["good", bad]),
             backend.leading_hits(["good", bad]),
             backend.get(["good", bad]),
+            backend.peek(["good", bad], 4),
         ]
         if bad != "":  # "" is the prefix that matches everything
             calls.append(scan_all(backend, bad))
