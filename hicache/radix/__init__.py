@@ -2,6 +2,16 @@
 
 from hicache.radix.node import TreeNode
 from hicache.radix.policies import EvictionPolicy
+from hicache.radix.shadow import ShadowInsertResult, ShadowMatchResult, ShadowRadixCache
 from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
 
-__all__ = ["EvictionPolicy", "MatchResult", "RadixCache", "RadixCacheConfig", "TreeNode"]
+__all__ = [
+    "EvictionPolicy",
+    "MatchResult",
+    "RadixCache",
+    "RadixCacheConfig",
+    "ShadowInsertResult",
+    "ShadowMatchResult",
+    "ShadowRadixCache",
+    "TreeNode",
+]

@@ -14,6 +14,10 @@ class TreeNode:
     and always ``None`` in a simulated tree); ``host_value`` the host slots once backed up;
     ``hash_value`` the chained page hashes when computed. ``lock_ref`` counts the requests using
     the span (a locked node is never evicted); ``pin_count`` counts pins that hold it.
+
+    ``pool_values`` and ``pool_locks`` are for trees over several pools (ShadowRadixCache): the
+    node's data in each extra pool (``None`` once that pool dropped it) and each pool's lock
+    counts; plain trees leave them ``None``.
     """
 
     __slots__ = (
@@ -33,6 +37,8 @@ class TreeNode:
         "lock_ref",
         "namespace",
         "parent",
+        "pool_locks",
+        "pool_values",
         "priority",
         "protected",
         "value",
@@ -60,6 +66,8 @@ class TreeNode:
         self.access_tick = 0
         self.heap_version = 0
         self.namespace: tuple[str | None, bool] = (None, False)
+        self.pool_values: dict[str, Any] | None = None
+        self.pool_locks: dict[str, dict[int, int]] | None = None
 
     @property
     def evicted(self) -> bool:

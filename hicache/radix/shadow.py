@@ -1,0 +1,409 @@
+"""ShadowRadixCache: one prefix tree over the pools of a model ("one tree, many pools").
+
+The tree indexes full token positions once. Each node maps onto every pool:
+
+* the **anchor** pool (the model's first per-token ALL_PAGES owner pool: ``kv``, ``latent``) is
+  the tree's ``value``, exactly as in :class:`~hicache.radix.tree.RadixCache`. Node existence
+  follows it: ``evict`` removes leaves and frees the other pools' data on them with it.
+* every other owner pool keeps its data in ``node.pool_values[name]``: a per-token pool (SWA) the
+  slots of the node's span, a per-sequence pool (conv/SSM state) the slot of a snapshot taken at
+  the node's end; ``None`` once that pool dropped it. A pool drops data a **whole node** at a time
+  (``evict_pool``), so a tree-wide span shared by many requests is kept or dropped as one; an
+  insert cuts a new span where held-ness changes, so a caller's window lands on its own nodes.
+* sidecars (``shares_slots_with``: the DSA indexer, the SSM state) hold nothing: their owner's
+  slots address them, so they are kept, matched and freed with their owner.
+
+A match is usable up to the longest prefix for which every pool's hit rule holds
+(:func:`~hicache.pools.spec.common_usable_prefix`): an SWA prefix needs its window's pages, a
+hybrid prefix ends at a node end with a snapshot. The match splits a node when that end falls
+inside it, counts hits only on the usable part, and returns each pool's slots.
+
+Two counters lock: the tree lock (``inc_lock_ref``) keeps nodes and anchor data; a pool lock
+(``inc_pool_lock``) keeps one pool's data on the nodes of a path that the pool needs (an SWA
+window's nodes, a state's end node, the whole path otherwise). ``evict_pool`` frees a pool's data
+on nodes that pool has not locked, whatever the tree lock says; ``evict`` never removes a node
+that any pool has locked. A pool lock is recorded by where it starts on the path, so a later
+split hands the upper half exactly the locks that reach it and ``dec_pool_lock`` stays exact.
+
+Sizes per pool (``pool_size``, ``pool_evictable``, ``pool_protected``) count slots (tokens for a
+per-token pool, snapshots for a per-sequence one) and are kept exact; "protected" means the pool
+has locked the data. ``evict_pool`` scans the tree (LRU, shallow nodes first on ties): it is
+O(nodes log nodes), unlike the anchor's lazy heap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hicache.errors import ConfigError, InvalidArgumentError
+from hicache.keys import RadixKey
+from hicache.pools.spec import ModelPools, common_usable_prefix
+from hicache.radix.node import TreeNode
+from hicache.radix.shadow_rules import (
+    check_pool_values,
+    lock_start,
+    path_presence,
+    peek_path,
+    pool_indices,
+    pool_roles,
+)
+from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
+
+__all__ = ["ShadowInsertResult", "ShadowMatchResult", "ShadowRadixCache"]
+
+
+@dataclass(slots=True)
+class ShadowMatchResult(MatchResult):
+    """A match over every pool. ``pool_indices`` holds, per non-anchor pool, the prefix's slots
+    (per-token: ``prefix_len`` slots, -1 where the pool holds nothing; per-sequence: the snapshot
+    slot at the prefix end as a 1-element tensor, or None for an empty prefix)."""
+
+    pool_indices: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ShadowInsertResult:
+    """``already``: units the anchor already held (as :meth:`RadixCache.insert` returns).
+    ``unused``: per extra pool, the slots passed in that the tree did not keep; the caller
+    frees them."""
+
+    already: int
+    unused: dict[str, torch.Tensor]
+
+
+class ShadowRadixCache(RadixCache):
+    """A radix tree whose nodes map onto every pool of ``pools``."""
+
+    def __init__(
+        self,
+        pools: ModelPools,
+        allocators: Mapping[str, Any],
+        config: RadixCacheConfig | None = None,
+        req_to_token: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        roles = pool_roles(pools)
+        config = config or RadixCacheConfig(page_size=pools.page_size)
+        if config.page_size != pools.page_size or config.simulated:
+            raise ConfigError("a shadow tree holds real slots, in pages of the model's page_size")
+        owners = {roles.anchor, *roles.extra}
+        if not isinstance(allocators, Mapping) or set(allocators) != owners:
+            got = sorted(allocators) if isinstance(allocators, Mapping) else allocators
+            raise ConfigError(f"allocators are needed for exactly {sorted(owners)}, got {got}")
+        super().__init__(config, allocators[roles.anchor], req_to_token, clock)
+        self.pools = pools
+        self.roles = roles
+        self.allocators = dict(allocators)
+        self._held = dict.fromkeys(roles.extra, 0)
+        self._locked = dict.fromkeys(roles.extra, 0)
+
+    # ----- sizes ----------------------------------------------------------------------------
+    def pool_size(self, name: str) -> int:
+        """Slots of pool ``name`` the tree holds (a sidecar: its owner's)."""
+        owner = self.roles.owner(name)
+        return self.total_size if owner == self.roles.anchor else self._held[owner]
+
+    def pool_protected(self, name: str) -> int:
+        owner = self.roles.owner(name)
+        return self.protected_size if owner == self.roles.anchor else self._locked[owner]
+
+    def pool_evictable(self, name: str) -> int:
+        owner = self.roles.owner(name)
+        if owner == self.roles.anchor:
+            return self.evictable_size
+        return self._held[owner] - self._locked[owner]
+
+    # ----- matching -------------------------------------------------------------------------
+    def match_prefix(self, key: RadixKey) -> ShadowMatchResult:
+        """The longest prefix of ``key`` that every pool can serve; see the module docstring.
+
+        Only the usable nodes are touched (hit, access time), so a node the match reaches but
+        cannot use ages as if unmatched.
+        """
+        unit, path, usable = self._usable(key)
+        root = self._roots.get((key.extra_key, key.is_bigram))
+        if root is None:
+            empty = torch.empty(0, dtype=torch.int64)
+            result = ShadowMatchResult(0, self._make_root(key), empty)
+            result.pool_indices = pool_indices(self.roles, [], empty)
+            return result
+        path = self._cut(path, usable, unit)
+        now, tick = self._clock(), next(self._ticks)
+        for node in path:
+            self._touch(node, now, tick, True, 0)
+        last = path[-1] if path else root
+        if path and self._is_evictable_leaf(last):
+            self._push(last)  # its sort key changed
+        indices = self._concat([n.value for n in path])
+        result = ShadowMatchResult(usable, last, indices, path=path)
+        result.pool_indices = pool_indices(self.roles, path, indices)
+        return result
+
+    def peek_prefix(self, key: RadixKey) -> tuple[int, TreeNode | None]:
+        """Like :meth:`RadixCache.peek_prefix`, but only as far as every hit rule holds."""
+        _, path, usable = self._usable(key)
+        depth = 0
+        for node in path:
+            depth += node.length
+            if usable and depth >= usable:
+                return usable, node
+        return 0, None
+
+    def _usable(self, key: RadixKey) -> tuple[int, list[TreeNode], int]:
+        """(bytes a unit, the nodes ``key`` reaches without touching the tree, usable units)."""
+        data, unit = self._pack(key)
+        root = self._roots.get((key.extra_key, key.is_bigram))
+        path, last_bytes = peek_path(root, data, self.page_size * unit)
+        presence = path_presence(self.roles, path, self.page_size, last_bytes // unit)
+        return unit, path, common_usable_prefix(presence) * self.page_size
+
+    def _cut(self, path: list[TreeNode], units: int, unit: int) -> list[TreeNode]:
+        """The nodes of ``path`` covering its first ``units``, splitting the one the end cuts."""
+        depth = 0
+        for i, node in enumerate(path):
+            if depth + node.length <= units:
+                depth += node.length
+                continue
+            if depth == units:
+                return path[:i]
+            return [*path[:i], self._split(node, (units - depth) * unit, unit)]
+        return path
+
+    # ----- inserting ------------------------------------------------------------------------
+    def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
+        """Cache ``key`` with anchor slots only; the other pools hold nothing on new nodes."""
+        return self.insert_bundle(key, value, None, priority).already
+
+    def insert_bundle(
+        self, key: RadixKey, value: Any, pool_values: Mapping[str, Any] | None, priority: int = 0
+    ) -> ShadowInsertResult:
+        """Cache ``key`` with its anchor slots ``value`` and each extra pool's slots.
+
+        A per-token pool passes ``len(key)`` slots, -1 for tokens it does not hold (whole pages);
+        a per-sequence pool the slot of the snapshot at the key's end (page-aligned keys only).
+        Nodes that already hold a pool's data keep theirs; a node the pool had dropped takes the
+        caller's slots when they cover its whole span. Everything is checked before any change.
+        """
+        data, unit = self._pack(key)
+        given = check_pool_values(self.roles, pool_values, len(key), self.page_size)
+        already = super().insert(key, value, priority)
+        n_units = len(key) - len(key) % self.page_size
+        unused: dict[str, list[torch.Tensor]] = {name: [] for name in given}
+        if n_units:
+            root = self._roots[(key.extra_key, key.is_bigram)]
+            path, _ = peek_path(root, data, self.page_size * unit)
+            if already < n_units:
+                path = [*path[:-1], *self._cut_by_held(path[-1], given, already, unit)]
+            self._attach(path, given, unused)
+        for name, slots in given.items():
+            if name in self.roles.token_pools:
+                tail = slots[n_units:]
+                unused[name].append(tail[tail >= 0])
+            elif not n_units:
+                unused[name].append(slots)
+        empty = torch.empty(0, dtype=torch.int64)
+        return ShadowInsertResult(
+            already, {n: self._concat(p) if p else empty for n, p in unused.items()}
+        )
+
+    def _cut_by_held(
+        self, leaf: TreeNode, given: dict[str, torch.Tensor], start: int, unit: int
+    ) -> list[TreeNode]:
+        """Split the new ``leaf`` (units ``start..``) where any token pool's held-ness changes."""
+        ps = self.page_size
+        end = start + leaf.length
+        cuts: set[int] = set()
+        for name, slots in given.items():
+            if name in self.roles.token_pools:
+                held = (slots[start:end:ps] >= 0).tolist()
+                cuts.update(start + i * ps for i in range(1, len(held)) if held[i] != held[i - 1])
+        nodes, seg_start = [], start
+        for cut in sorted(cuts):
+            nodes.append(self._split(leaf, (cut - seg_start) * unit, unit))
+            seg_start = cut
+        return [*nodes, leaf]
+
+    def _attach(
+        self, path: list[TreeNode], given: dict[str, torch.Tensor], unused: dict[str, list[Any]]
+    ) -> None:
+        depth = 0
+        for node in path:
+            for name in self.roles.token_pools:
+                if name not in given:
+                    continue
+                piece = given[name][depth : depth + node.length]
+                if self._data(node, name) is None and bool((piece >= 0).all()):
+                    self._set_data(node, name, piece.clone())
+                else:
+                    unused[name].append(piece[piece >= 0])
+            depth += node.length
+        for name in self.roles.state_pools:
+            if name in given:
+                if self._data(path[-1], name) is None:
+                    self._set_data(path[-1], name, given[name].clone())
+                else:
+                    unused[name].append(given[name])
+
+    # ----- pool locks and pool eviction -----------------------------------------------------
+    def inc_pool_lock(self, node: TreeNode, pool: str, pages: int | None = None) -> None:
+        """Keep ``pool``'s data on the nodes of ``node``'s path that it needs from evict_pool
+        and evict: the last ``pages`` pages (default: an SWA pool's window, a state pool's end
+        node, every page otherwise). A sidecar name locks its owner."""
+        name, start, targets = self._lock_targets(node, pool, pages)
+        for n in targets:
+            locks = self._locks(n, name, create=True)
+            if not locks and self._data(n, name) is not None:
+                self._locked[name] += self._amount(n, name)
+            locks[start] = locks.get(start, 0) + 1
+
+    def dec_pool_lock(self, node: TreeNode, pool: str, pages: int | None = None) -> None:
+        """Undo one :meth:`inc_pool_lock` with the same arguments; raises, changing nothing,
+        if that lock is not held."""
+        name, start, targets = self._lock_targets(node, pool, pages)
+        if any(self._locks(n, name).get(start, 0) <= 0 for n in targets):
+            raise InvalidArgumentError(f"dec_pool_lock below zero on {node!r} for pool {name!r}")
+        for n in targets:
+            locks = self._locks(n, name)
+            locks[start] -= 1
+            if not locks[start]:
+                del locks[start]
+            if not locks and self._data(n, name) is not None:
+                self._locked[name] -= self._amount(n, name)
+            if self._is_evictable_leaf(n):
+                self._push(n)
+
+    def pool_lock_ref(self, node: TreeNode, pool: str) -> int:
+        """How many locks of ``pool`` (a sidecar: its owner) hold ``node``."""
+        return sum(self._locks(node, self.roles.extra_owner(pool)).values())
+
+    def evict_pool(self, pool: str, num_slots: int) -> int:
+        """Free at least ``num_slots`` of ``pool``'s slots, least recently used nodes first,
+        from nodes that pool has not locked; no node is removed and no other pool is touched.
+        Returns the slots freed (whole nodes, so possibly more than asked)."""
+        name = self.roles.extra_owner(pool)
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
+            raise InvalidArgumentError(f"evict_pool needs a non-negative int, got {num_slots!r}")
+        candidates = [
+            n
+            for n in self.all_nodes()
+            if self._data(n, name) is not None and not self._locks(n, name)
+        ]
+        candidates.sort(key=lambda n: (n.last_access_time, n.access_tick, len(n.path_to_root())))
+        freed = 0
+        for node in candidates:
+            if freed >= num_slots:
+                break
+            freed += self._drop_data(node, name)
+        return freed
+
+    def _lock_targets(
+        self, node: TreeNode, pool: str, pages: int | None
+    ) -> tuple[str, int, list[TreeNode]]:
+        name = self.roles.extra_owner(pool)
+        if not isinstance(node, TreeNode):
+            raise InvalidArgumentError(f"expected a TreeNode, got {type(node).__name__}")
+        path = node.path_to_root()
+        end = sum(n.length for n in path)
+        start = lock_start(self.roles, name, end, self.page_size, pages)
+        targets, node_end = [], end
+        for n in path:  # nearest first: a node is held when it ends after ``start``
+            if node_end <= start:
+                break
+            targets.append(n)
+            node_end -= n.length
+        return name, start, targets
+
+    # ----- per-node data --------------------------------------------------------------------
+    @staticmethod
+    def _data(node: TreeNode, name: str) -> Any:
+        return None if node.pool_values is None else node.pool_values.get(name)
+
+    @staticmethod
+    def _locks(node: TreeNode, name: str, create: bool = False) -> dict[int, int]:
+        if node.pool_locks is None:
+            if not create:
+                return {}
+            node.pool_locks = {}
+        if create:
+            return node.pool_locks.setdefault(name, {})
+        return node.pool_locks.get(name, {})
+
+    def _amount(self, node: TreeNode, name: str) -> int:
+        data = self._data(node, name)
+        return 0 if data is None else len(data)
+
+    def _set_data(self, node: TreeNode, name: str, data: torch.Tensor) -> None:
+        if node.pool_values is None:
+            node.pool_values = {}
+        node.pool_values[name] = data
+        self._held[name] += len(data)
+        if self._locks(node, name):
+            self._locked[name] += len(data)
+
+    def _drop_data(self, node: TreeNode, name: str) -> int:
+        amount = self._amount(node, name)
+        if not amount:
+            return 0
+        self.allocators[name].free(self._data(node, name))
+        self._held[name] -= amount
+        if self._locks(node, name):
+            self._locked[name] -= amount
+        assert node.pool_values is not None
+        node.pool_values[name] = None
+        return amount
+
+    def _account(self, node: TreeNode, sign: int) -> None:
+        for name in self.roles.extra:
+            amount = self._amount(node, name) * sign
+            self._held[name] += amount
+            if self._locks(node, name):
+                self._locked[name] += amount
+
+    # ----- hooks into RadixCache ------------------------------------------------------------
+    def _split(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
+        """Split as RadixCache does, cutting per-token pool data too; a snapshot stays with the
+        lower half (it is at its end) and the upper half keeps the locks that reach it."""
+        self._account(child, -1)
+        upper = super()._split(child, nbytes, unit)
+        cut = upper.length
+        if child.pool_values:
+            upper.pool_values = {}
+            for name in self.roles.token_pools:
+                data = child.pool_values.get(name)
+                if data is not None:
+                    upper.pool_values[name], child.pool_values[name] = data[:cut], data[cut:]
+        if child.pool_locks:
+            upper_end = sum(n.length for n in upper.path_to_root())
+            upper.pool_locks = {
+                name: {s: c for s, c in locks.items() if s < upper_end}
+                for name, locks in child.pool_locks.items()
+            }
+        self._account(upper, 1)
+        self._account(child, 1)
+        return upper
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        if not super()._is_evictable_leaf(node):
+            return False
+        return not node.pool_locks or not any(node.pool_locks.values())
+
+    def _evict_leaf(self, node: TreeNode) -> int:
+        for name in self.roles.extra:
+            self._drop_data(node, name)
+        return super()._evict_leaf(node)
+
+    def reset(self) -> None:
+        for node in self.all_nodes():
+            for name in self.roles.extra:
+                self._drop_data(node, name)
+            if node.value is not None:
+                self.allocator.free(node.value)
+                node.value = None
+        RadixCache.__init__(self, self.config, self.allocator, self.req_to_token, self._clock)
+        self._held = dict.fromkeys(self.roles.extra, 0)
+        self._locked = dict.fromkeys(self.roles.extra, 0)
