@@ -13,6 +13,8 @@ import os
 import re
 import stat
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import xxhash
 
@@ -21,12 +23,14 @@ from hicache.errors import InvalidKeyError
 from hicache.keys import validate_key
 
 __all__ = [
+    "ReadBuffer",
     "aligned",
     "fsync_dir",
     "is_fan_dir",
     "object_info",
     "read_head",
     "read_into",
+    "read_tree",
     "remove_if_stale",
     "temp_files_in",
     "temp_files_under",
@@ -40,6 +44,9 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _HEX = frozenset("0123456789abcdef")
 # What a writer names its temporary file: ".<key>.<pid>.<48 random bits>.tmp" (see file.py).
 _TEMP_RE = re.compile(r"\..+\.[0-9]+\.[0-9a-f]{12}\.tmp\Z")
+_READ_FLAGS = os.O_RDONLY | _CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+_MAX_RW = 0x7FFFF000  # the most one read moves on Linux: a read this long may not be the end
+T = TypeVar("T")
 
 
 def is_fan_dir(entry: os.DirEntry[str]) -> bool:
@@ -173,3 +180,104 @@ def temp_files_under(root: str, top: str) -> list[TempFile]:
     except FileNotFoundError:
         return []
     return [t for sub in subs for t in temp_files_in(f"{root}/{top}/{sub}", f"{top}/{sub}")]
+
+
+class ReadBuffer:
+    """One worker's reusable read buffer, grown to the largest object it has met."""
+
+    __slots__ = ("_iov", "_view")
+
+    def __init__(self, size: int) -> None:
+        self._grow(size)
+
+    def _grow(self, size: int) -> None:
+        data = bytearray(size)
+        self._iov = [data]  # what preadv takes, built once: this runs per object
+        self._view = memoryview(data)
+
+    def read_whole(self, fd: int) -> memoryview:
+        """The whole file, read from offset 0; valid until the next read into this buffer.
+
+        One ``preadv`` in the common case: a read that leaves room in the buffer reached the end
+        of the file, so no ``fstat`` is needed. Only a file that fills the buffer costs more.
+        """
+        while True:
+            view = self._view
+            n = os.preadv(fd, self._iov, 0)
+            if n < view.nbytes and n < _MAX_RW:
+                return view[:n]
+            size = os.fstat(fd).st_size
+            if size < view.nbytes:  # it shrank since the read: read it again, whole
+                continue
+            if n < view.nbytes:  # more than one read can move
+                return view[: read_into(fd, [view[:size]], size)]
+            self._grow(max(size + 1, 2 * view.nbytes))
+
+
+def _names_in(directory: str, fan: str, prefix: str) -> list[str]:
+    """The object files of one fan-out directory whose names start with ``prefix``.
+
+    The same filter as the backend's ``scan`` (see :func:`object_info`), without a ``stat``:
+    hidden and temporary files, non-files and names that do not belong here are skipped.
+    """
+    try:
+        with os.scandir(directory) as it:
+            entries = [e for e in it if e.name[0] != "." and e.name.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+    names = []
+    for entry in entries:
+        name = entry.name
+        if entry.is_file(follow_symlinks=False) and xxhash.xxh3_64_hexdigest(
+            name.encode()
+        ).startswith(fan):
+            try:
+                validate_key(name)
+            except InvalidKeyError:
+                continue
+            names.append(name)
+    return names
+
+
+def read_tree(
+    root: str,
+    tops: list[str],
+    prefix: str,
+    check: Callable[[str, memoryview], T],
+    buf: ReadBuffer,
+) -> tuple[list[T], int, int]:
+    """``check(name, data)`` for each object below ``root/top`` for each of ``tops``, read
+    whole into ``buf``.
+
+    Returns the results, the bytes read and the number of objects that could not be read (I/O
+    errors other than the file being gone). The check runs right after its read, while the
+    bytes are in cache.
+    """
+    out: list[T] = []
+    failed = nbytes = 0
+    for top in tops:
+        for directory, fan in _fan_dirs(f"{root}/{top}", top):
+            for name in _names_in(directory, fan, prefix):
+                try:
+                    fd = os.open(f"{directory}/{name}", _READ_FLAGS)
+                    try:
+                        data = buf.read_whole(fd)
+                    finally:
+                        os.close(fd)
+                except FileNotFoundError:  # removed since the listing: not damage
+                    continue
+                except OSError:
+                    failed += 1
+                    continue
+                nbytes += data.nbytes
+                out.append(check(name, data))
+    return out, nbytes, failed
+
+
+def _fan_dirs(base: str, top: str) -> list[tuple[str, str]]:
+    """The second-level directories below ``base``, with the hash prefix their objects have."""
+    try:
+        with os.scandir(base) as it:
+            return [(f"{base}/{e.name}", top + e.name) for e in it if is_fan_dir(e)]
+    except FileNotFoundError:
+        return []

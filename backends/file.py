@@ -25,7 +25,7 @@ import os
 import random
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 from urllib.parse import unquote
@@ -33,12 +33,14 @@ from urllib.parse import unquote
 import xxhash
 
 from hicache.backends._file_io import (
+    ReadBuffer,
     aligned,
     fsync_dir,
     is_fan_dir,
     object_info,
     read_head,
     read_into,
+    read_tree,
     remove_if_stale,
     temp_files_in,
     temp_files_under,
@@ -67,6 +69,7 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _READ_FLAGS = os.O_RDONLY | _CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
+_WIDE_READ_BYTES = 256 << 10  # read_all uses all its threads once objects average this size
 # Counters of this backend, on top of the base's; all kept under the backend's lock.
 _COUNTERS = (
     "evictions",
@@ -197,6 +200,56 @@ class FileBackend(StorageBackend):
 
     async def _peek(self, keys: list[str], nbytes: int) -> list[bytes | None]:
         return await self._in_threads(self._peek_one, keys, [nbytes] * len(keys))
+
+    # ----- whole-store reads for the tools (the BulkReader protocol) ----------------------------
+    async def read_all(
+        self, prefix: str, check: Callable[[str, memoryview], T], *, threads: int = 2
+    ) -> AsyncGenerator[list[T], None]:
+        """``check(key, data)`` for every object, one thread hop per few top-level directories.
+
+        Each worker has its own buffer; like ``peek``, these reads leave the eviction order
+        alone. One worker runs until the objects prove large: a small object's cost is mostly
+        Python (the check, the walk), which the GIL serialises, and two threads handing it back
+        and forth are slower than one; a large object's copy and checksum run without it.
+        """
+        self._check_open()
+        names = await asyncio.to_thread(self._top_dirs)
+        # A hop costs far more than a read: a few hops per thread, after a first small one that
+        # shows how large the objects are.
+        step = max(1, len(names) // (8 * max(1, threads)))
+        groups = iter([names[:1]] + [names[i : i + step] for i in range(1, len(names), step)])
+        idle = [ReadBuffer(1 << 20) for _ in range(max(1, threads))]
+        running: dict[asyncio.Future[tuple[list[T], int, int]], ReadBuffer] = {}
+        width, seen, nbytes = 1, 0, 0
+        try:
+            while True:
+                while len(running) < width and (group := next(groups, None)) is not None:
+                    buf = idle.pop()
+                    work = asyncio.to_thread(read_tree, self._root, group, prefix, check, buf)
+                    running[asyncio.ensure_future(work)] = buf
+                if not running:
+                    return
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    idle.append(running.pop(future))
+                    results, read, failed = future.result()
+                    seen, nbytes = seen + len(results), nbytes + read
+                    if seen and nbytes >= seen * _WIDE_READ_BYTES:
+                        width = len(idle) + len(running)
+                    if failed:
+                        self._count_read_errors(failed)
+                    yield results
+        finally:
+            if running:  # threads cannot be stopped: let them finish before the buffers go
+                await asyncio.wait(running)
+                for future in running:
+                    if not future.cancelled():
+                        future.exception()  # retrieved: the caller stopped reading, on purpose
+
+    def _count_read_errors(self, failed: int) -> None:
+        with self._lock:
+            self._n["read_errors"] += failed
+        self._warn_once("read", f"{failed} objects could not be read")
 
     # ----- temporary files of crashed writers (the TempFileOwner protocol) ----------------------
     async def scan_temp_files(self) -> AsyncIterator[TempFile]:

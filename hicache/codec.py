@@ -39,6 +39,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -70,6 +71,7 @@ __all__ = [
     "encode_page",
     "key_digest",
     "parse_header",
+    "verify_page",
 ]
 
 MAGIC = b"HCKV"
@@ -81,6 +83,13 @@ NO_PARENT = bytes(32)
 _UNKNOWN_INDEX = 0xFFFFFFFF
 _BODY = struct.Struct("<4sHHI16s32s16sBBBB6IIQQQQ12x")
 _CHECK = struct.Struct("<Q")
+# Where the meta fields (pool to shape), the page index and the checksums start in a header.
+_POOL_AT = struct.calcsize("<4sHHI16s32s")
+_INDEX_AT = struct.calcsize("<4sHHI16s32s16sBBBB6I")
+_CHECKSUMS_AT = struct.calcsize("<4sHHI16s32s16sBBBB6IIQQ")
+# Meta fields and lengths (the bytes from _POOL_AT to _CHECKSUMS_AT, less the page index) that
+# verify_page found valid; any set that passed once passes again.
+_GOOD_SHAPES: set[bytes] = set()
 _PLANE_ENTRY = struct.Struct("<BQ")  # per byte plane: stored raw (0) or zstd (1), stored length
 assert _BODY.size + _CHECK.size == HEADER_SIZE
 
@@ -104,6 +113,12 @@ class Codec(enum.Enum):
 
     NONE = 0
     ZSTD_PLANES = 1
+
+
+# On-disk codes to members, for parse_header: a dict lookup instead of a loop per header.
+_DTYPE_OF = {member.code: member for member in DType}
+_LAYOUT_OF = {member.code: member for member in Layout}
+_CODEC_OF = {member.value: member for member in Codec}
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,44 +248,61 @@ def encode_page(
 
 def parse_header(key: str, header: object) -> PageHeader:
     """Check and parse a header; raises a :class:`CodecError` subclass when it is not right."""
-    raw = _flat(header)
+    return _header_of(key, _checked_body(key, _flat(header))[1])
+
+
+def _checked_body(key: str, raw: memoryview) -> tuple[bytes, tuple[Any, ...]]:
+    """The header's bytes and fields once its magic, version, checksum and key are right."""
     if raw.nbytes < HEADER_SIZE:
         raise TruncatedPageError(f"{key}: {raw.nbytes} bytes, shorter than a page header")
-    if raw[:4] != MAGIC:
+    # One small copy: checks on bytes are much cheaper than on memoryview slices, and verify
+    # parses a header per object.
+    head = raw[:HEADER_SIZE].tobytes()
+    if head[:4] != MAGIC:
         raise BadMagicError(f"{key}: not a hicache page (bad magic)")
-    (version,) = struct.unpack_from("<H", raw, 4)
-    if version != FORMAT_VERSION:
-        raise UnsupportedVersionError(f"{key}: page format version {version} is not supported")
-    (check,) = _CHECK.unpack_from(raw, _BODY.size)
-    if xxhash.xxh3_64_intdigest(raw[: _BODY.size]) != check:
+    fields = _BODY.unpack_from(head)
+    if fields[1] != FORMAT_VERSION:
+        raise UnsupportedVersionError(f"{key}: page format version {fields[1]} is not supported")
+    if xxhash.xxh3_64_intdigest(head[: _BODY.size]) != _CHECK.unpack_from(head, _BODY.size)[0]:
         raise CorruptHeaderError(f"{key}: header checksum mismatch")
-    fields = _BODY.unpack_from(raw)
-    digest, parent, pool_raw = fields[4], fields[5], fields[6]
-    dtype_code, layout_code, ndim, codec_code = fields[7:11]
-    shape_all, index, raw_len, payload_len, checksum, raw_checksum = (
-        fields[11:17],
-        *fields[17:22],
-    )
-    if digest != key_digest(key):
+    if fields[4] != key_digest(key):
         raise ForeignPageError(f"{key}: the page was written under another key")
-    try:
-        meta = PageMeta(
-            pool=pool_raw.rstrip(b"\x00").decode("ascii"),
-            dtype=DType.from_code(dtype_code),
-            shape=tuple(shape_all[:ndim]),
-            layout=Layout.from_code(layout_code),
-            page_index=None if index == _UNKNOWN_INDEX else index,
-            parent_hash=parent,
-        )
-        codec = Codec(codec_code)
-    except (ValueError, InvalidArgumentError, UnicodeDecodeError) as exc:
-        raise CorruptHeaderError(f"{key}: bad header field: {exc}") from None
+    return head, fields
+
+
+def _header_of(key: str, fields: tuple[Any, ...]) -> PageHeader:
+    """The header of checked body fields, once its meta and lengths are consistent."""
+    meta, codec = _meta_of(key, fields)
+    raw_len, payload_len, checksum, raw_checksum = fields[18:22]
     limit = raw_len if codec is Codec.NONE else raw_len + 16 * meta.dtype.itemsize + 64
     if raw_len != meta.nbytes or payload_len > limit or payload_len > MAX_PAYLOAD_BYTES:
         raise CorruptHeaderError(f"{key}: inconsistent lengths (raw {raw_len}, {payload_len})")
-    if codec is Codec.NONE and checksum != raw_checksum:
+    _check_codec_checksums(key, codec.value, checksum, raw_checksum)
+    return PageHeader(meta, codec, fields[4], raw_len, payload_len, checksum, raw_checksum)
+
+
+def _check_codec_checksums(key: str, codec: int, checksum: int, raw_checksum: int) -> None:
+    if codec == Codec.NONE.value and checksum != raw_checksum:
         raise CorruptHeaderError(f"{key}: an uncompressed page with two different checksums")
-    return PageHeader(meta, codec, digest, raw_len, payload_len, checksum, raw_checksum)
+
+
+def _meta_of(key: str, fields: tuple[Any, ...]) -> tuple[PageMeta, Codec]:
+    """The page meta and codec of an unpacked header body; CorruptHeaderError when invalid."""
+    ndim, index = fields[9], fields[17]
+    try:
+        # A known code is one dict lookup; an unknown one takes the slow path for its error.
+        meta = PageMeta(
+            pool=fields[6].rstrip(b"\x00").decode("ascii"),
+            dtype=_DTYPE_OF.get(fields[7]) or DType.from_code(fields[7]),
+            shape=fields[11 : 11 + min(ndim, MAX_NDIM)],
+            layout=_LAYOUT_OF.get(fields[8]) or Layout.from_code(fields[8]),
+            page_index=None if index == _UNKNOWN_INDEX else index,
+            parent_hash=fields[5],
+        )
+        codec = _CODEC_OF.get(fields[10]) or Codec(fields[10])
+    except (ValueError, InvalidArgumentError, UnicodeDecodeError) as exc:
+        raise CorruptHeaderError(f"{key}: bad header field: {exc}") from None
+    return meta, codec
 
 
 def _check_expected(key: str, header: PageHeader, expect: PageMeta | None) -> None:
@@ -318,18 +350,38 @@ def check_page(key: str, data: object) -> PageHeader:
     """
     raw = _flat(data)
     header = parse_header(key, raw)
-    _check_stored(key, raw, header)
+    _check_stored(key, raw, header.object_len, header.payload_checksum)
     return header
 
 
-def _check_stored(key: str, raw: memoryview, header: PageHeader) -> memoryview:
+def verify_page(key: str, data: object) -> None:
+    """:func:`check_page` without building the header: the same checks, the same errors.
+
+    For tools that read a whole store. Pages of one store share a few shapes, so the meta
+    fields and lengths are checked once per distinct value (remembered, bounded) instead of once
+    per page; what differs per page (key, parent, index, checksums) is checked every time.
+    """
+    raw = _flat(data)
+    head, fields = _checked_body(key, raw)
+    shape = head[_POOL_AT:_INDEX_AT] + head[_INDEX_AT + 4 : _CHECKSUMS_AT]
+    if shape in _GOOD_SHAPES:
+        _check_codec_checksums(key, fields[10], fields[20], fields[21])
+    else:
+        _header_of(key, fields)
+        if len(_GOOD_SHAPES) >= 4096:
+            _GOOD_SHAPES.clear()
+        _GOOD_SHAPES.add(shape)
+    _check_stored(key, raw, HEADER_SIZE + fields[19], fields[20])
+
+
+def _check_stored(key: str, raw: memoryview, object_len: int, checksum: int) -> memoryview:
     """The stored payload of a whole object, once its length and checksum are right."""
-    if raw.nbytes < header.object_len:
-        raise TruncatedPageError(f"{key}: {raw.nbytes} bytes, the header says {header.object_len}")
-    if raw.nbytes > header.object_len:
-        raise CorruptHeaderError(f"{key}: {raw.nbytes} bytes, the header says {header.object_len}")
+    if raw.nbytes < object_len:
+        raise TruncatedPageError(f"{key}: {raw.nbytes} bytes, the header says {object_len}")
+    if raw.nbytes > object_len:
+        raise CorruptHeaderError(f"{key}: {raw.nbytes} bytes, the header says {object_len}")
     stored = raw[HEADER_SIZE:]
-    if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
+    if xxhash.xxh3_64_intdigest(stored) != checksum:
         raise PayloadChecksumError(f"{key}: payload checksum mismatch")
     return stored
 
@@ -341,7 +393,7 @@ def decode_page(
     raw = _flat(data)
     header = parse_header(key, raw)
     _check_expected(key, header, expect)
-    stored = _check_stored(key, raw, header)
+    stored = _check_stored(key, raw, header.object_len, header.payload_checksum)
     if header.codec is Codec.NONE:
         return header, stored
     out = memoryview(bytearray(header.raw_len))

@@ -26,7 +26,7 @@ from typing import Any
 
 from hicache.backends.base import MISS, ObjectInfo, StorageBackend
 from hicache.backends.registry import default_registry
-from hicache.codec import HEADER_SIZE, MAGIC, PageHeader, check_page, parse_header
+from hicache.codec import HEADER_SIZE, MAGIC, PageHeader, check_page, parse_header, verify_page
 from hicache.errors import (
     BackendUnavailableError,
     BadMagicError,
@@ -41,15 +41,18 @@ from hicache.errors import (
 from hicache.tools.progress import Progress
 
 __all__ = [
+    "Damage",
     "PageKeyParts",
     "Problem",
     "ReadMode",
     "ScanOptions",
     "ScannedObject",
     "StoreScanner",
+    "check_whole",
     "open_store",
     "parse_page_key",
     "recheck",
+    "refuse_store",
 ]
 
 _PAGE_KEY_RE = re.compile(r"([0-9a-f]{16})-([0-9a-f]{16})-([0-9a-f]{64})\Z")
@@ -178,6 +181,35 @@ def _header_or_none(key: str, data: memoryview) -> PageHeader | None:
         return None
 
 
+def refuse_store(seen: int) -> None:
+    """Raise BadMagicError: none of the first ``seen`` objects was a hicache page."""
+    raise BadMagicError(
+        f"not a hicache store: none of the first {seen} objects is a hicache page "
+        "(check the URL); nothing was changed"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Damage:
+    """A bad object, as :func:`check_whole` found it."""
+
+    key: str
+    size: int
+    problem: Problem
+    detail: str
+    has_magic: bool  # starts like a hicache page, even if something else is wrong
+
+
+def check_whole(key: str, data: memoryview) -> int | Damage:
+    """The check of a whole-store read (a :class:`BulkReader` callback): the size of a good
+    object, else what is wrong with it. Lean on purpose: it runs once per object."""
+    try:
+        verify_page(key, data)
+    except CodecError as exc:
+        return Damage(key, data.nbytes, Problem.of(exc), str(exc), bytes(data[:4]) == MAGIC)
+    return data.nbytes
+
+
 class StoreScanner:
     """``async for obj in StoreScanner(backend, options)``: every object, in no set order.
 
@@ -218,10 +250,7 @@ class StoreScanner:
             self._refuse(len(held))
 
     def _refuse(self, seen: int) -> None:
-        raise BadMagicError(
-            f"not a hicache store: none of the first {seen} objects is a hicache page "
-            "(check the URL); nothing was changed"
-        )
+        refuse_store(seen)
 
     async def _completed(self) -> AsyncGenerator[list[ScannedObject], None]:
         """Checked batches as they complete, at most ``parallel`` in flight.

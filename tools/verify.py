@@ -16,10 +16,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.backends.base import StorageBackend
+from hicache.backends.bulk import BulkReader
 from hicache.tools.progress import Progress
-from hicache.tools.store_scan import Problem, ReadMode, ScanOptions, StoreScanner, recheck
+from hicache.tools.store_scan import (
+    Damage,
+    Problem,
+    ReadMode,
+    ScanOptions,
+    StoreScanner,
+    check_whole,
+    recheck,
+    refuse_store,
+)
 
 __all__ = ["BadObject", "VerifyOptions", "VerifyReport", "verify_store"]
+
+_SAMPLE = ScanOptions().sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +39,7 @@ class VerifyOptions:
     delete_bad: bool = False
     prefix: str = ""
     parallel: int = 2  # batches read at once
+    bulk: bool = True  # through the backend's BulkReader when it has one (backends/bulk.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +94,22 @@ async def verify_store(
     backend: StorageBackend, options: VerifyOptions, progress: Progress | None = None
 ) -> VerifyReport:
     report = VerifyReport()
+    if options.bulk and isinstance(backend, BulkReader):
+        await _read_bulk(backend, options, report, progress)
+    else:
+        await _read_scanned(backend, options, report, progress)
+    if options.delete_bad:
+        removable = [b.key for b in report.bad if b.problem.removable]
+        still_bad = await recheck(backend, removable)
+        done = await backend.delete(still_bad) if still_bad else []
+        report.deleted = [key for key, ok in zip(still_bad, done) if ok]
+    return report
+
+
+async def _read_scanned(
+    backend: StorageBackend, options: VerifyOptions, report: VerifyReport, progress: Progress | None
+) -> None:
+    """The generic path: list, then read in batches into reusable buffers, then check."""
     scan = ScanOptions(ReadMode.FULL, prefix=options.prefix, parallel=options.parallel)
     scanner = StoreScanner(backend, scan, progress)
     async with contextlib.aclosing(scanner.stream()) as objects:
@@ -92,9 +121,35 @@ async def verify_store(
         scanner.nbytes,
         scanner.vanished,
     )
-    if options.delete_bad:
-        removable = [b.key for b in report.bad if b.problem.removable]
-        still_bad = await recheck(backend, removable)
-        done = await backend.delete(still_bad) if still_bad else []
-        report.deleted = [key for key, ok in zip(still_bad, done) if ok]
-    return report
+
+
+async def _read_bulk(
+    backend: BulkReader, options: VerifyOptions, report: VerifyReport, progress: Progress | None
+) -> None:
+    """The fast path: each object checked by the thread that read it; only results come back.
+
+    Nothing here is per object but a type test and an addition: a small page costs a few
+    microseconds in all, so every step on the event loop shows.
+    """
+    pages_seen = False  # as in StoreScanner: refuse a store whose first objects are no pages
+    reads = backend.read_all(options.prefix, check_whole, threads=options.parallel)
+    async with contextlib.aclosing(reads) as batches:
+        async for batch in batches:
+            nbytes = 0
+            for result in batch:
+                if type(result) is int:
+                    nbytes += result
+                    pages_seen = True
+                else:
+                    assert isinstance(result, Damage)
+                    nbytes += result.size
+                    pages_seen = pages_seen or result.has_magic
+                    report.bad.append(BadObject(result.key, result.problem, result.detail))
+            report.objects += len(batch)
+            report.bytes += nbytes
+            if progress is not None:
+                progress.advance(len(batch), nbytes)
+            if not pages_seen and report.objects >= _SAMPLE:
+                refuse_store(report.objects)
+    if report.objects and not pages_seen:
+        refuse_store(report.objects)
