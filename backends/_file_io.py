@@ -29,6 +29,7 @@ __all__ = [
     "is_fan_dir",
     "object_info",
     "read_head",
+    "read_groups",
     "read_into",
     "read_tree",
     "remove_if_stale",
@@ -272,6 +273,13 @@ def read_tree(
                 nbytes += data.nbytes
                 out.append(check(name, data))
     return out, nbytes, failed
+
+
+def read_groups(
+    root: str, tops: list[str], prefix: str, check: Callable[[str, memoryview], T]
+) -> tuple[list[T], int, int]:
+    """:func:`read_tree` with a buffer of its own: what a worker process runs."""
+    return read_tree(root, tops, prefix, check, ReadBuffer(1 << 20))
 
 
 def _fan_dirs(base: str, top: str) -> list[tuple[str, str]]:

@@ -21,13 +21,19 @@ T = TypeVar("T")
 @runtime_checkable
 class BulkReader(Protocol):
     def read_all(
-        self, prefix: str, check: Callable[[str, memoryview], T], *, threads: int = 2
+        self,
+        prefix: str,
+        check: Callable[[str, memoryview], T],
+        *,
+        threads: int = 2,
+        processes: int = 0,
     ) -> AsyncGenerator[list[T], None]:
         """``check(key, data)`` for every object whose key starts with ``prefix``, in batches.
 
         ``check`` runs in a worker thread and ``data`` is only valid during the call (the buffer
         is reused): return what is needed, never the view. Objects removed while the walk runs
         are skipped; an object is read at most once. Closing the iterator early waits for the
-        reads in flight.
+        reads in flight. With ``processes`` > 1 a backend may run ``check`` in worker processes
+        instead: it must then be picklable (a module-level function), and so must its results.
         """
         ...

@@ -21,11 +21,14 @@ import asyncio
 import errno
 import fcntl
 import logging
+import multiprocessing
 import os
+import pickle
 import random
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 from urllib.parse import unquote
@@ -38,6 +41,7 @@ from hicache.backends._file_io import (
     fsync_dir,
     is_fan_dir,
     object_info,
+    read_groups,
     read_head,
     read_into,
     read_tree,
@@ -203,24 +207,50 @@ class FileBackend(StorageBackend):
 
     # ----- whole-store reads for the tools (the BulkReader protocol) ----------------------------
     async def read_all(
-        self, prefix: str, check: Callable[[str, memoryview], T], *, threads: int = 2
+        self,
+        prefix: str,
+        check: Callable[[str, memoryview], T],
+        *,
+        threads: int = 2,
+        processes: int = 0,
     ) -> AsyncGenerator[list[T], None]:
         """``check(key, data)`` for every object, one thread hop per few top-level directories.
 
         Each worker has its own buffer; like ``peek``, these reads leave the eviction order
-        alone. One worker runs until the objects prove large: a small object's cost is mostly
+        alone. One thread runs until the objects prove large: a small object's cost is mostly
         Python (the check, the walk), which the GIL serialises, and two threads handing it back
-        and forth are slower than one; a large object's copy and checksum run without it.
+        and forth are slower than one; a large object's copy and checksum run without it. Small
+        objects go to up to ``processes`` worker processes instead, when ``check`` can be sent
+        to them (a module-level function) and the store is big enough to pay for starting them.
         """
         self._check_open()
         names = await asyncio.to_thread(self._top_dirs)
-        # A hop costs far more than a read: a few hops per thread, after a first small one that
-        # shows how large the objects are.
+        buf = ReadBuffer(1 << 20)
+        first = await asyncio.to_thread(read_tree, self._root, names[:1], prefix, check, buf)
+        yield self._account(first)
+        rest = names[1:]
+        small = not first[0] or first[1] < len(first[0]) * _WIDE_READ_BYTES
+        if processes > 1 and small and len(rest) >= 16 * processes and _picklable(check):
+            async for batch in self._read_in_processes(rest, prefix, check, processes):
+                yield batch
+            return
+        async for batch in self._read_in_threads(rest, prefix, check, threads, wide=not small):
+            yield batch
+
+    async def _read_in_threads(
+        self,
+        names: list[str],
+        prefix: str,
+        check: Callable[[str, memoryview], T],
+        threads: int,
+        wide: bool,
+    ) -> AsyncGenerator[list[T], None]:
+        # A hop costs far more than a read: a few hops per thread.
         step = max(1, len(names) // (8 * max(1, threads)))
-        groups = iter([names[:1]] + [names[i : i + step] for i in range(1, len(names), step)])
+        groups = iter([names[i : i + step] for i in range(0, len(names), step)])
         idle = [ReadBuffer(1 << 20) for _ in range(max(1, threads))]
         running: dict[asyncio.Future[tuple[list[T], int, int]], ReadBuffer] = {}
-        width, seen, nbytes = 1, 0, 0
+        width = len(idle) if wide else 1
         try:
             while True:
                 while len(running) < width and (group := next(groups, None)) is not None:
@@ -232,19 +262,39 @@ class FileBackend(StorageBackend):
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for future in done:
                     idle.append(running.pop(future))
-                    results, read, failed = future.result()
-                    seen, nbytes = seen + len(results), nbytes + read
-                    if seen and nbytes >= seen * _WIDE_READ_BYTES:
-                        width = len(idle) + len(running)
-                    if failed:
-                        self._count_read_errors(failed)
-                    yield results
+                    yield self._account(future.result())
         finally:
             if running:  # threads cannot be stopped: let them finish before the buffers go
                 await asyncio.wait(running)
                 for future in running:
                     if not future.cancelled():
                         future.exception()  # retrieved: the caller stopped reading, on purpose
+
+    async def _read_in_processes(
+        self, names: list[str], prefix: str, check: Callable[[str, memoryview], T], processes: int
+    ) -> AsyncGenerator[list[T], None]:
+        # spawn, not fork: this process runs threads (the event loop's executor), and a fork
+        # could copy a lock some other thread holds.
+        pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+        loop = asyncio.get_running_loop()
+        step = max(1, len(names) // (4 * processes))
+        futures = [
+            loop.run_in_executor(pool, read_groups, self._root, names[i : i + step], prefix, check)
+            for i in range(0, len(names), step)
+        ]
+        try:
+            for next_done in asyncio.as_completed(futures):
+                yield self._account(await next_done)
+        finally:
+            for future in futures:
+                future.cancel()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _account(self, outcome: tuple[list[T], int, int]) -> list[T]:
+        results, _, failed = outcome
+        if failed:
+            self._count_read_errors(failed)
+        return results
 
     def _count_read_errors(self, failed: int) -> None:
         with self._lock:
@@ -551,3 +601,12 @@ class FileBackend(StorageBackend):
             except FileNotFoundError:
                 continue
         return out
+
+
+def _picklable(fn: object) -> bool:
+    """Whether ``fn`` can be sent to a worker process (a module-level function can)."""
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return False
+    return True

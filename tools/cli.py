@@ -148,7 +148,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from hicache.tools.verify import VerifyOptions, verify_store
 
-    options = VerifyOptions(delete_bad=args.delete_bad, prefix=args.prefix, parallel=args.parallel)
+    options = VerifyOptions(
+        delete_bad=args.delete_bad,
+        prefix=args.prefix,
+        parallel=args.parallel,
+        processes=args.processes or (os.cpu_count() or 1),
+    )
 
     async def work(backend: StorageBackend) -> int:
         with _progress(args)("verify", None) as bar:
@@ -267,6 +272,9 @@ def _add_store_commands(sub: Any) -> None:
     verify.add_argument("--delete-bad", action="store_true", help="delete what is bad")
     verify.add_argument("--prefix", default="", help="only keys starting with this")
     verify.add_argument("--parallel", type=int, default=2, help="batches read at once")
+    verify.add_argument(
+        "--processes", type=int, default=0, help="worker processes for small objects (0: cores)"
+    )
     verify.set_defaults(func=_cmd_verify)
 
     compact = _store_parser(sub, "compact", "remove bad, orphaned, stale and over-budget pages")

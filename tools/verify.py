@@ -12,6 +12,7 @@ never deleted.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,9 @@ class VerifyOptions:
     delete_bad: bool = False
     prefix: str = ""
     parallel: int = 2  # batches read at once
+    # Worker processes for the bulk path on small objects (one per core by default): their
+    # cost is Python, which one process runs on one core at a time.
+    processes: int = field(default_factory=lambda: os.cpu_count() or 1)
     bulk: bool = True  # through the backend's BulkReader when it has one (backends/bulk.py)
 
 
@@ -132,7 +136,9 @@ async def _read_bulk(
     microseconds in all, so every step on the event loop shows.
     """
     pages_seen = False  # as in StoreScanner: refuse a store whose first objects are no pages
-    reads = backend.read_all(options.prefix, check_whole, threads=options.parallel)
+    reads = backend.read_all(
+        options.prefix, check_whole, threads=options.parallel, processes=options.processes
+    )
     async with contextlib.aclosing(reads) as batches:
         async for batch in batches:
             nbytes = 0

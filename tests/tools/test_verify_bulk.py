@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pathlib
@@ -124,3 +125,30 @@ async def test_verify_page_agrees_with_check_page_on_every_header_byte(
                 assert _outcome(verify_page, name, data) == want, offset
                 outcomes.add(want.split(":")[0])
         assert len(outcomes) >= 6  # several kinds of damage were seen, not one error throughout
+
+
+async def test_worker_processes_report_the_same_as_one_thread(file_kit: StoreKit) -> None:
+    chains, bad = await damage(file_kit)
+    for _ in range(30):  # enough objects to spread over the many top-level directories needed
+        chains.append(await file_kit.chain(8))
+    backend = file_kit.backend
+    assert isinstance(backend, FileBackend)
+    tops = len(await asyncio.to_thread(backend._top_dirs))
+    assert tops > 1 + 16 * 2  # so the process path is taken, not the thread path
+    spawned = await verify_store(backend, VerifyOptions(processes=2))
+    threaded = await verify_store(backend, VerifyOptions(processes=1))
+    generic = await verify_store(backend, VerifyOptions(bulk=False))
+    assert spawned.objects == threaded.objects == generic.objects == sum(map(len, chains)) + 1
+    assert _rows(spawned.bad) == _rows(threaded.bad) == _rows(generic.bad)
+    assert {b.key: b.problem for b in spawned.bad} == bad
+
+
+async def test_a_check_that_cannot_be_pickled_stays_in_threads(file_kit: StoreKit) -> None:
+    for _ in range(30):
+        await file_kit.chain(8)
+    backend = file_kit.backend
+    assert isinstance(backend, FileBackend)
+    seen: list[str] = []
+    async for batch in backend.read_all("", lambda k, v: k, threads=1, processes=2):
+        seen.extend(batch)
+    assert len(seen) == len(await file_kit.keys())
