@@ -18,30 +18,28 @@ The ``mtime`` that ``scan`` reports is the object's write time: reads do not ref
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import logging
-import multiprocessing
 import os
-import pickle
 import random
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
 import xxhash
 
+from hicache.backends._file_bulk import picklable, read_in_processes, read_in_threads
 from hicache.backends._file_io import (
     ReadBuffer,
     aligned,
     fsync_dir,
     is_fan_dir,
     object_info,
-    read_groups,
     read_head,
     read_into,
     read_tree,
@@ -230,65 +228,13 @@ class FileBackend(StorageBackend):
         yield self._account(first)
         rest = names[1:]
         small = not first[0] or first[1] < len(first[0]) * _WIDE_READ_BYTES
-        if processes > 1 and small and len(rest) >= 16 * processes and _picklable(check):
-            async for batch in self._read_in_processes(rest, prefix, check, processes):
-                yield batch
-            return
-        async for batch in self._read_in_threads(rest, prefix, check, threads, wide=not small):
-            yield batch
-
-    async def _read_in_threads(
-        self,
-        names: list[str],
-        prefix: str,
-        check: Callable[[str, memoryview], T],
-        threads: int,
-        wide: bool,
-    ) -> AsyncGenerator[list[T], None]:
-        # A hop costs far more than a read: a few hops per thread.
-        step = max(1, len(names) // (8 * max(1, threads)))
-        groups = iter([names[i : i + step] for i in range(0, len(names), step)])
-        idle = [ReadBuffer(1 << 20) for _ in range(max(1, threads))]
-        running: dict[asyncio.Future[tuple[list[T], int, int]], ReadBuffer] = {}
-        width = len(idle) if wide else 1
-        try:
-            while True:
-                while len(running) < width and (group := next(groups, None)) is not None:
-                    buf = idle.pop()
-                    work = asyncio.to_thread(read_tree, self._root, group, prefix, check, buf)
-                    running[asyncio.ensure_future(work)] = buf
-                if not running:
-                    return
-                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for future in done:
-                    idle.append(running.pop(future))
-                    yield self._account(future.result())
-        finally:
-            if running:  # threads cannot be stopped: let them finish before the buffers go
-                await asyncio.wait(running)
-                for future in running:
-                    if not future.cancelled():
-                        future.exception()  # retrieved: the caller stopped reading, on purpose
-
-    async def _read_in_processes(
-        self, names: list[str], prefix: str, check: Callable[[str, memoryview], T], processes: int
-    ) -> AsyncGenerator[list[T], None]:
-        # spawn, not fork: this process runs threads (the event loop's executor), and a fork
-        # could copy a lock some other thread holds.
-        pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
-        loop = asyncio.get_running_loop()
-        step = max(1, len(names) // (4 * processes))
-        futures = [
-            loop.run_in_executor(pool, read_groups, self._root, names[i : i + step], prefix, check)
-            for i in range(0, len(names), step)
-        ]
-        try:
-            for next_done in asyncio.as_completed(futures):
-                yield self._account(await next_done)
-        finally:
-            for future in futures:
-                future.cancel()
-            pool.shutdown(wait=False, cancel_futures=True)
+        if processes > 1 and small and len(rest) >= 16 * processes and picklable(check):
+            outcomes = read_in_processes(self._root, rest, prefix, check, processes)
+        else:
+            outcomes = read_in_threads(self._root, rest, prefix, check, threads, wide=not small)
+        async with contextlib.aclosing(outcomes) as batches:
+            async for outcome in batches:
+                yield self._account(outcome)
 
     def _account(self, outcome: tuple[list[T], int, int]) -> list[T]:
         results, _, failed = outcome
@@ -601,12 +547,3 @@ class FileBackend(StorageBackend):
             except FileNotFoundError:
                 continue
         return out
-
-
-def _picklable(fn: object) -> bool:
-    """Whether ``fn`` can be sent to a worker process (a module-level function can)."""
-    try:
-        pickle.dumps(fn)
-    except (pickle.PicklingError, AttributeError, TypeError):
-        return False
-    return True
