@@ -13,7 +13,6 @@ returns; the caller may reuse its buffers at once. ``get_into`` fills caller-own
 from __future__ import annotations
 
 import abc
-import dataclasses
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ __all__ = [
     "TempFileOwner",
     "as_segments",
     "copy_into_segments",
+    "fill_from_segments",
     "join_segments",
     "segments_nbytes",
 ]
@@ -131,11 +131,16 @@ def segments_nbytes(segments: Sequence[memoryview]) -> int:
 def join_segments(segments: Sequence[memoryview]) -> bytearray:
     """One new buffer holding the segments back to back (one copy)."""
     out = bytearray(segments_nbytes(segments))
-    offset = 0
-    for seg in segments:
-        out[offset : offset + seg.nbytes] = seg
-        offset += seg.nbytes
+    fill_from_segments(segments, out)
     return out
+
+
+def fill_from_segments(segments: Sequence[memoryview], target: bytearray) -> None:
+    """Copy ``segments`` back to back into ``target``, which holds exactly their bytes."""
+    view, offset = memoryview(target), 0
+    for seg in segments:
+        view[offset : offset + seg.nbytes] = seg
+        offset += seg.nbytes
 
 
 def copy_into_segments(source: memoryview, segments: Sequence[memoryview]) -> None:
@@ -393,8 +398,3 @@ class StorageBackend(abc.ABC):
 
     @abc.abstractmethod
     async def _close(self) -> None: ...
-
-
-def config_fields(config: Any) -> dict[str, Any]:
-    """A config's fields as a dict, for display (``hicache backends``) and logs."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

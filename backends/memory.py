@@ -10,7 +10,6 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from hicache.backends.base import (
     MISS,
@@ -18,6 +17,7 @@ from hicache.backends.base import (
     ObjectInfo,
     StorageBackend,
     copy_into_segments,
+    fill_from_segments,
     join_segments,
     segments_nbytes,
 )
@@ -78,7 +78,7 @@ class MemoryBackend(StorageBackend):
             old = self._objects.get(key)
             if old is not None and len(old[0]) == size:
                 # Same size (a page rewritten): reuse its memory; fresh pages cost faults.
-                _fill_from_segments(segs, old[0])
+                fill_from_segments(segs, old[0])
                 self._objects[key] = (old[0], time.time())
                 self._objects.move_to_end(key)
                 results.append(True)
@@ -123,15 +123,3 @@ class MemoryBackend(StorageBackend):
             _, (data, _) = self._objects.popitem(last=False)
             self._used -= len(data)
             self._evictions += 1
-
-    @classmethod
-    def url_location_fields(cls, netloc: str, path: str) -> dict[str, Any]:
-        return {}
-
-
-def _fill_from_segments(segments: list[memoryview], target: bytearray) -> None:
-    """Copy ``segments`` back to back into ``target`` (their total size)."""
-    view, offset = memoryview(target), 0
-    for seg in segments:
-        view[offset : offset + seg.nbytes] = seg
-        offset += seg.nbytes
