@@ -7,13 +7,23 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hicache-installed
 PYTEST_ARGS ?=
+# Every optional backend's client is installed so its tests run against the real service.
+EXTRAS ?= test,dev,s3,mooncake,nixl,prometheus
+
+# Mooncake's CPU wheel links against libibverbs even when it talks TCP.
+define ENSURE_IBVERBS
+	ldconfig -p | grep -q 'libibverbs.so.1 ' || \
+	  { apt-get update -qq && apt-get install -y -qq libibverbs1; } || \
+	  echo "warning: libibverbs1 missing; Mooncake tests will be skipped"
+endef
 
 .PHONY: setup run test lint typecheck pytest clean
 
 $(STAMP): pyproject.toml
+	$(ENSURE_IBVERBS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install torch==2.13.0
-	$(BIN)/python -m pip install -e '.[test,dev]'
+	$(BIN)/python -m pip install -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -13,7 +13,6 @@ import importlib.metadata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from hicache.backends.base import StorageBackend
 from hicache.errors import (
@@ -49,6 +48,19 @@ _KNOWN: dict[str, _Known] = {
     "memory": _Known("hicache.backends.memory:MemoryBackend", ("memory",), ""),
     "file": _Known("hicache.backends.file:FileBackend", ("file",), ""),
     "shm": _Known("hicache.backends.shm:SharedMemoryBackend", ("shm",), ""),
+    # First-party backends whose client libraries are optional extras.
+    "fsspec": _Known(
+        "hicache.backends.fsspec_store:FsspecBackend",
+        ("s3", "s3a", "gs", "gcs", "az", "abfs"),
+        "pip install 'hicache[s3]' (s3fs; gcsfs or adlfs for gs:// and az://)",
+    ),
+    "mooncake": _Known(
+        "hicache.backends.mooncake:MooncakeBackend",
+        ("mooncake",),
+        "pip install 'hicache[mooncake]' (and apt-get install libibverbs1)",
+    ),
+    "nixl": _Known("hicache.backends.nixl:NixlBackend", ("nixl",), "pip install 'hicache[nixl]'"),
+    "3fs": _Known("hicache.backends.hf3fs:Hf3fsBackend", ("hf3fs", "3fs"), ""),
 }
 
 # Schemes that a plugin or an optional first-party backend serves, and how to get it; used only
@@ -154,7 +166,8 @@ class BackendRegistry:
         """
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgumentError(f"not a backend URL: {url!r} (expected scheme://...)")
-        scheme = urlsplit(url).scheme.lower()
+        # Not urlsplit: it drops a scheme that starts with a digit ("3fs://").
+        scheme = url.split("://", 1)[0].lower()
         if "+" in scheme:
             name, _, inner = scheme.partition("+")
             return self.load(name), inner + url[len(scheme) :]

@@ -35,6 +35,7 @@ and the mantissa plane is nearly random, so this is both faster and smaller than
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import struct
 from collections.abc import Sequence
@@ -43,7 +44,6 @@ from typing import Any
 
 import numpy as np
 import xxhash
-import zstandard
 
 from hicache.dtypes import DType
 from hicache.errors import (
@@ -93,17 +93,26 @@ _GOOD_SHAPES: set[bytes] = set()
 _PLANE_ENTRY = struct.Struct("<BQ")  # per byte plane: stored raw (0) or zstd (1), stored length
 assert _BODY.size + _CHECK.size == HEADER_SIZE
 
+
 # Fast zstd parameters for KV planes: their redundancy is in symbol frequencies, not repeats, so
 # a tiny match finder with long minimum matches leaves nearly all work to the entropy coder.
-_ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
-    strategy=zstandard.STRATEGY_FAST,
-    window_log=17,
-    hash_log=10,
-    chain_log=10,
-    search_log=1,
-    min_match=7,
-    target_length=0,
-)
+# zstandard is imported on first use: reading and writing uncompressed pages needs no zstd.
+@functools.cache
+def _zstd() -> tuple[Any, Any]:
+    import zstandard
+
+    params = zstandard.ZstdCompressionParameters(
+        strategy=zstandard.STRATEGY_FAST,
+        window_log=17,
+        hash_log=10,
+        chain_log=10,
+        search_log=1,
+        min_match=7,
+        target_length=0,
+    )
+    return zstandard, params
+
+
 _SAMPLE_BYTES = 8192
 _MIN_GAIN = 0.95  # compress a plane only when a sample shrinks below 95 %
 
@@ -178,6 +187,43 @@ class PageHeader:
         return HEADER_SIZE + self.payload_len
 
 
+_META_FIELDS = ("pool", "dtype", "shape", "layout", "page_index", "parent_hash")
+
+
+def meta_at(template: PageMeta, page_index: int | None, parent_hash: bytes) -> PageMeta:
+    """``template`` at another place in a chain, checking only the two fields that differ.
+
+    For a reader or writer that builds one meta per page: the template was checked once.
+    """
+    if page_index is not None and not 0 <= page_index < _UNKNOWN_INDEX:
+        raise InvalidArgumentError(f"page_index out of range: {page_index}")
+    if len(parent_hash) != 32:
+        raise InvalidArgumentError("parent_hash must be 32 bytes")
+    meta = object.__new__(PageMeta)
+    values = (template.pool, template.dtype, template.shape, template.layout)
+    for name, value in zip(_META_FIELDS, (*values, page_index, parent_hash), strict=True):
+        object.__setattr__(meta, name, value)
+    return meta
+
+
+def _signature(meta: PageMeta) -> tuple[Any, ...]:
+    """The header fields that say what a page holds (pool to shape, without the codec)."""
+    # Enum members are singletons: their ids key the cache without hashing the enums.
+    cache_key = (meta.pool, meta.shape, id(meta.dtype), id(meta.layout))
+    sig = _SIGNATURES.get(cache_key)
+    if sig is None:
+        shape = tuple(meta.shape) + (0,) * (MAX_NDIM - len(meta.shape))
+        pool = meta.pool.encode("ascii").ljust(16, b"\x00")
+        sig = (pool, meta.dtype.code, meta.layout.code, len(meta.shape), *shape)
+        if len(_SIGNATURES) >= 256:
+            _SIGNATURES.clear()
+        _SIGNATURES[cache_key] = sig
+    return sig
+
+
+_SIGNATURES: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
 def key_digest(key: str) -> bytes:
     return xxhash.xxh3_128_digest(key.encode("utf-8"))
 
@@ -224,14 +270,21 @@ def _pack_header(
 
 
 def encode_page(
-    key: str, payload: object, meta: PageMeta, compress: bool = False
+    key: str,
+    payload: object,
+    meta: PageMeta,
+    compress: bool = False,
+    place: tuple[int | None, bytes] | None = None,
 ) -> list[bytes | memoryview]:
     """The segments of the stored object, header first, ready for ``backend.put``.
 
     Uncompressed, the payload segment is a view of the caller's buffer (no copy): keep the
     buffer unchanged until the put has returned. Compression falls back to storing the payload
-    as is when it would not shrink.
+    as is when it would not shrink. ``place``: (page index, parent hash) overriding ``meta``'s,
+    for a writer that keeps one meta per pool.
     """
+    if place is not None:
+        meta = meta_at(meta, *place)
     view = _flat(payload)
     if view.nbytes != meta.nbytes:
         raise InvalidArgumentError(
@@ -270,15 +323,28 @@ def _checked_body(key: str, raw: memoryview) -> tuple[bytes, tuple[Any, ...]]:
     return head, fields
 
 
-def _header_of(key: str, fields: tuple[Any, ...]) -> PageHeader:
+def _header_of(
+    key: str, fields: tuple[Any, ...], parsed: tuple[PageMeta, Codec] | None = None
+) -> PageHeader:
     """The header of checked body fields, once its meta and lengths are consistent."""
-    meta, codec = _meta_of(key, fields)
+    meta, codec = parsed or _meta_of(key, fields)
     raw_len, payload_len, checksum, raw_checksum = fields[18:22]
     limit = raw_len if codec is Codec.NONE else raw_len + 16 * meta.dtype.itemsize + 64
     if raw_len != meta.nbytes or payload_len > limit or payload_len > MAX_PAYLOAD_BYTES:
         raise CorruptHeaderError(f"{key}: inconsistent lengths (raw {raw_len}, {payload_len})")
     _check_codec_checksums(key, codec.value, checksum, raw_checksum)
     return PageHeader(meta, codec, fields[4], raw_len, payload_len, checksum, raw_checksum)
+
+
+def _expected_header(key: str, fields: tuple[Any, ...], expect: PageMeta) -> PageHeader:
+    """The header of checked fields whose meta equals ``expect``'s (only the place differs)."""
+    index = fields[17]
+    meta = meta_at(expect, None if index == _UNKNOWN_INDEX else index, fields[5])
+    try:
+        codec = _CODEC_OF.get(fields[10]) or Codec(fields[10])
+    except ValueError as exc:
+        raise CorruptHeaderError(f"{key}: bad header field: {exc}") from None
+    return _header_of(key, fields, (meta, codec))
 
 
 def _check_codec_checksums(key: str, codec: int, checksum: int, raw_checksum: int) -> None:
@@ -324,8 +390,12 @@ def decode_into(
     """Check an object a backend read as ``[header_buf, payload_buf]`` and leave the raw
     payload in ``payload_buf``. ``nread`` is what ``get_into`` returned for it.
     """
-    header = parse_header(key, header_buf)
-    _check_expected(key, header, expect)
+    _, fields = _checked_body(key, _flat(header_buf))
+    if expect is not None and fields[6:10] + fields[11:17] == _signature(expect):
+        header = _expected_header(key, fields, expect)  # the usual case: no meta to rebuild
+    else:
+        header = _header_of(key, fields)
+        _check_expected(key, header, expect)
     dest = _flat(payload_buf)
     if nread < header.object_len:
         raise TruncatedPageError(f"{key}: {nread} bytes, the header says {header.object_len}")
@@ -417,7 +487,8 @@ def _compress_planes(view: memoryview, itemsize: int) -> list[memoryview] | None
         return None
     flat = np.frombuffer(view, dtype=np.uint8)
     planes = flat.reshape(-1, itemsize).T.copy() if itemsize > 1 else flat.reshape(1, -1)
-    compressor = zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS)
+    zstandard, params = _zstd()
+    compressor = zstandard.ZstdCompressor(compression_params=params)
     table = bytearray()
     parts: list[memoryview] = [memoryview(b"")]  # the table, once complete
     for plane_array in planes:
@@ -445,6 +516,7 @@ def _decompress_planes(key: str, stored: bytes, dest: memoryview, itemsize: int)
     out = np.frombuffer(dest, dtype=np.uint8)
     if itemsize > 1:
         out = out.reshape(n_elems, itemsize)
+    zstandard, _ = _zstd()
     decompressor = zstandard.ZstdDecompressor()
     offset = _PLANE_ENTRY.size * itemsize
     try:

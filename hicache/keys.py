@@ -35,6 +35,7 @@ __all__ = [
     "PageKeyScheme",
     "RadixKey",
     "StorageFormat",
+    "chain_packed_hashes",
     "chain_page_hashes",
     "namespace_digest",
     "pack_token_ids",
@@ -226,6 +227,27 @@ def chain_page_hashes(
     for off in range(0, n_pages * step, step):
         h = sha256(prev)
         h.update(data[off : off + step])
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def chain_packed_hashes(packed: bytes | memoryview, page_bytes: int, seed: bytes) -> list[bytes]:
+    """:func:`chain_page_hashes` over units already packed (as a radix node keeps them).
+
+    ``packed`` holds whole pages of ``page_bytes`` each, in the packing of ``_unit_bytes``.
+    """
+    if page_bytes <= 0 or len(packed) % page_bytes:
+        raise InvalidArgumentError(f"{len(packed)} bytes are not whole {page_bytes}-byte pages")
+    if len(seed) != HASH_BYTES:
+        raise InvalidArgumentError(f"a chain seed is {HASH_BYTES} bytes, got {len(seed)}")
+    view = memoryview(packed)
+    sha256 = hashlib.sha256
+    out: list[bytes] = []
+    prev = seed
+    for off in range(0, len(view), page_bytes):
+        h = sha256(prev)
+        h.update(view[off : off + page_bytes])
         prev = h.digest()
         out.append(prev)
     return out

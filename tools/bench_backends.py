@@ -10,6 +10,8 @@ shared and noisy. Figures are GB/s (1e9 bytes per second).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import os
 import shutil
 import tempfile
@@ -48,6 +50,23 @@ class _Workload:
     @property
     def nbytes(self) -> int:
         return int(self.source.nbytes)
+
+
+# Backends whose raw client baseline, and any service they need (a master, an S3 server), live
+# in a module of their own: ``raw_baseline(backend, scratch, work) -> (put, get)`` and,
+# optionally, ``provision(scratch, total_bytes)``, a context manager that yields the URL to
+# open when no ``--url`` is given. The names are module names under hicache.tools.
+_RAW_MODULES: dict[str, str] = {
+    "fsspec": "bench_raw_fsspec",
+    "mooncake": "bench_raw_mooncake",
+    "nixl": "bench_raw_nixl",
+    "3fs": "bench_raw_hf3fs",
+}
+
+
+def _raw_module(name: str) -> Any | None:
+    module = _RAW_MODULES.get(name)
+    return importlib.import_module(f"hicache.tools.{module}") if module else None
 
 
 def _default_url(name: str, scratch: str, total: int) -> str:
@@ -104,6 +123,9 @@ def _raw_baseline(
     name: str, backend: StorageBackend, scratch: str, work: _Workload
 ) -> tuple[Any, Any]:
     """(put, get) callables for the raw baseline matching this backend."""
+    module = _raw_module(name)
+    if module is not None:
+        return module.raw_baseline(backend, scratch, work)  # type: ignore[no-any-return]
     if name == "file":
         root = os.path.join(scratch, "raw")
         os.makedirs(root, exist_ok=True)
@@ -129,32 +151,48 @@ async def _bench_backend(
 ) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(prefix="hicache-bench-", dir=cfg.directory)
     try:
-        backend = await open_backend(url or _default_url(name, scratch, work.nbytes))
-        try:
-            raw_put, raw_get = _raw_baseline(name, backend, scratch, work)
-            await _backend_put(backend, work)  # warm: directories, arena pages, caches
-            await _backend_get(backend, work)
-            if not np.array_equal(work.dest, work.source):
-                raise RuntimeError(f"{name}: data read back differs from data written")
-            raw_put(work)
-            raw_get(work)
-            times: dict[str, float] = {}
-            for _ in range(cfg.repeats):  # alternate, so noise hits both sides alike
-                for label, fn in (
-                    ("put", lambda: _backend_put(backend, work)),
-                    ("raw_put", lambda: asyncio.to_thread(raw_put, work)),
-                    ("get", lambda: _backend_get(backend, work)),
-                    ("raw_get", lambda: asyncio.to_thread(raw_get, work)),
-                ):
-                    seconds = await _timed(fn)
-                    times[label] = min(times.get(label, float("inf")), seconds)
-        finally:
-            unlink = getattr(backend, "unlink", None)
-            await backend.close()
-            if callable(unlink):
-                unlink()
+        with contextlib.ExitStack() as services:
+            url = url or _provisioned_url(name, scratch, work.nbytes, services)
+            return await _bench_open(name, url, scratch, work, cfg)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _provisioned_url(name: str, scratch: str, total: int, services: contextlib.ExitStack) -> str:
+    module = _raw_module(name)
+    provision = getattr(module, "provision", None)
+    if provision is None:
+        return _default_url(name, scratch, total)
+    return str(services.enter_context(provision(scratch, total)))
+
+
+async def _bench_open(
+    name: str, url: str, scratch: str, work: _Workload, cfg: BackendBenchConfig
+) -> dict[str, Any]:
+    backend = await open_backend(url)
+    try:
+        raw_put, raw_get = _raw_baseline(name, backend, scratch, work)
+        await _backend_put(backend, work)  # warm: directories, arena pages, caches
+        await _backend_get(backend, work)
+        if not np.array_equal(work.dest, work.source):
+            raise RuntimeError(f"{name}: data read back differs from data written")
+        raw_put(work)
+        raw_get(work)
+        times: dict[str, float] = {}
+        for _ in range(cfg.repeats):  # alternate, so noise hits both sides alike
+            for label, fn in (
+                ("put", lambda: _backend_put(backend, work)),
+                ("raw_put", lambda: asyncio.to_thread(raw_put, work)),
+                ("get", lambda: _backend_get(backend, work)),
+                ("raw_get", lambda: asyncio.to_thread(raw_get, work)),
+            ):
+                seconds = await _timed(fn)
+                times[label] = min(times.get(label, float("inf")), seconds)
+    finally:
+        unlink = getattr(backend, "unlink", None)
+        await backend.close()
+        if callable(unlink):
+            unlink()
     gbps = {k: work.nbytes / v / 1e9 for k, v in times.items()}
     return {
         "backend": name,

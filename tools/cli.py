@@ -244,11 +244,16 @@ def _add_bench(sub: Any) -> None:
     for b in (b_backends, b_codec, b_tools):
         b.add_argument("--json", action="store_true", help="one JSON object per line")
     # These two bring their own --json; their modules import torch-heavy code only when run.
+    from hicache.tools.bench_controller import (
+        add_bench_controller_parser,
+        run_bench_controller,
+    )
     from hicache.tools.bench_layouts import add_bench_layouts_parser, run_bench_layouts
     from hicache.tools.bench_radix import add_bench_radix_parser, run_bench_radix
 
     add_bench_radix_parser(bench_sub).set_defaults(bench_run=run_bench_radix)
     add_bench_layouts_parser(bench_sub).set_defaults(bench_run=run_bench_layouts)
+    add_bench_controller_parser(bench_sub).set_defaults(bench_run=run_bench_controller)
 
 
 def _store_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -309,7 +314,39 @@ def _parser() -> argparse.ArgumentParser:
     backends.set_defaults(func=_cmd_backends)
     _add_bench(sub)
     _add_store_commands(sub)
+    _add_config_command(sub)
     return parser
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    import dataclasses
+    import enum
+
+    from hicache.hiconfig import check_config, config_from_args
+
+    config = config_from_args(args)
+    check_config(config, args.page_size)
+
+    def plain(value: Any) -> Any:
+        return getattr(value, "label", value.value) if isinstance(value, enum.Enum) else value
+
+    table = {
+        section: {k: plain(v) for k, v in dataclasses.asdict(getattr(config, section)).items()}
+        for section in ("tiers", "prefetch", "storage")
+    }
+    print(json.dumps(table, indent=2))
+    return 0
+
+
+def _add_config_command(sub: Any) -> None:
+    from hicache.hiconfig import add_hicache_flags
+
+    p = sub.add_parser(
+        "config", help="check a tiered-cache config (file and flags) and print what takes effect"
+    )
+    p.add_argument("--page-size", type=int, default=64, help="the pools' page size")
+    add_hicache_flags(p)
+    p.set_defaults(func=_cmd_config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,7 +45,7 @@ main() {
     local repo=$PWD
     # Only the directories that hold CUDA tests: the rest need packages a bare GPU image may lack.
     local dirs=() d
-    for d in tests/layouts tests/pools tests/serving; do [ -d "$repo/$d" ] && dirs+=("$repo/$d"); done
+    for d in tests/layouts tests/pools tests/tiering tests/serving; do [ -d "$repo/$d" ] && dirs+=("$repo/$d"); done
     (cd "$src" && timeout "$tests_limit" "$py" -m pytest -m cuda -q -p no:cacheprovider \
         -c "$repo/pyproject.toml" --rootdir "$repo" "${dirs[@]}")
     local tests_rc=$?

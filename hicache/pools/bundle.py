@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hicache.backends.base import StorageBackend
-from hicache.codec import HEADER_SIZE, NO_PARENT, PageMeta, decode_into, encode_page
+from hicache.codec import HEADER_SIZE, NO_PARENT, PageMeta, decode_into, encode_page, meta_at
 from hicache.errors import CodecError, InvalidArgumentError
 from hicache.keys import StorageFormat, storage_key
 from hicache.layouts import Layout, page_shape, storage_layout
@@ -60,7 +60,9 @@ class PageBundler:
         self.host_pools = dict(host_pools)
         self.compress = compress
         self.formats: dict[str, StorageFormat] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._templates: dict[str, PageMeta] = {}
+        self._page_bytes: dict[str, np.ndarray | None] = {}
+        self._num_pages = {name: pool.num_pages for name, pool in self.host_pools.items()}
         for name, pool in self.host_pools.items():
             spec = pool.spec
             self.formats[name] = StorageFormat(
@@ -72,7 +74,15 @@ class PageBundler:
                 # Replicated pools (MLA latent, DSA indexer) are one object for all ranks.
                 shard="replicated" if spec.replicated_across_tp else shard,
             )
-            self._shapes[name] = page_shape(spec.layout, pool.layout)
+            shape = page_shape(spec.layout, pool.layout)
+            self._templates[name] = PageMeta(
+                name, spec.layout.dtype, shape, storage_layout(pool.layout)
+            )
+            # Each page's bytes as one numpy row, made once: a view per page costs ~0.3 us
+            # this way instead of ~5 us through tensor views.
+            contiguous = pool.layout is not Layout.LAYER_FIRST
+            rows = pool.buffer.view(pool.num_pages, -1) if contiguous else None
+            self._page_bytes[name] = rows.view(torch.uint8).numpy() if rows is not None else None
         self.counters = {"pages_written": 0, "pages_loaded": 0, "missing": 0, "corrupt": 0}
 
     def keys(self, page: BundlePage) -> dict[str, str]:
@@ -84,24 +94,26 @@ class PageBundler:
         }
 
     def meta(self, name: str, page: BundlePage) -> PageMeta:
-        pool = self.host_pools[name]
-        return PageMeta(
-            name,
-            pool.spec.layout.dtype,
-            self._shapes[name],
-            storage_layout(pool.layout),
-            page.page_index,
-            page.parent_hash,
-        )
+        return meta_at(self._templates[name], page.page_index, page.parent_hash)
 
-    async def write(self, backend: StorageBackend, pages: Sequence[BundlePage]) -> list[bool]:
-        """Store every object of every page in one batch; per page, whether all of it landed."""
+    async def write(
+        self,
+        backend: StorageBackend,
+        pages: Sequence[BundlePage],
+        keys_of: Sequence[Mapping[str, str]] | None = None,
+    ) -> list[bool]:
+        """Store every object of every page in one batch; per page, whether all of it landed.
+
+        ``keys_of``: each page's :meth:`keys`, when the caller has them already.
+        """
         keys, values, owners = [], [], []
         for i, page in enumerate(pages):
-            for name, key in self.keys(page).items():
+            place = (page.page_index, page.parent_hash)
+            for name, key in (keys_of[i] if keys_of else self.keys(page)).items():
                 payload = self._payload(name, page.host_pages[name])
                 keys.append(key)
-                values.append(encode_page(key, payload, self.meta(name, page), self.compress))
+                meta = self._templates[name]
+                values.append(encode_page(key, payload, meta, self.compress, place))
                 owners.append(i)
         stored = await backend.put(keys, values) if keys else []
         ok = [True] * len(pages)
@@ -110,13 +122,19 @@ class PageBundler:
         self.counters["pages_written"] += sum(ok)
         return ok
 
-    async def read(self, backend: StorageBackend, pages: Sequence[BundlePage]) -> int:
+    async def read(
+        self,
+        backend: StorageBackend,
+        pages: Sequence[BundlePage],
+        keys_of: Sequence[Mapping[str, str]] | None = None,
+    ) -> int:
         """Load pages into their host pages; how many leading pages arrived whole and checked.
 
         Pages after the first incomplete one are not used (their host pages hold unspecified
         bytes: the caller frees them). Missing and bad objects are counted, never raised.
         """
-        plan = [(i, name, key) for i, p in enumerate(pages) for name, key in self.keys(p).items()]
+        keys_of = keys_of or [self.keys(p) for p in pages]
+        plan = [(i, name, key) for i, ks in enumerate(keys_of) for name, key in ks.items()]
         headers = [bytearray(HEADER_SIZE) for _ in plan]
         targets = [self._target(name, pages[i].host_pages[name]) for i, name, _ in plan]
         got = await backend.get_into(
@@ -126,7 +144,7 @@ class PageBundler:
         for (i, name, key), header, target, n in zip(plan, headers, targets, got, strict=True):
             if i >= bad_page:
                 continue
-            if not self._decode(key, header, target, n, self.meta(name, pages[i])):
+            if not self._decode(key, header, target, n, self._templates[name]):
                 bad_page = i
                 continue
             if self.host_pools[name].layout is Layout.LAYER_FIRST:
@@ -148,17 +166,23 @@ class PageBundler:
         return True
 
     def _payload(self, name: str, host_page: int) -> memoryview:
-        pool = self.host_pools[name]
-        data = pool.read_page(host_page) if pool.layout is Layout.LAYER_FIRST else None
-        tensor = data if data is not None else pool.page_buffer(host_page)
-        return memoryview(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        rows = self._page_bytes[name]
+        if rows is not None:
+            return memoryview(rows[self._checked_page(name, host_page)])
+        data = self.host_pools[name].read_page(host_page)
+        return memoryview(data.reshape(-1).view(torch.uint8).numpy().data)
 
     def _target(self, name: str, host_page: int) -> np.ndarray:
         """Where a page's payload is read to: the host page itself, or a scratch copy."""
-        pool = self.host_pools[name]
-        if pool.layout is Layout.LAYER_FIRST:
-            return np.empty(pool.spec.page_bytes, dtype=np.uint8)
-        return pool.page_buffer(host_page).reshape(-1).view(torch.uint8).numpy()
+        rows = self._page_bytes[name]
+        if rows is not None:
+            return rows[self._checked_page(name, host_page)]  # type: ignore[no-any-return]
+        return np.empty(self.host_pools[name].spec.page_bytes, dtype=np.uint8)
+
+    def _checked_page(self, name: str, host_page: int) -> int:
+        if not 0 <= host_page < self._num_pages[name] or isinstance(host_page, bool):
+            raise InvalidArgumentError(f"host page {host_page!r} out of range for {name!r}")
+        return host_page
 
     def _check(self, page: BundlePage) -> None:
         unknown = set(page.host_pages) - set(self.host_pools)

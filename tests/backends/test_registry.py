@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+from hicache.backends import registry as registry_module
 from hicache.backends.memory import MemoryBackend, MemoryConfig
 from hicache.backends.registry import BackendRegistry, open_backend
 from hicache.errors import (
@@ -45,13 +46,17 @@ async def test_bad_options_name_the_known_ones() -> None:
         await open_backend("memory://?capacity_bytes=lots")
 
 
-def test_unknown_name_and_scheme_list_what_is_registered() -> None:
+def test_unknown_name_and_scheme_list_what_is_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     registry = BackendRegistry(group=None)
     with pytest.raises(BackendNotFoundError, match=r"memory \(memory://\)"):
         registry.load("nosuch")
+    # A scheme a plugin would serve: the error says how to get one.
+    monkeypatch.setitem(registry_module._INSTALL_HINTS, "wasb", "pip install 'hicache[wasb]'")
     with pytest.raises(BackendNotFoundError) as info:
-        registry.resolve_url("s3://bucket/prefix")
-    assert "hicache[s3]" in str(info.value) and "file (file://)" in str(info.value)
+        registry.resolve_url("wasb://bucket/prefix")
+    assert "hicache[wasb]" in str(info.value) and "file (file://)" in str(info.value)
+    # The first-party optional backends are known by scheme, with their install hint listed.
+    assert "fsspec (s3://" in str(info.value) and "hicache[mooncake]" in str(info.value)
     with pytest.raises(LookupError):  # the typed error is also a LookupError
         registry.resolve_url("zzz://x")
     with pytest.raises(InvalidArgumentError):

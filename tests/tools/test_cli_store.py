@@ -139,7 +139,8 @@ def test_bench_tools_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and [r["workload"] for r in rows] == ["small", "large"]
     for row in rows:
         assert row["verify_ratio"] > 0 and row["raw_read_objects_per_s"] > 0
-        assert row["inspect_objects_per_s"] > 0 and row["verify_gbps"] > 0
+        # GB/s is rounded to 3 places: 256 KiB of small objects on a loaded machine can show 0.0.
+        assert row["inspect_objects_per_s"] > 0 and row["verify_gbps"] >= 0
 
 
 class _Tty(io.StringIO):

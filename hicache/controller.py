@@ -1,0 +1,172 @@
+"""HiCacheController: moves pages between the device, host memory and L3.
+
+Device <-> host copies run per layer through the layouts' gather/scatter on one
+:class:`~hicache.layouts.TransferStream` per direction (CUDA streams with an event per layer;
+synchronous copies on the CPU, behind the same API), so a forward pass waits for layer ``i`` of a
+load only. Host <-> L3 goes through :class:`~hicache.storage_tier.StorageTier` on asyncio tasks.
+
+The controller moves data and counts it; which pages move, and when, is the tree's business
+(:class:`~hicache.hiradix.HiRadixCache`). It serves a *pool group*: the pools that share the
+anchor pool's slots (the anchor itself, and sidecars such as the DSA indexer), which move together.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from hicache.backends.base import StorageBackend
+from hicache.errors import BackendError, ConfigError, HiCacheError
+from hicache.hiconfig import HiCacheConfig, check_config
+from hicache.layouts import LayerTransfer, TransferStream
+from hicache.metrics import HiCacheMetrics
+from hicache.pools.bundle import PageBundler
+from hicache.pools.device import DevicePool
+from hicache.pools.host import HostPool
+from hicache.storage_tier import StorageTier
+
+__all__ = ["GroupTransfer", "HiCacheController"]
+
+logger = logging.getLogger(__name__)
+
+
+class GroupTransfer:
+    """One copy of a page set across every pool of the group; per-pool, per-layer events."""
+
+    def __init__(self, transfers: Mapping[str, LayerTransfer]) -> None:
+        self.transfers = dict(transfers)
+
+    def wait_layer(self, pool: str, layer: int) -> None:
+        """Make the current stream wait until ``layer`` of ``pool`` is copied (no host block)."""
+        self.transfers[pool].wait_layer(layer)
+
+    def done(self) -> bool:
+        return all(t.done() for t in self.transfers.values())
+
+    def synchronize(self) -> None:
+        for transfer in self.transfers.values():
+            transfer.synchronize()
+
+
+class HiCacheController:
+    """The data mover of one pool group; open with :meth:`open`, close with :meth:`close`."""
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        device_pools: Mapping[str, DevicePool],
+        host_pools: Mapping[str, HostPool],
+        metrics: HiCacheMetrics | None = None,
+    ) -> None:
+        if set(device_pools) != set(host_pools) or not device_pools:
+            raise ConfigError("the controller needs a host pool for every device pool")
+        self.config = config
+        self.device_pools = dict(device_pools)
+        self.host_pools = dict(host_pools)
+        owners = [n for n, p in self.host_pools.items() if p.spec.shares_slots_with is None]
+        self.anchor = owners[0]
+        for name, pool in self.host_pools.items():
+            if name != self.anchor and pool.spec.shares_slots_with != self.anchor:
+                raise ConfigError(
+                    f"pool {name!r} has slots of its own; the controller moves one pool group "
+                    f"(the anchor {self.anchor!r} and the sidecars sharing its slots)"
+                )
+        self.page_size = self.host_pools[self.anchor].page_size
+        check_config(config, self.page_size)
+        self.metrics = metrics or HiCacheMetrics()
+        device = next(iter(self.device_pools.values())).device
+        self._d2h = TransferStream(device)
+        self._h2d = TransferStream(device)
+        self.page_bytes = sum(p.spec.page_bytes for p in self.host_pools.values())
+        self.bundler = PageBundler(
+            config.storage.model_id, self.host_pools, config.storage.shard, config.storage.compress
+        )
+        self.storage = StorageTier(config.storage, config.prefetch, self.bundler, self.metrics)
+        self.metrics.gauge("l3_enabled", lambda: float(self.storage.enabled))
+
+    @property
+    def anchor_host(self) -> HostPool:
+        return self.host_pools[self.anchor]
+
+    @property
+    def anchor_device(self) -> DevicePool:
+        return self.device_pools[self.anchor]
+
+    # ----- lifecycle ------------------------------------------------------------------------
+    @classmethod
+    async def open(
+        cls,
+        config: HiCacheConfig,
+        device_pools: Mapping[str, DevicePool],
+        host_pools: Mapping[str, HostPool],
+        metrics: HiCacheMetrics | None = None,
+    ) -> HiCacheController:
+        """A controller with its L3 backend connected (when ``config.storage.url`` is set).
+
+        An unreachable L3 is refused when ``storage.required``; otherwise the controller runs
+        with L3 off, logs an error and counts ``l3_unavailable``.
+        """
+        controller = cls(config, device_pools, host_pools, metrics)
+        url = config.storage.url
+        if url is not None:
+            backend = await controller._connect(url)
+            if backend is not None:
+                controller.storage.start(backend)
+        return controller
+
+    async def _connect(self, url: str) -> StorageBackend | None:
+        try:
+            if self.config.storage.backend_in_thread:
+                from hicache.backends.threaded import ThreadedBackend
+
+                return await ThreadedBackend.open_url(url)
+            from hicache.backends.registry import open_backend
+
+            return await open_backend(url)
+        except (BackendError, ConfigError, OSError) as exc:
+            if self.config.storage.required:
+                raise BackendError(
+                    f"L3 {url!r} is required (storage.required) but could not be opened: {exc}"
+                ) from exc
+            self.metrics.add("l3_unavailable")
+            logger.error(
+                "L3 %r could not be opened (%s); RUNNING WITH L3 OFF. Set storage.required "
+                "to refuse to start instead.",
+                url,
+                exc,
+            )
+            return None
+
+    async def close(self) -> None:
+        backend = self.storage.backend
+        await self.storage.stop()
+        if backend is not None:
+            try:
+                await backend.close()
+            except HiCacheError as exc:  # closing a broken connection must not hide the rest
+                logger.warning("closing L3 failed: %s", exc)
+
+    # ----- device <-> host ------------------------------------------------------------------
+    def write(self, device_slots: torch.Tensor, host_pages: torch.Tensor) -> GroupTransfer:
+        """Back up device slots (whole pages) into host pages, every pool of the group."""
+        transfers = {
+            name: host.backup(self.device_pools[name], device_slots, host_pages, stream=self._d2h)
+            for name, host in self.host_pools.items()
+        }
+        self.metrics.add("bytes_device_to_host", len(host_pages) * self.page_bytes)
+        return GroupTransfer(transfers)
+
+    def load(self, host_pages: torch.Tensor, device_slots: torch.Tensor) -> GroupTransfer:
+        """Load host pages into device slots, every pool of the group; wait per layer."""
+        transfers = {
+            name: host.load(host_pages, self.device_pools[name], device_slots, stream=self._h2d)
+            for name, host in self.host_pools.items()
+        }
+        self.metrics.add("bytes_host_to_device", len(host_pages) * self.page_bytes)
+        return GroupTransfer(transfers)
+
+    def stats(self) -> dict[str, Any]:
+        return self.metrics.as_dict()

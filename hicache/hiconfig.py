@@ -1,0 +1,250 @@
+"""HiCache configuration: frozen dataclasses, read from TOML or JSON files and from CLI flags.
+
+A file has up to four tables; every key is optional::
+
+    [tiers]                      # write policy and the host tier
+    write_policy = "write_through_selective"
+    host_ratio = 2.0
+
+    [prefetch]
+    stop_policy = "timeout"
+    threshold_tokens = 256
+
+    [storage]                    # L3
+    url = "file:///var/cache/hicache"
+    required = false
+
+CLI flags (:func:`add_hicache_flags`) override the file. :func:`check_config` refuses a combination
+that cannot work, with a message saying what to change; it runs before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.config import build_config
+from hicache.errors import BackendError, ConfigError
+from hicache.layouts import Layout
+from hicache.policies import L3Admission, PrefetchStopPolicy, WritePolicy
+
+__all__ = [
+    "HiCacheConfig",
+    "PrefetchConfig",
+    "StorageConfig",
+    "TierConfig",
+    "add_hicache_flags",
+    "check_config",
+    "check_storage_url",
+    "config_from_args",
+    "load_config",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """Device-to-host behaviour and the host tier's size."""
+
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_threshold: int = 2  # write_through_selective: hits before a node is backed up
+    host_enabled: bool = True
+    host_pages: int | None = None  # host pages of the anchor pool; None: host_ratio x device
+    host_ratio: float = 2.0
+    host_layout: Layout = Layout.PAGE_FIRST
+    load_back_threshold_tokens: int = 0  # a shorter host hit is recomputed, not loaded
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchConfig:
+    """L3-to-host prefetch: when it starts and when its request stops waiting for it."""
+
+    enabled: bool = True
+    stop_policy: PrefetchStopPolicy = PrefetchStopPolicy.TIMEOUT
+    threshold_tokens: int = 256  # a shorter L3 candidate is not prefetched
+    timeout_base_s: float = 2.0
+    timeout_per_1k_tokens_s: float = 0.1
+    timeout_max_s: float = 30.0
+    capacity_share: float = 0.5  # at most this share of host pages held by running prefetches
+    batch_pages: int = 32  # pages read per backend call; one acknowledgement per batch
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    """The L3 tier: a backend URL and how pages go to it."""
+
+    url: str | None = None  # None: no L3
+    required: bool = False  # refuse to start when L3 is unreachable (else start with L3 off)
+    admission: L3Admission = L3Admission.ALL
+    admission_hit_threshold: int = 2
+    write_batch_pages: int = 32
+    write_queue_pages: int = 4096  # pages waiting for L3; past it the least valuable is dropped
+    op_deadline_s: float = 30.0  # one backend call; past it the call counts as failed
+    compress: bool = False
+    model_id: str = "hicache-model"  # part of every key: another model's pages never match
+    shard: str = "tp0of1"
+    backend_in_thread: bool = False  # run the backend on its own event loop thread
+    workers: int = 2  # concurrent L3 write batches
+
+
+@dataclass(frozen=True, slots=True)
+class HiCacheConfig:
+    tiers: TierConfig = field(default_factory=TierConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+    def with_changes(self, section: str, **changes: Any) -> HiCacheConfig:
+        current = getattr(self, section)
+        return dataclasses.replace(self, **{section: dataclasses.replace(current, **changes)})
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "tiers": TierConfig,
+    "prefetch": PrefetchConfig,
+    "storage": StorageConfig,
+}
+
+
+def config_from_mapping(data: Mapping[str, Any]) -> HiCacheConfig:
+    """A config from nested tables (as a TOML or JSON file holds them)."""
+    unknown = sorted(set(data) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown config table(s) {unknown}; known: {sorted(_SECTIONS)}")
+    parts = {}
+    for name, cls in _SECTIONS.items():
+        table = data.get(name, {})
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"[{name}] must be a table of options")
+        parts[name] = build_config(cls, dict(table))
+    return HiCacheConfig(**parts)
+
+
+def load_config(path: str | pathlib.Path) -> HiCacheConfig:
+    """Read a ``.toml`` or ``.json`` file; a bad file names itself and what is wrong."""
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        elif path.suffix == ".toml":
+            data = _toml_loads(text)
+        else:
+            raise ConfigError(f"config file {path} must end in .toml or .json")
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table at its top level")
+    return config_from_mapping(data)
+
+
+def _toml_loads(text: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
+def check_config(config: HiCacheConfig, page_size: int) -> None:
+    """Refuse combinations that cannot work, saying what to change."""
+    tiers, prefetch, storage = config.tiers, config.prefetch, config.storage
+    if tiers.write_policy is WritePolicy.WRITE_BACK and not tiers.host_enabled:
+        raise ConfigError(
+            "write_policy write_back backs pages up to host memory when the device evicts them; "
+            "enable the host tier or use write_through"
+        )
+    if storage.url is not None and not tiers.host_enabled:
+        raise ConfigError("an L3 tier moves pages through host memory; enable the host tier")
+    if prefetch.threshold_tokens < page_size:
+        raise ConfigError(
+            f"prefetch threshold_tokens {prefetch.threshold_tokens} is below the page size "
+            f"{page_size}; set it to at least {page_size}"
+        )
+    positive = {
+        "tiers.write_threshold": tiers.write_threshold,
+        "tiers.host_ratio": tiers.host_ratio,
+        "prefetch.batch_pages": prefetch.batch_pages,
+        "storage.write_batch_pages": storage.write_batch_pages,
+        "storage.write_queue_pages": storage.write_queue_pages,
+        "storage.op_deadline_s": storage.op_deadline_s,
+        "storage.workers": storage.workers,
+    }
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
+    if tiers.host_pages is not None and tiers.host_pages <= 0:
+        raise ConfigError(f"tiers.host_pages must be positive, got {tiers.host_pages}")
+    if not 0.0 < prefetch.capacity_share <= 1.0:
+        raise ConfigError("prefetch.capacity_share must be in (0, 1]")
+    if storage.url is not None:
+        check_storage_url(storage.url)
+
+
+def check_storage_url(url: str) -> None:
+    """Refuse an L3 URL no installed backend serves, listing what is available."""
+    from hicache.backends.registry import default_registry
+
+    try:
+        default_registry.resolve_url(url)
+    except (BackendError, ValueError) as exc:
+        raise ConfigError(f"storage url {url!r}: {exc}") from None
+
+
+# CLI flag -> (table, field). Flags name their table only where a name would be ambiguous.
+_FLAGS: dict[str, tuple[str, str, str]] = {
+    "--write-policy": ("tiers", "write_policy", "write_through | write_through_selective | ..."),
+    "--write-threshold": ("tiers", "write_threshold", "hits before write_through_selective"),
+    "--host-pages": ("tiers", "host_pages", "host pages of the main pool"),
+    "--host-ratio": ("tiers", "host_ratio", "host size as a multiple of the device pool"),
+    "--host-layout": ("tiers", "host_layout", "page_first | page_first_direct | layer_first"),
+    "--prefetch-policy": ("prefetch", "stop_policy", "best_effort | wait_complete | timeout"),
+    "--prefetch-threshold": ("prefetch", "threshold_tokens", "min L3 tokens worth a prefetch"),
+    "--prefetch-timeout-base": ("prefetch", "timeout_base_s", "seconds"),
+    "--prefetch-timeout-per-1k": ("prefetch", "timeout_per_1k_tokens_s", "seconds per 1k"),
+    "--prefetch-timeout-max": ("prefetch", "timeout_max_s", "seconds"),
+    "--l3-admission": ("storage", "admission", "all | hit_threshold"),
+    "--l3-hit-threshold": ("storage", "admission_hit_threshold", "hits before a page goes to L3"),
+    "--l3-compress": ("storage", "compress", "zstd byte planes for L3 pages (true/false)"),
+}
+
+
+def add_hicache_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tiered cache")
+    group.add_argument("--config", help="a .toml or .json HiCache config file")
+    group.add_argument("--l3", help="L3 backend URL, or 'none' to turn L3 off")
+    group.add_argument("--l3-required", action="store_true", help="refuse to start without L3")
+    group.add_argument("--no-host", action="store_true", help="no host tier (device only)")
+    for flag, (_, _, help_text) in _FLAGS.items():
+        group.add_argument(flag, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace, base: HiCacheConfig | None = None) -> HiCacheConfig:
+    """The config file named by ``--config`` (or ``base``), with the other flags over it."""
+    config = load_config(args.config) if getattr(args, "config", None) else base or HiCacheConfig()
+    tables: dict[str, dict[str, Any]] = {
+        name: _as_dict(getattr(config, name)) for name in _SECTIONS
+    }
+    for flag, (table, name, _) in _FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            tables[table][name] = value
+    l3 = getattr(args, "l3", None)
+    if l3 is not None:
+        tables["storage"]["url"] = None if l3.strip().lower() in ("", "none", "off") else l3
+    if getattr(args, "l3_required", False):
+        tables["storage"]["required"] = True
+    if getattr(args, "no_host", False):
+        tables["tiers"]["host_enabled"] = False
+    return config_from_mapping(tables)
+
+
+def _as_dict(section: Any) -> dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}

@@ -1,0 +1,288 @@
+"""The L3 side of the controller: host pages to a backend and back, on asyncio tasks.
+
+Writes wait in a bounded queue (counted in pages). When a new write does not fit, the least
+valuable queued write (fewest hits, then newest) is dropped and counted, so the scheduler that
+submits never waits. Worker tasks skip pages L3 already holds (one ``exists`` call), write the
+rest in batches, and acknowledge each job once every call has returned.
+
+A prefetch asks L3 how many leading pages it holds, takes host pages for them through a callback
+of the tree (which may evict host pages and applies the capacity limit), and reads them in
+batches, acknowledging each batch. A stop request ends it between batches. A backend call that
+runs past its deadline counts as failed, but its buffers stay reserved until it has returned:
+a late read can never land in a host page that was given to someone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from hicache.backends.base import StorageBackend
+from hicache.hiconfig import PrefetchConfig, StorageConfig
+from hicache.metrics import HiCacheMetrics
+from hicache.policies import TerminationReason
+from hicache.pools.bundle import BundlePage, PageBundler
+from hicache.supervisor import TaskSupervisor
+
+__all__ = ["PrefetchOp", "StorageTier", "WriteJob"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+HostAllocator = Callable[[int], "list[int] | None"]
+
+
+@dataclass(eq=False, slots=True)
+class WriteJob:
+    """Host pages of one tree node on their way to L3."""
+
+    pages: list[BundlePage]
+    value: float  # higher is worth more; the lowest is dropped first when the queue is full
+    owner: Any = None  # what the submitter needs back with the acknowledgement
+    ok: list[bool] | None = None  # per page, once acknowledged
+    dropped: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class PrefetchOp:
+    """One request's L3 prefetch: candidate pages, then the host pages read so far."""
+
+    rid: str
+    candidates: list[BundlePage]  # host pages -1: they are taken once L3 answered
+    alloc_host: HostAllocator
+    start_s: float
+    owner: Any = None
+    hit_pages: int | None = None  # None until L3 answered how many leading pages it holds
+    host_pages: list[int] = field(default_factory=list)
+    completed_pages: int = 0  # read and checked, batch by batch
+    stop_requested: bool = False
+    reads_finished: bool = False  # no read is in flight and none will start
+    reason: TerminationReason | None = None
+    taken_pages: int | None = None  # pages the tree took when it stopped or finished the op
+    task: asyncio.Task[None] | None = None
+
+
+class StorageTier:
+    """Bounded write queue and prefetch reads between host pools and one backend."""
+
+    def __init__(
+        self,
+        config: StorageConfig,
+        prefetch: PrefetchConfig,
+        bundler: PageBundler,
+        metrics: HiCacheMetrics,
+    ) -> None:
+        self.config = config
+        self.prefetch_config = prefetch
+        self.bundler = bundler
+        self.metrics = metrics
+        self.backend: StorageBackend | None = None
+        self.page_bytes = sum(p.spec.page_bytes for p in bundler.host_pools.values())
+        self._queue: deque[WriteJob] = deque()
+        self._queued_pages = 0
+        self._wakeup = asyncio.Event()
+        self.write_acks: deque[WriteJob] = deque()
+        self.finished_prefetches: deque[PrefetchOp] = deque()
+        self._supervisor = TaskSupervisor(lambda *_: metrics.add("task_restarts"))
+        self._prefetch_tasks: set[asyncio.Task[None]] = set()
+        metrics.gauge("l3_write_queue_pages", lambda: self._queued_pages)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def queued_pages(self) -> int:
+        return self._queued_pages
+
+    def start(self, backend: StorageBackend) -> None:
+        self.backend = backend
+        for i in range(self.config.workers):
+            self._supervisor.start(f"l3-writer-{i}", self._write_worker)
+
+    async def stop(self) -> None:
+        await self._supervisor.stop()
+        for task in list(self._prefetch_tasks):
+            task.cancel()
+        if self._prefetch_tasks:
+            await asyncio.gather(*self._prefetch_tasks, return_exceptions=True)
+        self.backend = None
+
+    # ----- writes ---------------------------------------------------------------------------
+    def submit_write(self, job: WriteJob) -> None:
+        """Queue ``job``; never waits. A job that cannot fit is acknowledged as dropped."""
+        if not job.pages:
+            job.ok = []
+            self.write_acks.append(job)
+            return
+        limit = self.config.write_queue_pages
+        while self._queued_pages + len(job.pages) > limit and self._queue:
+            victim = min(self._queue, key=lambda j: j.value)
+            if victim.value >= job.value:
+                break  # everything queued is worth at least as much as the newcomer
+            self._queue.remove(victim)
+            self._queued_pages -= len(victim.pages)
+            self._drop(victim)
+        if self._queued_pages + len(job.pages) > limit:
+            self._drop(job)
+            return
+        self._queue.append(job)
+        self._queued_pages += len(job.pages)
+        self._wakeup.set()
+
+    def _drop(self, job: WriteJob) -> None:
+        job.dropped = True
+        job.ok = [False] * len(job.pages)
+        self.metrics.add("dropped_writes", len(job.pages))
+        self.write_acks.append(job)
+
+    async def _write_worker(self) -> None:
+        while True:
+            while not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            job = self._queue.popleft()
+            self._queued_pages -= len(job.pages)
+            try:
+                job.ok = await self._write_job(job)
+            finally:
+                if job.ok is None:
+                    job.ok = [False] * len(job.pages)
+                self.write_acks.append(job)
+
+    async def _write_job(self, job: WriteJob) -> list[bool]:
+        assert self.backend is not None
+        backend = self.backend
+        keys = [self.bundler.keys(p) for p in job.pages]
+        present = await self._bounded(self._present(backend, keys), None)
+        ok = list(present) if present is not None else [False] * len(job.pages)
+        self.metrics.add("pages_skipped_l3", sum(ok))
+        todo = [i for i, done in enumerate(ok) if not done]
+        step = self.config.write_batch_pages
+        for lo in range(0, len(todo), step):
+            batch = todo[lo : lo + step]
+            pages = [job.pages[i] for i in batch]
+            landed = await self._bounded(
+                self.bundler.write(backend, pages, [keys[i] for i in batch]), None
+            )
+            for i, good in zip(batch, landed or [False] * len(batch), strict=True):
+                ok[i] = good
+            written = sum(landed or [])
+            self.metrics.add("pages_written_l3", written)
+            self.metrics.add("bytes_host_to_l3", written * self.page_bytes)
+            self.metrics.add("write_failures_l3", len(batch) - written)
+        return ok
+
+    async def _present(
+        self, backend: StorageBackend, keys: Sequence[Mapping[str, str]]
+    ) -> list[bool]:
+        """Per page, whether every object of it is already in L3."""
+        found = await backend.exists([k for ks in keys for k in ks.values()])
+        out, pos = [], 0
+        for ks in keys:
+            out.append(all(found[pos : pos + len(ks)]))
+            pos += len(ks)
+        return out
+
+    # ----- prefetch -------------------------------------------------------------------------
+    def start_prefetch(self, op: PrefetchOp) -> None:
+        task = asyncio.get_running_loop().create_task(self._prefetch(op), name=f"prefetch:{op.rid}")
+        op.task = task
+        self._prefetch_tasks.add(task)
+        task.add_done_callback(self._prefetch_tasks.discard)
+        self.metrics.add("prefetch_started")
+
+    async def _prefetch(self, op: PrefetchOp) -> None:
+        try:
+            await self._prefetch_steps(op)
+        except Exception:  # a bug, not a backend failure: those are counted where they happen
+            logger.exception("prefetch %s failed", op.rid)
+            self.metrics.add("errors")
+            op.reason = op.reason or TerminationReason.ERROR
+        finally:
+            op.reads_finished = True
+            self.finished_prefetches.append(op)
+
+    async def _prefetch_steps(self, op: PrefetchOp) -> None:
+        assert self.backend is not None
+        backend = self.backend
+        keys = [self.bundler.keys(p) for p in op.candidates]
+        hits = await self._bounded(self._leading_pages(backend, keys), op)
+        op.hit_pages = hits or 0
+        page_size = self.bundler.formats[next(iter(self.bundler.formats))].page_size
+        if hits is None or op.stop_requested:
+            return
+        if op.hit_pages * page_size < self.prefetch_config.threshold_tokens:
+            op.reason = op.reason or TerminationReason.BELOW_THRESHOLD
+            return
+        pages = op.alloc_host(op.hit_pages)
+        if not pages or len(pages) * page_size < self.prefetch_config.threshold_tokens:
+            op.host_pages = list(pages or [])
+            op.reason = op.reason or TerminationReason.NO_HOST_MEMORY
+            return
+        op.host_pages = list(pages)
+        names = list(self.bundler.host_pools)
+        step = self.prefetch_config.batch_pages
+        for lo in range(0, len(pages), step):
+            if op.stop_requested:
+                return
+            batch = [
+                BundlePage(
+                    c.namespace, c.page_hash, dict.fromkeys(names, p), c.page_index, c.parent_hash
+                )
+                for c, p in zip(op.candidates[lo:], pages[lo : lo + step])
+            ]
+            loaded = await self._bounded(
+                self.bundler.read(backend, batch, keys[lo : lo + len(batch)]), op
+            )
+            if loaded is None:
+                return
+            if not op.stop_requested:
+                op.completed_pages += loaded
+                self.metrics.add("bytes_l3_to_host", loaded * self.page_bytes)
+            if loaded < len(batch):
+                return
+
+    async def _leading_pages(
+        self, backend: StorageBackend, keys: Sequence[Mapping[str, str]]
+    ) -> int:
+        """How many pages from the start have every object in L3."""
+        hits = await backend.leading_hits([k for ks in keys for k in ks.values()])
+        whole, pos = 0, 0
+        for ks in keys:
+            pos += len(ks)
+            if pos > hits:
+                break
+            whole += 1
+        return whole
+
+    # ----- deadlines ------------------------------------------------------------------------
+    async def _bounded(self, call: Awaitable[T], op: PrefetchOp | None) -> T | None:
+        """``call``'s result, or None when it raised or ran past the deadline (counted).
+
+        A late call is still awaited: its buffers are in use until it returns.
+        """
+        task = asyncio.ensure_future(call)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.config.op_deadline_s)
+            if not done:
+                self.metrics.add("timeouts")
+                if op is not None:
+                    op.reason = op.reason or TerminationReason.ERROR
+                await asyncio.wait({task})
+                task.exception() if not task.cancelled() else None
+                return None
+            return task.result()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        except Exception as exc:
+            self.metrics.add("errors")
+            logger.warning("L3 call failed: %s: %s", type(exc).__name__, exc)
+            if op is not None:
+                op.reason = op.reason or TerminationReason.ERROR
+            return None
