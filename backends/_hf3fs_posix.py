@@ -1,0 +1,143 @@
+"""The ``3fs`` backend's files and its POSIX I/O engine.
+
+:func:`open_data_file` checks the root, opens and locks one rank's data file and sizes it;
+:class:`PosixSlotIO` moves slot-sized extents with ``pwritev``/``preadv`` (what POSIX mode
+uses, and what runs on any filesystem, 3FS's FUSE mount included).
+
+An I/O engine takes a list of ``(file offset, segments)`` items and returns, per item, the
+bytes moved or ``-errno``: the same batched shape as a USRBIO ring, so the backend above does
+not care which one it drives.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from hicache.errors import BackendUnavailableError
+
+__all__ = ["IOItem", "PosixSlotIO", "SlotIO", "check_root", "open_data_file", "total_bytes"]
+
+logger = logging.getLogger(__name__)
+
+IOItem = tuple[int, Sequence[memoryview]]  # (file offset, segments moved back to back)
+_IOV_MAX = 1024
+_VectorIO = Callable[[int, Sequence[memoryview], int], int]  # os.pwritev / os.preadv
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class SlotIO(Protocol):
+    """What the backend needs from an I/O engine; both engines are thread-safe."""
+
+    def write(self, items: Sequence[IOItem]) -> list[int]: ...
+
+    def read(self, items: Sequence[IOItem]) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
+def total_bytes(segs: Sequence[memoryview]) -> int:
+    return sum(s.nbytes for s in segs)
+
+
+def _tail(segs: Sequence[memoryview], skip: int) -> list[memoryview]:
+    """The views left once the first ``skip`` bytes of ``segs`` are done."""
+    for i, seg in enumerate(segs):
+        if skip < seg.nbytes:
+            return [seg[skip:], *segs[i + 1 :]]
+        skip -= seg.nbytes
+    return []
+
+
+class PosixSlotIO:
+    """Vector reads and writes at slot offsets of one open file, one syscall per item."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def write(self, items: Sequence[IOItem]) -> list[int]:
+        return [self._move(os.pwritev, off, segs) for off, segs in items]
+
+    def read(self, items: Sequence[IOItem]) -> list[int]:
+        return [self._move(os.preadv, off, segs) for off, segs in items]
+
+    def _move(self, fn: _VectorIO, off: int, segs: Sequence[memoryview]) -> int:
+        want = total_bytes(segs)
+        try:
+            # One syscall in the common case; the loop finishes a partial transfer.
+            done = fn(self._fd, segs, off) if len(segs) <= _IOV_MAX else 0
+            while done < want:
+                n = fn(self._fd, _tail(segs, done)[:_IOV_MAX], off + done)
+                if n <= 0:
+                    break  # end of file on a read: the caller sees a short count
+                done += n
+        except OSError as exc:
+            return -(exc.errno or errno.EIO)
+        return done
+
+    def close(self) -> None:
+        """The backend owns the descriptor; nothing to release here."""
+
+
+def check_root(root: str) -> None:
+    """Raise :class:`BackendUnavailableError` unless ``root`` is a writable directory."""
+    if not os.path.exists(root):
+        raise BackendUnavailableError(
+            f"3fs root {root} does not exist: mount 3FS there (or create the directory for "
+            "POSIX mode); the backend does not create it, so a missing mount is not papered "
+            "over by a local directory"
+        )
+    if not os.path.isdir(root):
+        raise BackendUnavailableError(f"3fs root {root} is not a directory: point root at one")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise BackendUnavailableError(
+            f"3fs root {root} is not writable by this process: fix its permissions or pick "
+            "another root"
+        )
+
+
+def open_data_file(path: str, size: int, preallocate: bool) -> int:
+    """Open (creating) one rank's data file, lock it for this writer, and size it.
+
+    ``flock`` locks belong to the open file, so a second open in this process conflicts too.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _CLOEXEC, 0o644)
+    except OSError as exc:
+        raise BackendUnavailableError(f"cannot open 3fs data file {path}: {exc.strerror}") from None
+    try:
+        _lock(fd, path)
+        if os.fstat(fd).st_size < size:
+            if preallocate:
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)  # sparse: space is taken as slots are first written
+    except OSError as exc:
+        os.close(fd)
+        raise BackendUnavailableError(
+            f"cannot size 3fs data file {path} to {size} bytes ({exc.strerror}): lower slots "
+            "or slot_bytes, or free space"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lock(fd: int, path: str) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise BackendUnavailableError(
+            f"3fs data file {path} is already open for writing (another process, or another "
+            "backend in this one): give each writer process its own rank, or close the other"
+        ) from None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        # Some FUSE mounts have no flock; the store still works, unguarded.
+        logger.warning("cannot lock %s (%s): make sure one process per rank writes it", path, exc)

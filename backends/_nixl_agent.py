@@ -1,0 +1,272 @@
+"""The NIXL agent as the ``nixl`` backend drives it: loading, registered host memory, transfers.
+
+Every call into the agent runs on a worker thread, never on the event loop: with the POSIX
+plugin's default AIO queue, ``transfer()`` performs buffered file I/O synchronously inside
+``io_submit``, and the agent runs in NIXL's strict thread-sync mode, so a loop thread that
+touched the agent could wait behind another thread's transfer. The bindings release the GIL
+while they work, so those threads do not hold up the loop either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hicache.errors import BackendUnavailableError, InvalidArgumentError
+
+__all__ = [
+    "INSTALL_HINT",
+    "NixlAgent",
+    "NixlPluginError",
+    "RegisteredMemory",
+    "Staging",
+    "address_of",
+    "load_nixl_api",
+]
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'hicache[nixl]'"
+# The cu12 build first: its OBJ plugin loads without CUDA, the cu13 one needs libcuobjclient.
+_API_MODULES = ("nixl_cu12._api", "nixl._api")
+# What a plugin that NIXL lists but cannot create usually lacks on a host like this one.
+_PLUGIN_NEEDS = {
+    "GDS": "CUDA and cuFile (libcuda, libcufile)",
+    "GDS_MT": "CUDA and cuFile (libcuda, libcufile)",
+    "GPUNETIO": "CUDA and DOCA GPUNetIO",
+    "LIBFABRIC": "libfabric",
+    "INFINIA": "the Infinia client libraries",
+    "OBJ": "the AWS SDK libraries of the nixl-cu12 build (the cu13 build also needs "
+    "libcuobjclient): pip install nixl-cu12",
+}
+_POLL_MAX_S = 2.5e-4  # longest sleep between two polls: a batch takes milliseconds
+
+
+class NixlPluginError(BackendUnavailableError):
+    """A NIXL plugin could not be created; the message names it and the plugins NIXL has."""
+
+
+def load_nixl_api() -> Any:
+    """The ``nixl._api`` module of the installed build; raises with the install command."""
+    for name in _API_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise BackendUnavailableError(
+        f"the nixl backend needs the NIXL Python package (nixl-cu12), which is not installed: "
+        f"{INSTALL_HINT}"
+    )
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a flat byte view's first byte (read-only views too)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+@dataclass(frozen=True, slots=True)
+class _Region:
+    start: int
+    end: int
+    owner: memoryview  # keeps the registered buffer alive while NIXL may touch it
+    handle: Any
+
+
+class NixlAgent:
+    """One NIXL agent with one storage plugin; thread-safe (NIXL strict sync mode)."""
+
+    def __init__(self, api: Any, plugin: str, params: dict[str, str]) -> None:
+        self._api = api
+        conf = api.nixl_agent_config(
+            enable_prog_thread=False,  # no listener or peer: transfers are local only
+            backends=[],  # the default would start UCX, which a storage agent never uses
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        # Unique: several backends (and the benchmark's raw agent) may live in one process.
+        self.name = f"hicache-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        try:
+            self._agent = api.nixl_agent(self.name, conf)
+        except Exception as exc:  # the bindings raise RuntimeError or nixl* errors
+            raise BackendUnavailableError(f"NIXL agent could not start: {exc}") from exc
+        self.plugin = plugin
+        create_plugin(self._agent, plugin, params)
+        self._dev_ids = itertools.count(1)
+        self._lock = threading.Lock()  # guards _dev_ids only; NIXL locks its own state
+
+    def next_dev_id(self) -> int:
+        """A device id no other registration of this agent uses (OBJ names objects by it)."""
+        with self._lock:
+            return next(self._dev_ids)
+
+    def register(self, regions: Sequence[tuple[int, int, int, str]], mem_type: str) -> Any:
+        return self._agent.register_memory(list(regions), mem_type, backends=[self.plugin])
+
+    def deregister(self, handle: Any) -> None:
+        self._agent.deregister_memory(handle, backends=[self.plugin])
+
+    def query(self, regions: Sequence[tuple[int, int, int, str]], mem_type: str) -> list[Any]:
+        return list(self._agent.query_memory(list(regions), self.plugin, mem_type))
+
+    def transfer(
+        self,
+        op: str,
+        local: Sequence[tuple[int, int, int]],
+        remote: Sequence[tuple[int, int, int]],
+        remote_mem: str,
+    ) -> bool:
+        """Move ``local`` DRAM descriptors to or from ``remote`` ones; True once done.
+
+        Blocks the calling (worker) thread: submits, then polls with a backoff that starts at
+        a bare yield, since most batches finish within microseconds of ``transfer()``.
+        """
+        agent = self._agent
+        handle = agent.initialize_xfer(
+            op,
+            agent.get_xfer_descs(list(local), "DRAM"),
+            agent.get_xfer_descs(list(remote), remote_mem),
+            self.name,  # the agent itself is the "remote" side of a storage transfer
+            backends=[self.plugin],
+        )
+        state, delay = "ERR", 0.0
+        try:
+            state = agent.transfer(handle)
+            while state == "PROC":
+                time.sleep(delay)
+                delay = min(max(delay * 2, 1e-5), _POLL_MAX_S)
+                state = agent.check_xfer_state(handle)
+        except Exception as exc:  # a failed transfer raises nixlBackendError from the poll
+            logger.debug("NIXL %s transfer failed: %s", op, exc)
+            state = "ERR"
+        finally:
+            agent.release_xfer_handle(handle)
+        return bool(state == "DONE")
+
+    def close(self) -> None:
+        # The bindings release the agent and its plugin when the last reference goes.
+        self._agent = None
+
+
+def create_plugin(agent: Any, plugin: str, params: dict[str, str]) -> None:
+    """Create ``plugin`` in ``agent``; a :class:`NixlPluginError` says why it cannot be."""
+    available = list(agent.get_plugin_list())
+    listed = ", ".join(available) or "(none)"
+    if plugin not in available:
+        raise NixlPluginError(
+            f"NIXL plugin {plugin!r} could not be loaded: it is not installed; "
+            f"available plugins: {listed}"
+        )
+    try:
+        agent.create_backend(plugin, params)
+    except Exception as exc:  # the bindings raise nixlNotFoundError / nixlBackendError
+        # The parameters are never shown: for OBJ they hold the secret key.
+        needs = _PLUGIN_NEEDS.get(plugin)
+        missing = f"; it needs {needs}" if needs else ""
+        raise NixlPluginError(
+            f"NIXL plugin {plugin!r} could not be loaded ({type(exc).__name__}){missing}; "
+            f"available plugins: {listed}"
+        ) from None
+
+
+class RegisteredMemory:
+    """Host buffers registered with the agent once, and whether a segment lies inside one."""
+
+    def __init__(self, agent: NixlAgent) -> None:
+        self._agent = agent
+        self._regions: list[_Region] = []
+        self._lock = threading.Lock()
+
+    def add(self, buffer: Any) -> bool:
+        """Register ``buffer`` (C-contiguous, writable or not); False if already covered."""
+        view = _flat_view(buffer)
+        if view.nbytes == 0:
+            raise InvalidArgumentError("cannot register an empty buffer")
+        start = address_of(view)
+        end = start + view.nbytes
+        with self._lock:
+            if any(r.start <= start and end <= r.end for r in self._regions):
+                return False
+            if any(r.start < end and start < r.end for r in self._regions):
+                raise InvalidArgumentError(
+                    "the buffer overlaps a registered one without lying inside it; "
+                    "register the larger buffer first, or unregister the other"
+                )
+            handle = self._agent.register([(start, view.nbytes, 0, "")], "DRAM")
+            self._regions.append(_Region(start, end, view, handle))
+        return True
+
+    def remove(self, buffer: Any) -> bool:
+        """Unregister the region that starts at ``buffer``; False if there is none."""
+        view = _flat_view(buffer)
+        start = address_of(view)
+        with self._lock:
+            for i, region in enumerate(self._regions):
+                if region.start == start and region.end == start + view.nbytes:
+                    del self._regions[i]
+                    self._agent.deregister(region.handle)
+                    return True
+        return False
+
+    def contains(self, start: int, nbytes: int) -> bool:
+        end = start + nbytes
+        # No lock: a list read is atomic, and a region is never removed during a transfer
+        # that relies on it (the caller owns both the buffer and its registration).
+        return any(r.start <= start and end <= r.end for r in self._regions)
+
+    def clear(self) -> None:
+        with self._lock:
+            for region in self._regions:
+                self._agent.deregister(region.handle)
+            self._regions.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.end - r.start for r in self._regions)
+
+
+class Staging:
+    """A registered buffer, allocated once, for segments outside registered memory."""
+
+    def __init__(self, agent: NixlAgent, nbytes: int) -> None:
+        self._agent = agent
+        # np.empty: pages are faulted in by the first staged transfer, not at open.
+        self.buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
+        self.address = int(self.buffer.ctypes.data)
+        self.nbytes = nbytes
+        self._handle = agent.register([(self.address, self.buffer.nbytes, 0, "")], "DRAM")
+        self.lock = threading.Lock()  # one staged round at a time
+
+    @contextlib.contextmanager
+    def oversize(self, nbytes: int) -> Iterator[np.ndarray]:
+        """A registered buffer of its own for one object larger than the staging region."""
+        buf = np.empty(nbytes, dtype=np.uint8)
+        handle = self._agent.register([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
+        try:
+            yield buf
+        finally:
+            self._agent.deregister(handle)
+
+    def close(self) -> None:
+        self._agent.deregister(self._handle)
+
+
+def _flat_view(buffer: Any) -> memoryview:
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"register_memory needs a buffer, not {type(buffer).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgumentError("register_memory needs a C-contiguous buffer")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
