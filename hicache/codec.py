@@ -62,6 +62,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAX_PAYLOAD_BYTES",
     "NO_PARENT",
+    "check_into",
     "Codec",
     "PageHeader",
     "PageMeta",
@@ -236,7 +237,12 @@ def _flat(payload: object) -> memoryview:
 
 
 def _pack_header(
-    key: str, meta: PageMeta, codec: Codec, payload: Sequence[memoryview], raw_checksum: int
+    key: str,
+    meta: PageMeta,
+    codec: Codec,
+    payload: Sequence[memoryview],
+    raw_checksum: int,
+    place: tuple[int | None, bytes],
 ) -> bytes:
     if codec is Codec.NONE:
         stored_checksum = raw_checksum
@@ -245,22 +251,19 @@ def _pack_header(
         for part in payload:
             hasher.update(part)
         stored_checksum = hasher.intdigest()
-    shape = list(meta.shape) + [0] * (MAX_NDIM - len(meta.shape))
-    index = _UNKNOWN_INDEX if meta.page_index is None else meta.page_index
+    sig = _signature(meta)  # pool, dtype, layout, ndim, shape: packed once per kind of page
+    index, parent_hash = place
     body = _BODY.pack(
         MAGIC,
         FORMAT_VERSION,
         HEADER_SIZE,
         0,
         key_digest(key),
-        meta.parent_hash,
-        meta.pool.encode("ascii").ljust(16, b"\x00"),
-        meta.dtype.code,
-        meta.layout.code,
-        len(meta.shape),
+        parent_hash,
+        *sig[:4],
         codec.value,
-        *shape,
-        index,
+        *sig[4:],
+        _UNKNOWN_INDEX if index is None else index,
         meta.nbytes,
         sum(p.nbytes for p in payload),
         stored_checksum,
@@ -283,8 +286,12 @@ def encode_page(
     as is when it would not shrink. ``place``: (page index, parent hash) overriding ``meta``'s,
     for a writer that keeps one meta per pool.
     """
-    if place is not None:
-        meta = meta_at(meta, *place)
+    if place is None:
+        place = (meta.page_index, meta.parent_hash)
+    elif (place[0] is not None and not 0 <= place[0] < _UNKNOWN_INDEX) or len(place[1]) != 32:
+        raise InvalidArgumentError(
+            f"bad page place: index {place[0]}, a {len(place[1])}-byte parent"
+        )
     view = _flat(payload)
     if view.nbytes != meta.nbytes:
         raise InvalidArgumentError(
@@ -295,8 +302,9 @@ def encode_page(
     if compress and view.nbytes:
         parts = _compress_planes(view, meta.dtype.itemsize)
         if parts is not None:
-            return [_pack_header(key, meta, Codec.ZSTD_PLANES, parts, raw_checksum), *parts]
-    return [_pack_header(key, meta, Codec.NONE, [view], raw_checksum), view]
+            header = _pack_header(key, meta, Codec.ZSTD_PLANES, parts, raw_checksum, place)
+            return [header, *parts]
+    return [_pack_header(key, meta, Codec.NONE, [view], raw_checksum, place), view]
 
 
 def parse_header(key: str, header: object) -> PageHeader:
@@ -411,6 +419,31 @@ def decode_into(
         _decompress_planes(key, bytes(stored), raw, header.meta.dtype.itemsize)
         _check_raw(key, header, raw)
     return header
+
+
+def check_into(
+    key: str, header_buf: object, payload_buf: object, nread: int, expect: PageMeta
+) -> None:
+    """:func:`decode_into` for a reader that needs no header back: the same checks and errors.
+
+    An uncompressed page of the expected kind is checked without building its header (the
+    common case, per page of every L3 read); anything else goes through :func:`decode_into`.
+    """
+    _, fields = _checked_body(key, _flat(header_buf))
+    raw_len, payload_len, checksum, raw_checksum = fields[18:22]
+    plain = (
+        fields[10] == Codec.NONE.value
+        and raw_len == payload_len == expect.nbytes
+        and checksum == raw_checksum
+        and nread == HEADER_SIZE + payload_len
+        and fields[6:10] + fields[11:17] == _signature(expect)
+    )
+    dest = _flat(payload_buf)
+    if plain and dest.nbytes >= payload_len:
+        if xxhash.xxh3_64_intdigest(dest[:payload_len]) != checksum:
+            raise PayloadChecksumError(f"{key}: payload checksum mismatch")
+        return
+    decode_into(key, header_buf, payload_buf, nread, expect)
 
 
 def check_page(key: str, data: object) -> PageHeader:

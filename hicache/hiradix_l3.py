@@ -222,10 +222,13 @@ class L3TreeBase(RadixCache):
             cfg.timeout_base_s, cfg.timeout_per_1k_tokens_s, cfg.timeout_max_s, tokens
         )
         elapsed = self._clock() - op.start_s
-        reason = can_terminate(cfg.stop_policy, op.reads_finished, elapsed, timeout)
+        # A failed call (an error, or one past its deadline that is still running) ends the
+        # wait: nothing more will arrive, whatever the policy.
+        finished = op.reads_finished or op.reason is not None
+        reason = can_terminate(cfg.stop_policy, finished, elapsed, timeout)
         if reason is None:
             return False
-        self._stop(op, (op.reason or reason) if op.reads_finished else reason)
+        self._stop(op, (op.reason or reason) if finished else reason)
         return True
 
     def terminate_prefetch(
@@ -251,10 +254,11 @@ class L3TreeBase(RadixCache):
         self._anchors[last.id] -= 1
         if self._anchors[last.id] <= 0:
             del self._anchors[last.id]
+        inserted = 0
         if taken:
-            self._insert_host(key, start, op.host_pages[:taken], op.candidates[:taken])
+            inserted = self._insert_host(key, start, op.host_pages[:taken], op.candidates[:taken])
         self._prefetch_pages -= taken
-        self.metrics.add("l3_hit_tokens", taken * self.page_size)
+        self.metrics.add("l3_hit_tokens", inserted * self.page_size)
         self.metrics.add("l3_miss_tokens", (len(op.candidates) - taken) * self.page_size)
         self.metrics.add(f"prefetch_{reason.value}")
 
@@ -269,8 +273,11 @@ class L3TreeBase(RadixCache):
 
     def _insert_host(
         self, key: RadixKey, start: int, pages: list[int], candidates: list[BundlePage]
-    ) -> None:
-        """Hang prefetched pages under the tree as host-only nodes; free any duplicates."""
+    ) -> int:
+        """Hang prefetched pages under the tree as host-only nodes; free any duplicates.
+
+        Returns how many pages were inserted (the rest was there already, or had no parent).
+        """
         end = start + len(pages) * self.page_size
         data, unit = self._pack(key.slice(0, end))
         namespace = (key.extra_key, key.is_bigram)
@@ -281,16 +288,17 @@ class L3TreeBase(RadixCache):
         have = pos // unit
         if have < start:  # the prefix it continued is gone: nothing to hang the pages from
             self.host.free(torch.tensor(pages, dtype=torch.int64))
-            return
+            return 0
         dup = (have - start) // self.page_size
         if dup:
             self.host.free(torch.tensor(pages[:dup], dtype=torch.int64))
         if pos == len(data):
-            return
+            return 0
         leaf = self._new_node(node, data[pos:], unit, *namespace)
         leaf.host_value = self._host_slots(torch.tensor(pages[dup:], dtype=torch.int64))
         leaf.hash_value = [c.page_hash for c in candidates[dup:]]
         leaf.in_storage = True
+        return len(pages) - dup
 
     def release_request(self, req: CachedRequest) -> None:
         """An aborted request: stop its prefetch, free its own slots and row, drop its lock."""

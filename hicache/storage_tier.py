@@ -119,17 +119,26 @@ class StorageTier:
             job.ok = []
             self.write_acks.append(job)
             return
-        limit = self.config.write_queue_pages
-        while self._queued_pages + len(job.pages) > limit and self._queue:
-            victim = min(self._queue, key=lambda j: j.value)
-            if victim.value >= job.value:
-                break  # everything queued is worth at least as much as the newcomer
-            self._queue.remove(victim)
-            self._queued_pages -= len(victim.pages)
-            self._drop(victim)
-        if self._queued_pages + len(job.pages) > limit:
-            self._drop(job)
-            return
+        excess = self._queued_pages + len(job.pages) - self.config.write_queue_pages
+        if excess > 0:
+            # Only writes worth less than the newcomer make room, cheapest first, and only
+            # when together they make enough: otherwise the newcomer is the one dropped.
+            # Newest first among equals (sorted() is stable over the reversed queue).
+            cheaper = [j for j in reversed(self._queue) if j.value < job.value]
+            cheaper.sort(key=lambda j: j.value)
+            victims, freed = [], 0
+            for victim in cheaper:
+                if freed >= excess:
+                    break
+                victims.append(victim)
+                freed += len(victim.pages)
+            if freed < excess:
+                self._drop(job)
+                return
+            for victim in victims:
+                self._queue.remove(victim)
+                self._queued_pages -= len(victim.pages)
+                self._drop(victim)
         self._queue.append(job)
         self._queued_pages += len(job.pages)
         self._wakeup.set()
@@ -225,20 +234,18 @@ class StorageTier:
             op.reason = op.reason or TerminationReason.NO_HOST_MEMORY
             return
         op.host_pages = list(pages)
-        names = list(self.bundler.host_pools)
         step = self.prefetch_config.batch_pages
         for lo in range(0, len(pages), step):
             if op.stop_requested:
                 return
-            batch = [
-                BundlePage(
-                    c.namespace, c.page_hash, dict.fromkeys(names, p), c.page_index, c.parent_hash
-                )
-                for c, p in zip(op.candidates[lo:], pages[lo : lo + step])
-            ]
+            into = pages[lo : lo + step]
+            batch = op.candidates[lo : lo + len(into)]
+            before = dict(self.bundler.counters)
             loaded = await self._bounded(
-                self.bundler.read(backend, batch, keys[lo : lo + len(batch)]), op
+                self.bundler.read(backend, batch, keys[lo : lo + len(into)], into), op
             )
+            for name, metric in (("corrupt", "corrupt_pages"), ("missing", "missing_pages")):
+                self.metrics.add(metric, self.bundler.counters[name] - before[name])
             if loaded is None:
                 return
             if not op.stop_requested:

@@ -109,6 +109,10 @@ class PagePlan:
             for layer in self.layers:
                 self.copy_layer(layer, to_host)
             return
+        page_bytes = self.host_pages[0].numel() * self.host_pages.element_size()
+        if len(self.pairs) > 4 and page_bytes <= _SMALL_PAGE_BYTES:
+            self._copy_gathered(to_host)
+            return
         for host_page, device_page in self.pairs:
             host = self.host_pages[host_page]
             pool = self.device_pages[:, :, device_page]
@@ -116,6 +120,21 @@ class PagePlan:
                 host.copy_(pool)
             else:
                 pool.copy_(host)
+
+
+    def _copy_gathered(self, to_host: bool) -> None:
+        """Small pages: one gather and one scatter for all, instead of a call per page (each
+        copy call costs microseconds; the temporary copy is cheap at this size)."""
+        host_index = torch.tensor([h for h, _ in self.pairs], dtype=torch.int64)
+        device_index = torch.tensor([d for _, d in self.pairs], dtype=torch.int64)
+        if to_host:
+            self.host_pages[host_index] = self.device_pages[:, :, device_index].movedim(2, 0)
+        else:
+            self.device_pages[:, :, device_index] = self.host_pages[host_index].movedim(0, 2)
+
+
+# Below this a page set is copied with one gather/scatter; above, page by page (no temporary).
+_SMALL_PAGE_BYTES = 64 << 10
 
 
 class _PinnedHostMemory:

@@ -16,6 +16,7 @@ from hicache.codec import (
     NO_PARENT,
     Codec,
     PageMeta,
+    check_into,
     decode_into,
     decode_page,
     encode_page,
@@ -202,3 +203,47 @@ def test_any_single_byte_flip_is_caught(position: int, mask: int) -> None:
     stored[position] ^= mask
     with pytest.raises(CodecError):
         decode_page(KEY, bytes(stored), meta)
+
+
+def _split_read(stored: bytes, payload_bytes: int) -> tuple[bytearray, bytearray]:
+    header_buf, payload_buf = bytearray(HEADER_SIZE), bytearray(payload_bytes)
+    header_buf[:] = stored[:HEADER_SIZE].ljust(HEADER_SIZE, b"\x00")
+    tail = stored[HEADER_SIZE : HEADER_SIZE + payload_bytes]
+    payload_buf[: len(tail)] = tail
+    return header_buf, payload_buf
+
+
+def _outcome(fn: object, *args: object) -> type[BaseException] | None:
+    try:
+        fn(*args)  # type: ignore[operator]
+    except (CodecError, InvalidArgumentError) as exc:
+        return type(exc)
+    return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, HEADER_SIZE + 255), st.integers(0, 255), st.integers(-3, 3), st.booleans())
+def test_check_into_agrees_with_decode_into(
+    position: int, mask: int, length_delta: int, compress: bool
+) -> None:
+    """The fast check raises exactly what decode_into raises, and passes what it passes."""
+    data = np.tile(np.arange(128, dtype=np.uint16), 2).view(np.uint8)[:256].copy()
+    meta = PageMeta("kv", DType.BFLOAT16, (128,), Layout.PAGE_FIRST, 2, b"\x07" * 32)
+    stored = bytearray(joined(encode_page(KEY, data, meta, compress)))
+    stored[position % len(stored)] ^= mask
+    nread = len(stored) + length_delta
+    reads = [_split_read(bytes(stored), 256) for _ in range(2)]
+    fast = _outcome(check_into, KEY, *reads[0], nread, meta)
+    full = _outcome(decode_into, KEY, *reads[1], nread, meta)
+    assert fast is full
+    if fast is None:
+        assert bytes(reads[0][1]) == data.tobytes() == bytes(reads[1][1])
+
+
+def test_check_into_refuses_a_page_of_another_kind() -> None:
+    data, meta = bf16_page()
+    stored = joined(encode_page(KEY, data, meta))
+    other = PageMeta("kv", DType.FLOAT16, meta.shape, meta.layout)
+    header_buf, payload_buf = _split_read(stored, data.nbytes)
+    with pytest.raises(ForeignPageError):
+        check_into(KEY, header_buf, payload_buf, len(stored), other)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hicache.backends.base import StorageBackend
-from hicache.codec import HEADER_SIZE, NO_PARENT, PageMeta, decode_into, encode_page, meta_at
+from hicache.codec import HEADER_SIZE, NO_PARENT, PageMeta, check_into, encode_page, meta_at
 from hicache.errors import CodecError, InvalidArgumentError
 from hicache.keys import StorageFormat, storage_key
 from hicache.layouts import Layout, page_shape, storage_layout
@@ -127,16 +127,23 @@ class PageBundler:
         backend: StorageBackend,
         pages: Sequence[BundlePage],
         keys_of: Sequence[Mapping[str, str]] | None = None,
+        into: Sequence[int] | None = None,
     ) -> int:
         """Load pages into their host pages; how many leading pages arrived whole and checked.
 
         Pages after the first incomplete one are not used (their host pages hold unspecified
         bytes: the caller frees them). Missing and bad objects are counted, never raised.
+        ``into``: the host page of each page for every pool (pools sharing one page index),
+        instead of each page's ``host_pages``.
         """
         keys_of = keys_of or [self.keys(p) for p in pages]
         plan = [(i, name, key) for i, ks in enumerate(keys_of) for name, key in ks.items()]
         headers = [bytearray(HEADER_SIZE) for _ in plan]
-        targets = [self._target(name, pages[i].host_pages[name]) for i, name, _ in plan]
+
+        def host_page(i: int, name: str) -> int:
+            return into[i] if into is not None else pages[i].host_pages[name]
+
+        targets = [self._target(name, host_page(i, name)) for i, name, _ in plan]
         got = await backend.get_into(
             [key for _, _, key in plan], [[h, t] for h, t in zip(headers, targets, strict=True)]
         )
@@ -148,9 +155,7 @@ class PageBundler:
                 bad_page = i
                 continue
             if self.host_pools[name].layout is Layout.LAYER_FIRST:
-                self.host_pools[name].write_page(
-                    pages[i].host_pages[name], torch.from_numpy(target)
-                )
+                self.host_pools[name].write_page(host_page(i, name), torch.from_numpy(target))
         self.counters["pages_loaded"] += bad_page
         return bad_page
 
@@ -159,7 +164,7 @@ class PageBundler:
             self.counters["missing"] += 1
             return False
         try:
-            decode_into(key, header, target, n, expect=meta)
+            check_into(key, header, target, n, meta)
         except (CodecError, InvalidArgumentError):
             self.counters["corrupt"] += 1
             return False
