@@ -193,7 +193,7 @@ class StorageBackend(abc.ABC):
         Query options and overrides are config fields; the location is given to
         :meth:`url_location_fields`, which a backend overrides to say what it means.
         """
-        scheme, sep, rest = url.partition("://")
+        _, sep, rest = url.partition("://")
         # Parsed as a neutral scheme: urlsplit drops a scheme that starts with a digit ("3fs").
         parts = urlsplit("x://" + rest if sep else url)
         values: dict[str, Any] = dict(cls.url_location_fields(parts.netloc, parts.path))
