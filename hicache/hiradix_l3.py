@@ -70,6 +70,7 @@ class L3TreeBase(RadixCache):
         self._namespaces: dict[tuple[str | None, bool], bytes] = {}
         self._prefetches: dict[str, PrefetchOp] = {}
         self._prefetch_pages = 0  # host pages held by prefetches not yet settled
+        self.prefetched_tokens: dict[str, int] = {}  # rid -> tokens its prefetch inserted
         self._pool_names = list(self.controller.host_pools)
 
     # ----- hashes ---------------------------------------------------------------------------
@@ -259,6 +260,7 @@ class L3TreeBase(RadixCache):
             inserted = self._insert_host(key, start, op.host_pages[:taken], op.candidates[:taken])
         self._prefetch_pages -= taken
         self.metrics.add("l3_hit_tokens", inserted * self.page_size)
+        self.prefetched_tokens[op.rid] = inserted * self.page_size
         self.metrics.add("l3_miss_tokens", (len(op.candidates) - taken) * self.page_size)
         self.metrics.add(f"prefetch_{reason.value}")
 

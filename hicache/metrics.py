@@ -37,6 +37,7 @@ COUNTERS: dict[str, str] = {
     "prefetch_started": "prefetches started",
     "prefetch_skipped_small": "prefetch candidates under the threshold",
     "prefetch_skipped_capacity": "prefetches refused by the host capacity limit",
+    "prefetch_skipped_slow": "prefetches skipped because reading L3 was slower than recomputing",
     "host_evicted_tokens": "tokens evicted from host memory",
     "device_evicted_tokens": "tokens evicted from the device",
     "l3_unavailable": "starts with L3 configured but unreachable",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class StorageTier:
         self.finished_prefetches: deque[PrefetchOp] = deque()
         self._supervisor = TaskSupervisor(lambda *_: metrics.add("task_restarts"))
         self._prefetch_tasks: set[asyncio.Task[None]] = set()
+        self.read_bytes_per_s: float | None = None  # measured on prefetch reads, smoothed
         metrics.gauge("l3_write_queue_pages", lambda: self._queued_pages)
 
     @property
@@ -241,9 +243,11 @@ class StorageTier:
             into = pages[lo : lo + step]
             batch = op.candidates[lo : lo + len(into)]
             before = dict(self.bundler.counters)
+            started = time.perf_counter()
             loaded = await self._bounded(
                 self.bundler.read(backend, batch, keys[lo : lo + len(into)], into), op
             )
+            self._observe_read(len(into) * self.page_bytes, time.perf_counter() - started)
             for name, metric in (("corrupt", "corrupt_pages"), ("missing", "missing_pages")):
                 self.metrics.add(metric, self.bundler.counters[name] - before[name])
             if loaded is None:
@@ -253,6 +257,13 @@ class StorageTier:
                 self.metrics.add("bytes_l3_to_host", loaded * self.page_bytes)
             if loaded < len(batch):
                 return
+
+    def _observe_read(self, nbytes: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = nbytes / seconds
+        old = self.read_bytes_per_s
+        self.read_bytes_per_s = rate if old is None else 0.7 * old + 0.3 * rate
 
     async def _leading_pages(
         self, backend: StorageBackend, keys: Sequence[Mapping[str, str]]

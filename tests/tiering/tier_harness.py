@@ -160,13 +160,22 @@ class Harness:
             await asyncio.sleep(0.005)
             self.tree.check_events()
             storage = self.controller.storage
-            busy = storage.queued_pages or storage._prefetch_tasks or self.tree._pending_writes
+            busy = (
+                storage.queued_pages
+                or storage._prefetch_tasks
+                or self.tree._pending_writes
+                or self.controller.anchor_host.protected_pages  # a write job still running
+            )
             if until is not None and until():
                 return
             if until is None and not busy and not storage.write_acks:
                 await asyncio.sleep(0.005)
                 self.tree.check_events()
-                if not (storage.queued_pages or storage._prefetch_tasks):
+                if not (
+                    storage.queued_pages
+                    or storage._prefetch_tasks
+                    or self.controller.anchor_host.protected_pages
+                ):
                     return
         raise AssertionError("background work did not settle")
 

@@ -1,0 +1,133 @@
+"""A small decoder-only transformer over the paged device pools, with seeded random weights.
+
+RMSNorm, RoPE, attention whose K/V (or MLA latent, DSA indexer keys, recurrent state) live in the
+device pools, and a SwiGLU MLP. A forward pass writes the new tokens' cached state into their
+slots and then reads every context token's state back from the pool, so a prefix computed now and
+one loaded from host or L3 are read the same way.
+
+Why outputs do not depend on the cache: on the CPU, matmuls and reductions run in float64 and
+everything stored is rounded to the pool's dtype (float32), so the order in which a kernel sums
+(which changes with the number of tokens in a chunk) moves results by ~1e-16, far below float32's
+rounding step; the recurrent state is rounded to its storage dtype at every step, so resuming from
+a stored state is the same computation. On CUDA the model computes in float32 with bfloat16 pools.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from hicache.pools.device import DevicePool
+from hicache.serving.model_config import LayerKind, ModelConfig, pool_of
+from hicache.serving.model_layers import (
+    AttentionInputs,
+    attention_layer,
+    latent_layer,
+    recurrent_layer,
+)
+
+__all__ = ["ChunkInput", "TinyTransformer"]
+
+LayerWait = Callable[[str, int], None]  # (pool, layer in pool): wait until loaded
+
+
+@dataclass(slots=True)
+class ChunkInput:
+    """New tokens of one request at positions ``start ...``, and the slots of every position
+    from 0 through the last new one (the cached prefix's, then the new tokens')."""
+
+    tokens: torch.Tensor  # (n,) int64
+    start: int
+    slots: torch.Tensor  # (start + n,) int64 device slots
+
+
+class TinyTransformer:
+    """Weights drawn from ``config.seed``; ``forward`` runs one chunk of one request."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = torch.float64 if self.device.type == "cpu" else torch.float32
+        gen = torch.Generator().manual_seed(config.seed)
+        c = config
+        q_dim, kv_dim = c.heads * c.head_dim, c.kv_heads * c.head_dim
+
+        def w(*shape: int, scale: float | None = None) -> torch.Tensor:
+            std = scale if scale is not None else 1.0 / math.sqrt(shape[0])
+            t = torch.randn(*shape, generator=gen, dtype=torch.float64) * std
+            return t.to(self.device, self.dtype)
+
+        self.embed = w(c.vocab_size, c.hidden, scale=1.0)
+        self.unembed = w(c.hidden, c.vocab_size)
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for kind in c.layer_kinds():
+            p = {"norm1": torch.ones(c.hidden, dtype=self.dtype, device=self.device)}
+            p["norm2"] = p["norm1"].clone()
+            p["w1"], p["w3"] = w(c.hidden, 2 * c.hidden), w(c.hidden, 2 * c.hidden)
+            p["w2"] = w(2 * c.hidden, c.hidden)
+            if kind is LayerKind.RECURRENT:
+                p["w_in"], p["w_out"] = w(c.hidden, c.state_dim), w(c.state_dim, c.hidden)
+                p["decay"] = torch.sigmoid(w(c.state_dim, scale=1.0) + 2.0)
+            else:
+                p["wq"], p["wo"] = w(c.hidden, q_dim), w(q_dim, c.hidden)
+            if kind in (LayerKind.ATTENTION, LayerKind.WINDOW):
+                p["wk"], p["wv"] = w(c.hidden, kv_dim), w(c.hidden, kv_dim)
+            if kind in (LayerKind.LATENT, LayerKind.SPARSE_LATENT):
+                p["w_dkv"] = w(c.hidden, c.latent_dim)
+                p["w_uk"], p["w_uv"] = w(c.latent_dim, q_dim), w(c.latent_dim, q_dim)
+            if kind is LayerKind.SPARSE_LATENT:
+                p["w_iq"], p["w_ik"] = w(c.hidden, c.index_dim), w(c.hidden, c.index_dim)
+            self.layers.append(p)
+        inv = 1.0 / (10000 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        self._inv_freq = inv.to(self.device, self.dtype)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary position embedding over the last dim of ``x`` (n, heads, head_dim)."""
+        angles = positions.to(self.dtype)[:, None] * self._inv_freq[None, :]
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = even * sin + odd * cos
+        return out
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    @torch.no_grad()
+    def forward(
+        self,
+        chunk: ChunkInput,
+        pools: Mapping[str, DevicePool],
+        wait: LayerWait | None = None,
+    ) -> torch.Tensor:
+        """Logits of the chunk's last token (vocab,), after caching the chunk's state."""
+        c = self.config
+        tokens = chunk.tokens.to(self.device)
+        if int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
+            raise ValueError(f"token ids must be in [0, {c.vocab_size})")
+        slots = chunk.slots.to(self.device)
+        n = len(tokens)
+        positions = torch.arange(chunk.start, chunk.start + n, device=self.device)
+        inputs = AttentionInputs(self, slots, chunk.start, positions)
+        x = self.embed[tokens]
+        for index, (kind, p) in enumerate(zip(c.layer_kinds(), self.layers, strict=True)):
+            pool_name, layer = pool_of(kind), c.pool_layer(index)
+            if wait is not None:
+                wait(pool_name, layer)
+            h = self.rms_norm(x, p["norm1"])
+            if kind is LayerKind.RECURRENT:
+                out = recurrent_layer(self, p, h, pools["state"], layer, inputs)
+            elif kind in (LayerKind.LATENT, LayerKind.SPARSE_LATENT):
+                out = latent_layer(self, p, h, pools, layer, inputs, kind)
+            else:
+                out = attention_layer(self, p, h, pools[pool_name], layer, inputs, kind)
+            x = x + out
+            h = self.rms_norm(x, p["norm2"])
+            x = x + (torch.nn.functional.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
+        last = self.rms_norm(x[-1], torch.ones_like(x[-1]))
+        return (last @ self.unembed).to(torch.float32).cpu()

@@ -1,0 +1,89 @@
+"""A serving request and the record the engine keeps of it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hicache.keys import RadixKey
+from hicache.radix.request import CachedRequest
+
+__all__ = ["RequestRecord", "RequestState", "ServeRequest"]
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request; times in seconds from the start of the run."""
+
+    rid: str
+    arrival_s: float
+    prompt_tokens: int
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    hit_device: int = 0
+    hit_host: int = 0
+    hit_l3: int = 0
+    computed_tokens: int = 0
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.admitted_s is None else self.admitted_s - self.arrival_s
+
+
+@dataclass(eq=False)
+class ServeRequest:
+    """A prompt to serve: ``max_new_tokens`` tokens are generated after it."""
+
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    namespace: str | None = None
+    arrival_s: float = 0.0
+    client: Any = None  # the workload's handle, to make the next turn
+    state: RequestState = RequestState.WAITING
+    generated: list[int] = field(default_factory=list)
+    cached: CachedRequest | None = None
+    pending_loads: list[Any] = field(default_factory=list)
+    record: RequestRecord = field(init=False)
+    _key: RadixKey | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.record = RequestRecord(self.rid, self.arrival_s, len(self.prompt))
+
+    # SchedulableRequest: the reusable part of the prompt (the last token is always computed).
+    @property
+    def key(self) -> RadixKey:
+        if self._key is None:
+            self._key = RadixKey(self.prompt[:-1], self.namespace)
+        return self._key
+
+    @property
+    def arrival_time(self) -> float:
+        return self.arrival_s
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    def next_input(self) -> tuple[torch.Tensor, int]:
+        """The tokens of the next forward chunk and where they start (set by the engine)."""
+        assert self.cached is not None
+        start = self.cached.kv_len
+        return torch.tensor(self.all_tokens[start:], dtype=torch.int64), start
