@@ -315,6 +315,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_store_commands(sub)
     _add_config_command(sub)
+    from hicache.serving.serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

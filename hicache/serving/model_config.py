@@ -93,7 +93,9 @@ class ModelConfig:
                 PoolSpec("kv", LayoutSpec.mha(count["kv"], self.kv_heads, self.head_dim, ps, kv))
             )
         if count["latent"]:
-            specs.append(PoolSpec("latent", LayoutSpec.mla(count["latent"], self.latent_dim, ps, kv)))
+            specs.append(
+                PoolSpec("latent", LayoutSpec.mla(count["latent"], self.latent_dim, ps, kv))
+            )
         anchor = specs[0].name
         if self.preset is ModelPreset.DSA:
             item = (self.index_dim + INDEXER_SCALE_BYTES,)

@@ -95,8 +95,8 @@ def latent_layer(
     c = model.config
     n, total = h.shape[0], len(inp.slots)
     latent_pool = pools["latent"]
-    latent_pool.buffer[0, layer, inp.new_slots] = (h @ p["w_dkv"]).view(n, 1, -1).to(
-        latent_pool.buffer.dtype
+    latent_pool.buffer[0, layer, inp.new_slots] = (
+        (h @ p["w_dkv"]).view(n, 1, -1).to(latent_pool.buffer.dtype)
     )
     latent = latent_pool.buffer[0, layer, inp.slots].to(model.dtype).view(total, -1)
     key_pos = torch.arange(total, device=h.device)

@@ -1,0 +1,313 @@
+"""The serving engine: continuous batching over the tiered cache.
+
+Each step: apply what the cache's background work finished, admit waiting requests in the
+scheduler's order (a request whose L3 prefetch the stop policy says to wait for stays queued, and
+does not hold up others), then run one chunk of every running request: a prefill chunk of the
+uncached suffix, or one decode token. A request takes its cached prefix (device hit, plus host
+pages loaded back, whose per-layer events the forward pass waits on) and slots for the rest of its
+prompt and output, all at admission, so a running request never waits for memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from hicache.hiradix import HiRadixCache
+from hicache.pools.req_to_token import ReqToTokenPool
+from hicache.radix.request import CachedRequest
+from hicache.radix.tree import RadixCache
+from hicache.scheduler import PrefixScheduler, SchedulePolicy, SchedulerConfig
+from hicache.serving.model import ChunkInput, TinyTransformer
+from hicache.serving.request import RequestRecord, RequestState, ServeRequest
+
+__all__ = ["CacheMode", "Engine", "EngineConfig", "RequestSource"]
+
+
+class CacheMode(enum.Enum):
+    NONE = "none"  # every prompt computed in full
+    DEVICE = "device"  # RadixAttention on the device pool only
+    DEVICE_HOST = "device+host"
+    DEVICE_HOST_L3 = "device+host+l3"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_running: int = 8
+    chunk_tokens: int = 512  # prefill chunk
+    schedule: SchedulePolicy = SchedulePolicy.LPM
+    temperature: float = 0.0  # 0: greedy
+    sample_seed: int = 0
+    skip_slow_prefetch: bool = True  # skip a prefetch that would take longer than prefill
+
+
+class RequestSource(Protocol):
+    """Where requests come from: arrivals by time, and follow-ups when one finishes."""
+
+    def due(self, now: float) -> list[ServeRequest]: ...
+    def finished(self, request: ServeRequest, now: float) -> None: ...
+    def next_arrival(self) -> float | None: ...
+
+
+class Engine:
+    """One model, its pools and one tree (or none); ``run`` serves a request source."""
+
+    def __init__(
+        self,
+        model: TinyTransformer,
+        pools: dict[str, Any],
+        tree: RadixCache | None,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.model = model
+        self.pools = pools
+        self.anchor = next(iter(pools.values()))
+        self.tree = tree
+        self.config = config
+        self._clock = clock
+        context = self.anchor.size
+        self.req_to_token = ReqToTokenPool(config.max_running, context)
+        if tree is not None:
+            tree.req_to_token = self.req_to_token
+        self.scheduler = PrefixScheduler(tree, SchedulerConfig(policy=config.schedule))
+        self.records: list[RequestRecord] = []
+        self.prefill_tokens_per_s: float | None = None
+        self._t0 = 0.0
+
+    @property
+    def hiradix(self) -> HiRadixCache | None:
+        return self.tree if isinstance(self.tree, HiRadixCache) else None
+
+    def now(self) -> float:
+        return self._clock() - self._t0
+
+    # ----- the loop ---------------------------------------------------------------------------
+    async def run(self, source: RequestSource) -> list[RequestRecord]:
+        self._t0 = self._clock()
+        waiting: list[ServeRequest] = []
+        running: list[ServeRequest] = []
+        while True:
+            for request in source.due(self.now()):
+                self.submit(request, waiting)
+            if self.hiradix is not None:
+                self.hiradix.check_events()
+            self._admit(waiting, running)
+            if running:
+                for request in await self._step(running):
+                    source.finished(request, self.now())
+                continue
+            upcoming = source.next_arrival()
+            if not waiting and upcoming is None:
+                break
+            pause = 0.001 if upcoming is None else max(0.0, min(0.01, upcoming - self.now()))
+            await asyncio.sleep(pause)
+        if self.hiradix is not None:
+            self.hiradix.check_events()
+        return self.records
+
+    def submit(self, request: ServeRequest, waiting: list[ServeRequest]) -> None:
+        """Queue a request, or fail it (recorded, the run goes on) when it cannot be served."""
+        self.records.append(request.record)
+        error = self._refusal(request)
+        if error is not None:
+            request.state, request.record.error = RequestState.FAILED, error
+            return
+        waiting.append(request)
+        tree = self.hiradix
+        if tree is not None and tree.storage.enabled and len(request.key):
+            match = tree.match_prefix(request.key)
+            if self._prefetch_pays(len(request.key) - match.prefix_len - match.host_hit_length):
+                tree.prefetch_from_storage(request.rid, request.key, match)
+            elif tree.storage.enabled:
+                tree.metrics.add("prefetch_skipped_slow")
+
+    def _refusal(self, request: ServeRequest) -> str | None:
+        vocab = self.model.config.vocab_size
+        if not request.prompt:
+            return "empty prompt"
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in request.prompt):
+            return f"token ids must be integers in [0, {vocab})"
+        if request.max_new_tokens < 1:
+            return "max_new_tokens must be at least 1"
+        if len(request.prompt) + request.max_new_tokens > self.anchor.size:
+            return (
+                f"prompt of {len(request.prompt)} tokens plus {request.max_new_tokens} to "
+                f"generate do not fit the device pool ({self.anchor.size} tokens)"
+            )
+        return None
+
+    def _prefetch_pays(self, tokens: int) -> bool:
+        """Whether reading ``tokens`` from L3 is expected to beat computing them."""
+        tree = self.hiradix
+        if not self.config.skip_slow_prefetch or tree is None or tokens <= 0:
+            return True
+        read_rate, compute_rate = tree.storage.read_bytes_per_s, self.prefill_tokens_per_s
+        if read_rate is None or compute_rate is None:
+            return True  # nothing measured yet: try, and measure
+        per_token = tree.controller.page_bytes / tree.page_size
+        return tokens * per_token / read_rate < tokens / compute_rate
+
+    # ----- admission --------------------------------------------------------------------------
+    def _admit(self, waiting: list[ServeRequest], running: list[ServeRequest]) -> None:
+        if not waiting or len(running) >= self.config.max_running:
+            return
+        for request in self.scheduler.order(waiting):
+            if len(running) >= self.config.max_running:
+                break
+            tree = self.hiradix
+            if tree is not None and not tree.check_prefetch_progress(request.rid):
+                continue  # its prefetch is still worth waiting for; others may go first
+            if self._start(request):
+                waiting.remove(request)
+                running.append(request)
+
+    def _start(self, request: ServeRequest) -> bool:
+        prefix, last, hits = self._cached_prefix(request)
+        tree = self.tree
+        total = len(request.prompt) + request.max_new_tokens
+        page = self.anchor.page_size
+        need = -(-(total - len(prefix)) // page) * page
+        if tree is not None and last is not None:
+            tree.inc_lock_ref(last)
+        slots = self._alloc(need)
+        if slots is None:
+            if tree is not None and last is not None:
+                tree.dec_lock_ref(last)
+            return False
+        row = self.req_to_token.alloc()
+        assert row is not None  # max_running rows, and running is below max_running
+        self.req_to_token.table[row, : len(prefix)] = prefix
+        self.req_to_token.table[row, len(prefix) : len(prefix) + need] = slots
+        request.cached = CachedRequest(
+            request.rid, request.prompt, row, len(prefix), len(prefix) + need,
+            request.namespace, prefix_indices=prefix, last_node=last,
+        )  # fmt: skip
+        request.state = RequestState.RUNNING
+        rec = request.record
+        rec.admitted_s = self.now()
+        rec.hit_device, rec.hit_host, rec.hit_l3 = hits
+        return True
+
+    def _cached_prefix(
+        self, request: ServeRequest
+    ) -> tuple[torch.Tensor, Any, tuple[int, int, int]]:
+        empty = torch.empty(0, dtype=torch.int64)
+        if self.tree is None or not len(request.key):
+            return empty, None, (0, 0, 0)
+        match = self.tree.match_prefix(request.key)
+        prefix, last = match.device_indices, match.last_device_node
+        tree = self.hiradix
+        from_l3 = tree.prefetched_tokens.pop(request.rid, 0) if tree is not None else 0
+        if tree is None or not match.host_hit_length or match.last_host_node is None:
+            return prefix, last, (match.prefix_len, 0, 0)
+        loaded, node = tree.init_load_back(match.last_host_node)
+        if not len(loaded):
+            return prefix, last, (match.prefix_len, 0, 0)
+        request.pending_loads = tree.ready_to_load_host_cache()
+        l3 = min(from_l3, len(loaded))
+        hits = (match.prefix_len, len(loaded) - l3, l3)
+        return torch.cat([prefix, loaded]), node, hits
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        slots: torch.Tensor | None = self.anchor.alloc(n)
+        if slots is None and self.tree is not None:
+            self.tree.evict(n - self.anchor.available_size)
+            slots = self.anchor.alloc(n)
+        return slots
+
+    # ----- forward ----------------------------------------------------------------------------
+    async def _step(self, running: list[ServeRequest]) -> list[ServeRequest]:
+        done = []
+        for request in list(running):
+            if self._advance(request):
+                running.remove(request)
+                self._finish(request)
+                done.append(request)
+            await asyncio.sleep(0)  # between forwards, L3 reads and writes move on
+        return done
+
+    def _advance(self, request: ServeRequest) -> bool:
+        """Run one chunk of ``request``; whether it has finished."""
+        cached = request.cached
+        assert cached is not None
+        prompt_len = len(request.prompt)
+        start = cached.kv_len
+        if start < prompt_len:
+            tokens = request.prompt[start : start + self.config.chunk_tokens]
+        else:
+            tokens = [request.generated[-1]]
+        row = self.req_to_token.table[cached.req_pool_idx]
+        chunk = ChunkInput(
+            torch.tensor(tokens, dtype=torch.int64), start, row[: start + len(tokens)]
+        )
+        began = time.perf_counter()
+        logits = self.model.forward(chunk, self.pools, self._waiter(request))
+        request.pending_loads = []
+        cached.kv_len = start + len(tokens)
+        if start < prompt_len:
+            request.record.computed_tokens += len(tokens)
+            self._observe_prefill(len(tokens), time.perf_counter() - began)
+        if cached.kv_len < prompt_len:
+            self._cache_progress(request)
+            return False
+        request.generated.append(self._sample(request, logits))
+        if len(request.generated) == 1:
+            request.record.first_token_s = self.now()
+        return len(request.generated) >= request.max_new_tokens
+
+    def _waiter(self, request: ServeRequest) -> Callable[[str, int], None] | None:
+        loads = request.pending_loads
+        if not loads:
+            return None
+
+        def wait(pool: str, layer: int) -> None:
+            for load in loads:
+                load.wait_layer(pool, layer)
+
+        return wait
+
+    def _observe_prefill(self, tokens: int, seconds: float) -> None:
+        if seconds > 0 and tokens >= 16:
+            rate = tokens / seconds
+            old = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+
+    def _cache_progress(self, request: ServeRequest) -> None:
+        """Commit a long prompt's computed pages so that others can share them meanwhile."""
+        if self.tree is not None and request.cached is not None:
+            request.cached.token_ids = request.prompt
+            self.tree.cache_unfinished_req(request.cached)
+
+    def _sample(self, request: ServeRequest, logits: torch.Tensor) -> int:
+        if self.config.temperature <= 0:
+            return int(torch.argmax(logits))
+        # Seeded by request and position only, so the cache cannot change a draw.
+        seed = zlib.crc32(
+            f"{self.config.sample_seed}:{request.rid}:{len(request.generated)}".encode()
+        )
+        probs = torch.softmax(logits.double() / self.config.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
+
+    def _finish(self, request: ServeRequest) -> None:
+        cached = request.cached
+        assert cached is not None
+        cached.token_ids = request.all_tokens
+        if self.tree is not None:
+            self.tree.cache_finished_req(cached)
+        else:
+            row = self.req_to_token.table[cached.req_pool_idx]
+            self.anchor.free(row[: cached.allocated].clone())
+            self.req_to_token.free(cached.req_pool_idx)
+        request.state = RequestState.FINISHED
+        rec = request.record
+        rec.finished_s, rec.output_tokens = self.now(), len(request.generated)

@@ -1,0 +1,78 @@
+"""Building an engine for a cache mode: pools, host tier, controller and tree."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from hicache.controller import HiCacheController
+from hicache.hiconfig import HiCacheConfig
+from hicache.hiradix import HiRadixCache
+from hicache.pools.device import device_pools
+from hicache.pools.host import host_pools
+from hicache.radix.tree import RadixCache, RadixCacheConfig
+from hicache.serving.engine import CacheMode, Engine, EngineConfig
+from hicache.serving.model import TinyTransformer
+
+__all__ = ["ServingSetup", "open_engine"]
+
+
+@dataclass(slots=True)
+class ServingSetup:
+    engine: Engine
+    controller: HiCacheController | None
+
+    async def close(self, drain_s: float = 10.0) -> None:
+        """Close the cache; L3 writes still queued get ``drain_s`` to land (a restart finds
+        what was written)."""
+        tree = self.engine.hiradix
+        if tree is not None:
+            tree.check_events()
+        if self.controller is not None:
+            await self.controller.close(drain_s)
+
+
+def _device(kind: str) -> torch.device:
+    if kind == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(kind)
+
+
+async def open_engine(
+    model: TinyTransformer,
+    mode: CacheMode,
+    hicache: HiCacheConfig,
+    device_tokens: int,
+    engine_config: EngineConfig | None = None,
+) -> ServingSetup:
+    """An engine over fresh pools of ``device_tokens`` slots, caching as ``mode`` says.
+
+    The host tier has ``tiers.host_pages`` pages, or ``host_ratio`` times the device pool.
+    """
+    config = model.config
+    pools_spec = config.pools()
+    anchor = pools_spec.names[0]
+    device = device_pools(pools_spec, {anchor: device_tokens}, model.device)
+    engine_config = engine_config or EngineConfig()
+    radix = RadixCacheConfig(page_size=config.page_size)
+    if mode is CacheMode.NONE:
+        return ServingSetup(Engine(model, device, None, engine_config), None)
+    if mode is CacheMode.DEVICE:
+        tree = RadixCache(radix, device[anchor])
+        return ServingSetup(Engine(model, device, tree, engine_config), None)
+    tiers = hicache.tiers
+    pages = tiers.host_pages or max(1, int(device_tokens // config.page_size * tiers.host_ratio))
+    host = host_pools(pools_spec, {anchor: pages}, tiers.host_layout)
+    if mode is CacheMode.DEVICE_HOST:
+        hicache = dataclasses.replace(
+            hicache, storage=dataclasses.replace(hicache.storage, url=None)
+        )
+    controller = await HiCacheController.open(hicache, device, host)
+    tree = HiRadixCache(controller, radix)
+    return ServingSetup(Engine(model, device, tree, engine_config), controller)
+
+
+def resolve_device(kind: str) -> torch.device:
+    return _device(kind)
