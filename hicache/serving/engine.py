@@ -96,7 +96,8 @@ class Engine:
         running: list[ServeRequest] = []
         while True:
             for request in source.due(self.now()):
-                self.submit(request, waiting)
+                if not self.submit(request, waiting):
+                    source.finished(request, self.now())  # failed: its source moves on
             if self.hiradix is not None:
                 self.hiradix.check_events()
             self._admit(waiting, running)
@@ -113,13 +114,13 @@ class Engine:
             self.hiradix.check_events()
         return self.records
 
-    def submit(self, request: ServeRequest, waiting: list[ServeRequest]) -> None:
+    def submit(self, request: ServeRequest, waiting: list[ServeRequest]) -> bool:
         """Queue a request, or fail it (recorded, the run goes on) when it cannot be served."""
         self.records.append(request.record)
         error = self._refusal(request)
         if error is not None:
             request.state, request.record.error = RequestState.FAILED, error
-            return
+            return False
         waiting.append(request)
         tree = self.hiradix
         if tree is not None and tree.storage.enabled and len(request.key):
@@ -128,6 +129,7 @@ class Engine:
                 tree.prefetch_from_storage(request.rid, request.key, match)
             elif tree.storage.enabled:
                 tree.metrics.add("prefetch_skipped_slow")
+        return True
 
     def _refusal(self, request: ServeRequest) -> str | None:
         vocab = self.model.config.vocab_size
@@ -227,36 +229,47 @@ class Engine:
 
     # ----- forward ----------------------------------------------------------------------------
     async def _step(self, running: list[ServeRequest]) -> list[ServeRequest]:
+        """One forward over a chunk of every running request; the ones that finished."""
+        chunks = [self._next_chunk(request) for request in running]
+        loads = [load for request in running for load in request.pending_loads]
+        began = time.perf_counter()
+        # In a thread, as a GPU would run it: meanwhile the event loop moves L3 reads and
+        # writes on. Nothing else touches the device pools until the forward has returned.
+        logits = await asyncio.to_thread(
+            self.model.forward_batch, chunks, self.pools, self._waiter(loads)
+        )
+        prompt_lens = [len(r.prompt) for r in running]
+        prefill = sum(len(c.tokens) for c, n in zip(chunks, prompt_lens) if c.start < n)
+        self._observe_prefill(prefill, time.perf_counter() - began)
         done = []
-        for request in list(running):
-            if self._advance(request):
+        for request, chunk, out in zip(list(running), chunks, logits, strict=True):
+            request.pending_loads = []
+            if self._after_chunk(request, chunk, out):
                 running.remove(request)
                 self._finish(request)
                 done.append(request)
-            await asyncio.sleep(0)  # between forwards, L3 reads and writes move on
         return done
 
-    def _advance(self, request: ServeRequest) -> bool:
-        """Run one chunk of ``request``; whether it has finished."""
+    def _next_chunk(self, request: ServeRequest) -> ChunkInput:
         cached = request.cached
         assert cached is not None
-        prompt_len = len(request.prompt)
         start = cached.kv_len
-        if start < prompt_len:
+        if start < len(request.prompt):
             tokens = request.prompt[start : start + self.config.chunk_tokens]
         else:
             tokens = [request.generated[-1]]
         row = self.req_to_token.table[cached.req_pool_idx]
-        chunk = ChunkInput(
-            torch.tensor(tokens, dtype=torch.int64), start, row[: start + len(tokens)]
-        )
-        began = time.perf_counter()
-        logits = self.model.forward(chunk, self.pools, self._waiter(request))
-        request.pending_loads = []
-        cached.kv_len = start + len(tokens)
-        if start < prompt_len:
-            request.record.computed_tokens += len(tokens)
-            self._observe_prefill(len(tokens), time.perf_counter() - began)
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        return ChunkInput(ids, start, row[: start + len(tokens)])
+
+    def _after_chunk(self, request: ServeRequest, chunk: ChunkInput, logits: torch.Tensor) -> bool:
+        """Account for a chunk that ran; whether the request has finished."""
+        cached = request.cached
+        assert cached is not None
+        prompt_len = len(request.prompt)
+        cached.kv_len = chunk.start + len(chunk.tokens)
+        if chunk.start < prompt_len:
+            request.record.computed_tokens += len(chunk.tokens)
         if cached.kv_len < prompt_len:
             self._cache_progress(request)
             return False
@@ -265,8 +278,8 @@ class Engine:
             request.record.first_token_s = self.now()
         return len(request.generated) >= request.max_new_tokens
 
-    def _waiter(self, request: ServeRequest) -> Callable[[str, int], None] | None:
-        loads = request.pending_loads
+    @staticmethod
+    def _waiter(loads: list[Any]) -> Callable[[str, int], None] | None:
         if not loads:
             return None
 
@@ -277,7 +290,7 @@ class Engine:
         return wait
 
     def _observe_prefill(self, tokens: int, seconds: float) -> None:
-        if seconds > 0 and tokens >= 16:
+        if seconds > 0 and tokens >= 64:
             rate = tokens / seconds
             old = self.prefill_tokens_per_s
             self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate

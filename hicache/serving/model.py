@@ -15,7 +15,7 @@ a stored state is the same computation. On CUDA the model computes in float32 wi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +98,6 @@ class TinyTransformer:
     def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
 
-    @torch.no_grad()
     def forward(
         self,
         chunk: ChunkInput,
@@ -106,28 +105,62 @@ class TinyTransformer:
         wait: LayerWait | None = None,
     ) -> torch.Tensor:
         """Logits of the chunk's last token (vocab,), after caching the chunk's state."""
+        return self.forward_batch([chunk], pools, wait)[0]
+
+    @torch.no_grad()
+    def forward_batch(
+        self,
+        chunks: Sequence[ChunkInput],
+        pools: Mapping[str, DevicePool],
+        wait: LayerWait | None = None,
+    ) -> list[torch.Tensor]:
+        """One step over several requests' chunks: the per-token work (norms, MLP, output
+        projection) runs on all tokens at once, attention per request over its own context.
+        Returns each chunk's last-token logits (vocab,) in float32 on the CPU."""
         c = self.config
-        tokens = chunk.tokens.to(self.device)
-        if int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
-            raise ValueError(f"token ids must be in [0, {c.vocab_size})")
-        slots = chunk.slots.to(self.device)
-        n = len(tokens)
-        positions = torch.arange(chunk.start, chunk.start + n, device=self.device)
-        inputs = AttentionInputs(self, slots, chunk.start, positions)
-        x = self.embed[tokens]
+        inputs, token_ids = [], []
+        for chunk in chunks:
+            tokens = chunk.tokens.to(self.device)
+            if len(tokens) == 0 or int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
+                raise ValueError(f"token ids must be in [0, {c.vocab_size}), at least one")
+            positions = torch.arange(chunk.start, chunk.start + len(tokens), device=self.device)
+            inputs.append(
+                AttentionInputs(self, chunk.slots.to(self.device), chunk.start, positions)
+            )
+            token_ids.append(tokens)
+        bounds = [0]
+        for tokens in token_ids:
+            bounds.append(bounds[-1] + len(tokens))
+        x = self.embed[torch.cat(token_ids)]
         for index, (kind, p) in enumerate(zip(c.layer_kinds(), self.layers, strict=True)):
             pool_name, layer = pool_of(kind), c.pool_layer(index)
             if wait is not None:
                 wait(pool_name, layer)
             h = self.rms_norm(x, p["norm1"])
-            if kind is LayerKind.RECURRENT:
-                out = recurrent_layer(self, p, h, pools["state"], layer, inputs)
-            elif kind in (LayerKind.LATENT, LayerKind.SPARSE_LATENT):
-                out = latent_layer(self, p, h, pools, layer, inputs, kind)
-            else:
-                out = attention_layer(self, p, h, pools[pool_name], layer, inputs, kind)
-            x = x + out
+            outs = [
+                self._mix(kind, p, h[lo:hi], pools, pool_name, layer, inp)
+                for lo, hi, inp in zip(bounds, bounds[1:], inputs, strict=False)
+            ]
+            x = x + torch.cat(outs)
             h = self.rms_norm(x, p["norm2"])
             x = x + (torch.nn.functional.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
-        last = self.rms_norm(x[-1], torch.ones_like(x[-1]))
-        return (last @ self.unembed).to(torch.float32).cpu()
+        lasts = x[torch.tensor(bounds[1:], device=self.device) - 1]
+        logits = self.rms_norm(lasts, torch.ones_like(lasts[0])) @ self.unembed
+        return list(logits.to(torch.float32).cpu())
+
+    def _mix(
+        self,
+        kind: LayerKind,
+        p: dict[str, torch.Tensor],
+        h: torch.Tensor,
+        pools: Mapping[str, DevicePool],
+        pool_name: str,
+        layer: int,
+        inp: AttentionInputs,
+    ) -> torch.Tensor:
+        """The token-mixing half of a layer for one request."""
+        if kind is LayerKind.RECURRENT:
+            return recurrent_layer(self, p, h, pools["state"], layer, inp)
+        if kind in (LayerKind.LATENT, LayerKind.SPARSE_LATENT):
+            return latent_layer(self, p, h, pools, layer, inp, kind)
+        return attention_layer(self, p, h, pools[pool_name], layer, inp, kind)

@@ -44,10 +44,9 @@ def _attend(
 ) -> torch.Tensor:
     """Causal attention of queries (n, H, D) over keys and values (T, Hk, D); (n, H*D)."""
     n, heads, dim = q.shape
-    group = heads // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,thd->hnt", q, k) / math.sqrt(dim)
+    kv_heads = k.shape[1]
+    grouped = q.view(n, kv_heads, heads // kv_heads, dim)  # query heads sharing a KV head
+    scores = torch.einsum("nkgd,tkd->kgnt", grouped, k) / math.sqrt(dim)
     key_pos = torch.arange(k.shape[0], device=q.device)
     mask = key_pos[None, :] <= inp.positions[:, None]
     if window is not None:
@@ -55,7 +54,7 @@ def _attend(
     if allowed is not None:
         mask &= allowed
     probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
-    return torch.einsum("hnt,thd->nhd", probs, v).reshape(n, heads * dim)
+    return torch.einsum("kgnt,tkd->nkgd", probs, v).reshape(n, heads * dim)
 
 
 def attention_layer(

@@ -34,6 +34,7 @@ class ChatConfig:
     output_tokens: int = 16
     tenants: int = 1
     rate: float = 0.0  # round-1 arrivals per second (Poisson); 0: all at once
+    barrier: bool = True  # round r+1 starts once every client has its round-r answer
     seed: int = 0
     vocab: int = 32000
 
@@ -88,6 +89,8 @@ class MultiTurnChat:
         # so every cache configuration is sent the same prompts.
         self._client_rngs = [np.random.default_rng((config.seed, c)) for c in range(config.clients)]
         self._queue = _Queue()
+        self._held: dict[int, list[ServeRequest]] = {}  # round -> next turns behind the barrier
+        self._open = {0: config.clients}  # round -> clients still in it
         times = _poisson_times(config.clients, config.rate, rng)
         for client in range(config.clients):
             history = list(systems[client % config.system_prompts])
@@ -107,10 +110,25 @@ class MultiTurnChat:
         return self._queue.due(now)
 
     def finished(self, request: ServeRequest, now: float) -> None:
+        """The answer to a turn arrived (or the turn failed: ``generated`` is empty)."""
         client, round_ = request.client
+        nxt = None
         if round_ + 1 < self.config.rounds and request.generated:
-            history = request.prompt + request.generated
-            self._queue.push(self._turn(client, round_ + 1, history, now))
+            nxt = self._turn(client, round_ + 1, request.prompt + request.generated, now)
+        if not self.config.barrier:
+            if nxt is not None:
+                self._queue.push(nxt)
+            return
+        if nxt is not None:
+            self._held.setdefault(round_ + 1, []).append(nxt)
+        self._open[round_] -= 1
+        if self._open[round_] == 0:  # the whole round answered: release the next one
+            released = sorted(self._held.pop(round_ + 1, []), key=lambda r: r.client)
+            self._open[round_ + 1] = len(released)
+            for turn in released:
+                turn.arrival_s = now
+                turn.record.arrival_s = now
+                self._queue.push(turn)
 
     def next_arrival(self) -> float | None:
         return self._queue.next_arrival()
