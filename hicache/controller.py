@@ -140,8 +140,11 @@ class HiCacheController:
             )
             return None
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float = 0.0) -> None:
+        """Stop the L3 tasks (after up to ``drain_s`` for queued writes to land) and close L3."""
         backend = self.storage.backend
+        if drain_s > 0 and backend is not None and not await self.storage.drain(drain_s):
+            logger.warning("closing L3 with writes still queued after %.1f s", drain_s)
         await self.storage.stop()
         if backend is not None:
             try:

@@ -91,6 +91,15 @@ class HiRadixCache(L3TreeBase):
             self._on_hits(path)
         return result
 
+    def peek_match(self, key: RadixKey) -> MatchResult:
+        """:meth:`match_prefix` that counts no hit and triggers no write policy: for deciding
+        about a request before it is scheduled (whether to prefetch it)."""
+        quiet, self._quiet = self._quiet, True
+        try:
+            return self.match_prefix(key)
+        finally:
+            self._quiet = quiet
+
     def _on_hits(self, path: list[TreeNode]) -> None:
         policy, threshold = self.tiers.write_policy, self.tiers.write_threshold
         if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
@@ -226,8 +235,14 @@ class HiRadixCache(L3TreeBase):
         return all(child.value is None for child in node.children.values())
 
     def _evict_leaf(self, node: TreeNode) -> int:
+        # Backed up now: under write_back always; under write-through when its backup at insert
+        # or hit could not get host pages then (host full of pages in flight to L3); always when
+        # it has host-only children that need their parent.
+        policy, threshold = self.tiers.write_policy, self.tiers.write_threshold
         needs_backup = node.host_value is None and (
-            self.tiers.write_policy is WritePolicy.WRITE_BACK or bool(node.children)
+            policy is WritePolicy.WRITE_BACK
+            or bool(node.children)
+            or backup_on_hit(policy, node.hit_count, threshold)
         )
         if needs_backup and not self._backup_now(node) and node.children:
             return 0  # its host-only children would lose their parent: keep it for now

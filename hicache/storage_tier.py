@@ -85,6 +85,7 @@ class StorageTier:
         self.page_bytes = sum(p.spec.page_bytes for p in bundler.host_pools.values())
         self._queue: deque[WriteJob] = deque()
         self._queued_pages = 0
+        self._writing = 0  # jobs a worker is writing now
         self._wakeup = asyncio.Event()
         self.write_acks: deque[WriteJob] = deque()
         self.finished_prefetches: deque[PrefetchOp] = deque()
@@ -105,6 +106,15 @@ class StorageTier:
         self.backend = backend
         for i in range(self.config.workers):
             self._supervisor.start(f"l3-writer-{i}", self._write_worker)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for queued and running writes to finish; whether they did."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue or self._writing:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.002)
+        return True
 
     async def stop(self) -> None:
         await self._supervisor.stop()
@@ -158,9 +168,11 @@ class StorageTier:
                 await self._wakeup.wait()
             job = self._queue.popleft()
             self._queued_pages -= len(job.pages)
+            self._writing += 1
             try:
                 job.ok = await self._write_job(job)
             finally:
+                self._writing -= 1
                 if job.ok is None:
                     job.ok = [False] * len(job.pages)
                 self.write_acks.append(job)

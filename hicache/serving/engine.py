@@ -122,14 +122,29 @@ class Engine:
             request.state, request.record.error = RequestState.FAILED, error
             return False
         waiting.append(request)
-        tree = self.hiradix
-        if tree is not None and tree.storage.enabled and len(request.key):
-            match = tree.match_prefix(request.key)
-            if self._prefetch_pays(len(request.key) - match.prefix_len - match.host_hit_length):
-                tree.prefetch_from_storage(request.rid, request.key, match)
-            elif tree.storage.enabled:
-                tree.metrics.add("prefetch_skipped_slow")
+        self._maybe_prefetch(request)
         return True
+
+    def _maybe_prefetch(self, request: ServeRequest) -> bool:
+        """Start an L3 prefetch of what device and host lack now; whether one started.
+
+        Tried when a request is queued, and once more when it is about to be scheduled if what
+        was cached then has been evicted meanwhile.
+        """
+        tree = self.hiradix
+        if tree is None or not tree.storage.enabled or not len(request.key):
+            return False
+        match = tree.peek_match(request.key)
+        cached = match.prefix_len + match.host_hit_length
+        missing = len(request.key) - cached
+        if missing < tree.prefetch_config.threshold_tokens or cached >= request.cached_at_submit:
+            request.cached_at_submit = min(request.cached_at_submit, cached)
+            return False
+        request.cached_at_submit = cached
+        if not self._prefetch_pays(missing):
+            tree.metrics.add("prefetch_skipped_slow")
+            return False
+        return tree.prefetch_from_storage(request.rid, request.key, match)
 
     def _refusal(self, request: ServeRequest) -> str | None:
         vocab = self.model.config.vocab_size
@@ -167,6 +182,8 @@ class Engine:
             tree = self.hiradix
             if tree is not None and not tree.check_prefetch_progress(request.rid):
                 continue  # its prefetch is still worth waiting for; others may go first
+            if self._maybe_prefetch(request):
+                continue  # its cached prefix was evicted while it waited: read it back first
             if self._start(request):
                 waiting.remove(request)
                 running.append(request)
