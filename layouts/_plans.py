@@ -121,7 +121,6 @@ class PagePlan:
             else:
                 pool.copy_(host)
 
-
     def _copy_gathered(self, to_host: bool) -> None:
         """Small pages: one gather and one scatter for all, instead of a call per page (each
         copy call costs microseconds; the temporary copy is cheap at this size)."""
