@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: setup
-	$(BIN)/hicache bench backends
+	$(BIN)/hicache serve
 
 test: setup lint typecheck pytest
 
