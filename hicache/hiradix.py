@@ -281,8 +281,10 @@ class HiRadixCache(L3TreeBase):
         return not bool(self.host.is_protected(self.host_pages(node)).any())
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host tokens of host-only leaves, by the tree's policy."""
-        heap = [(self._key_fn(n), n.id, n) for n in self.all_nodes() if self._host_evictable(n)]
+        """Free at least ``num_tokens`` host tokens, by the tree's policy: host-only leaves
+        first, then host copies that are redundant (the node is on the device and in L3)."""
+        nodes = self.all_nodes()
+        heap = [(self._key_fn(n), n.id, n) for n in nodes if self._host_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -292,7 +294,30 @@ class HiRadixCache(L3TreeBase):
             freed += self._drop_host(node)
             if parent.parent is not None and self._host_evictable(parent):
                 heapq.heappush(heap, (self._key_fn(parent), parent.id, parent))
+        if freed < num_tokens:
+            freed += self._drop_redundant_copies(nodes, num_tokens - freed)
         self.metrics.add("host_evicted_tokens", freed)
+        return freed
+
+    def _drop_redundant_copies(self, nodes: list[TreeNode], num_tokens: int) -> int:
+        """Free host copies of nodes that stay on the device and are in L3: no data is lost,
+        and a later device eviction backs them up again or drops them (write policy)."""
+        redundant = [
+            n
+            for n in nodes
+            if n.value is not None
+            and n.host_value is not None
+            and n.in_storage
+            and not bool(self.host.is_protected(self.host_pages(n)).any())
+        ]
+        redundant.sort(key=self._key_fn)
+        freed = 0
+        for node in redundant:
+            if freed >= num_tokens:
+                break
+            self.host.free(self.host_pages(node))
+            node.host_value = None
+            freed += node.length
         return freed
 
     def _drop_host(self, node: TreeNode) -> int:

@@ -11,6 +11,7 @@ result=${1:-${OUT:-.}/gpu_check.txt}
 mkdir -p "$(dirname "$result")"
 tests_limit=${GPU_CHECK_TEST_SECONDS:-150}
 bench_limit=${GPU_CHECK_BENCH_SECONDS:-120}
+serve_limit=${GPU_CHECK_SERVE_SECONDS:-180}
 
 has_cuda_torch() { "$1" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
 
@@ -77,8 +78,18 @@ for r in rows:
           f'{f"  (goal {goal})" if goal else ""}')
 print(f"{len(rows)} rows, {bad} below goal")
 PY
-    rm -rf "$src"
-    echo "== exit: tests $tests_rc, bench $bench_rc"
+    echo "== serve --device cuda --compare (a larger preset; limit ${serve_limit}s)"
+    # bf16 pools on CUDA: the table of issue 6 (TTFT per configuration, hits per tier).
+    local l3dir
+    l3dir=$(mktemp -d)
+    (cd "$src" && timeout "$serve_limit" "$py" -m hicache.tools.cli serve --device cuda \
+        --compare --json -q --layers 8 --hidden 512 --heads 8 --kv-heads 4 --head-dim 64 \
+        --page-size 64 --clients 32 --rounds 4 --system-tokens 1024 --turn-tokens 256 \
+        --output-tokens 8 --device-tokens 16384 --host-ratio 2 --max-running 8 \
+        --cache-dir "$l3dir")
+    local serve_rc=$?
+    rm -rf "$src" "$l3dir"
+    echo "== exit: tests $tests_rc, bench $bench_rc, serve $serve_rc"
     [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
 }
 

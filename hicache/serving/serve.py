@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from hicache.backends.wrappers import LatencyBackend, LatencyConfig
 from hicache.dtypes import DType
 from hicache.errors import ConfigError
 from hicache.hiconfig import HiCacheConfig, add_hicache_flags, check_config, config_from_args
@@ -60,6 +61,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--schedule", choices=[x.value for x in SchedulePolicy], default="lpm")
     e.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     e.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="the default file L3")
+    e.add_argument(
+        "--l3-bandwidth", type=float, help="limit L3 to this many MB/s each way (a slow-L3 demo)"
+    )
     add_hicache_flags(p)
     o = p.add_argument_group("output")
     o.add_argument("--compare", action="store_true", help="also run none/device/device+host")
@@ -109,6 +113,11 @@ async def _run_one(
         schedule=SchedulePolicy(args.schedule), temperature=args.temperature,
     )  # fmt: skip
     setup = await open_engine(model, mode, hicache, args.device_tokens, engine_config)
+    storage = setup.controller.storage if setup.controller is not None else None
+    if args.l3_bandwidth and storage is not None and storage.backend is not None:
+        rate = args.l3_bandwidth * 1e6
+        limits = LatencyConfig(read_bandwidth_bps=rate, write_bandwidth_bps=rate)
+        storage.backend = LatencyBackend(storage.backend, limits)
     source = _source(args, model.config.vocab_size)
     outputs: dict[str, list[int]] = {}
     prompts: list[Any] = []
@@ -169,7 +178,27 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
         "configs": rows,
         "oracle_hit_rate": oracle_hit_rate(prompts, model_config.page_size),
         "outputs_identical": identical,
+        "working_set_tokens": _unique_tokens(prompts, model_config.page_size),
+        "device_tokens": args.device_tokens,
+        "host_tokens": _host_tokens(args, hicache),
     }  # fmt: skip
+
+
+def _unique_tokens(prompts: list[Any], page: int) -> int:
+    """Tokens an unbounded cache would hold after the run (prompts and outputs, whole pages)."""
+    from hicache.keys import RadixKey
+    from hicache.radix.tree import RadixCache, RadixCacheConfig
+
+    tree = RadixCache(RadixCacheConfig(page_size=page, simulated=True))
+    for namespace, prompt, output in prompts:
+        tree.insert(RadixKey(prompt + output, namespace))
+    return sum(node.length for node in tree.all_nodes())
+
+
+def _host_tokens(args: argparse.Namespace, hicache: HiCacheConfig) -> int:
+    tiers = hicache.tiers
+    pages = tiers.host_pages or int(args.device_tokens // args.page_size * tiers.host_ratio)
+    return pages * args.page_size if tiers.host_enabled else 0
 
 
 def run_serve(args: argparse.Namespace) -> int:

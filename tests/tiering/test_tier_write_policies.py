@@ -125,3 +125,22 @@ async def test_host_eviction_makes_room_for_new_backups() -> None:
         h.run_request("again", tokens(5))
     finally:
         await h.close()
+
+
+async def test_host_eviction_drops_copies_that_are_on_device_and_in_l3(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    h = await Harness.build(url=f"file://{tmp_path}", host_pages=8)
+    try:
+        h.run_request("a", tokens(0))  # 3 pages on device, on host and (once written) in L3
+        await h.settle()
+        node = next(n for n in h.tree.all_nodes() if n.value is not None)
+        assert node.in_storage and node.host_value is not None
+        used = h.host["kv"].used_pages
+        freed = h.tree.evict_host(used * PAGE)
+        assert freed == used * PAGE and h.host["kv"].used_pages == 0
+        assert all(n.value is not None and n.host_value is None for n in h.tree.all_nodes())
+        # Still served from the device; evicting the device backs the pages up again.
+        assert h.run_request("b", tokens(0))["device"] == 12
+        h.tree.evict(10_000)
+        assert h.run_request("c", tokens(0)) == {"device": 0, "host": 12, "computed": 0}
+    finally:
+        await h.close()
