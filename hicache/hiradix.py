@@ -66,6 +66,7 @@ class HiRadixCache(L3TreeBase):
         self._pending_loads: list[GroupTransfer] = []
         self._anchors: Counter[int] = Counter()  # node id -> prefetches hanging from it
         self._quiet = False  # the tree matching for itself: no hits, no policy
+        self._kept: list[TreeNode] = []  # leaves an eviction kept (see evict)
         self._init_l3()
 
     # ----- matching -------------------------------------------------------------------------
@@ -229,6 +230,18 @@ class HiRadixCache(L3TreeBase):
         return loads
 
     # ----- device eviction ------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """:meth:`RadixCache.evict`; a leaf kept this time (its backup found no host pages) goes
+        back on the eviction heap afterwards, so a later eviction finds it again."""
+        self._kept = []
+        try:
+            return super().evict(num_tokens)
+        finally:
+            kept, self._kept = self._kept, []
+            for node in kept:
+                if self._is_evictable_leaf(node):
+                    self._push(node)
+
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         if node.lock_ref > 0 or node.value is None or node.parent is None or not node.key:
             return False
@@ -245,7 +258,8 @@ class HiRadixCache(L3TreeBase):
             or backup_on_hit(policy, node.hit_count, threshold)
         )
         if needs_backup and not self._backup_now(node) and node.children:
-            return 0  # its host-only children would lose their parent: keep it for now
+            self._kept.append(node)  # its host-only children would lose their parent: not now
+            return 0
         freed = super()._evict_leaf(node) if node.host_value is None else self._demote(node)
         self.metrics.add("device_evicted_tokens", freed)
         return freed

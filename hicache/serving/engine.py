@@ -46,6 +46,7 @@ class EngineConfig:
     temperature: float = 0.0  # 0: greedy
     sample_seed: int = 0
     skip_slow_prefetch: bool = True  # skip a prefetch that would take longer than prefill
+    stall_s: float = 60.0  # a request that cannot be admitted with nothing running this long fails
 
 
 class RequestSource(Protocol):
@@ -94,6 +95,7 @@ class Engine:
         self._t0 = self._clock()
         waiting: list[ServeRequest] = []
         running: list[ServeRequest] = []
+        idle_since: float | None = None  # when waiting requests last had nothing running
         while True:
             for request in source.due(self.now()):
                 if not self.submit(request, waiting):
@@ -102,17 +104,36 @@ class Engine:
                 self.hiradix.check_events()
             self._admit(waiting, running)
             if running:
+                idle_since = None
                 for request in await self._step(running):
                     source.finished(request, self.now())
                 continue
             upcoming = source.next_arrival()
             if not waiting and upcoming is None:
                 break
+            idle_since = idle_since if waiting else None
+            if waiting and idle_since is None:
+                idle_since = self.now()
+            elif idle_since is not None and self.now() - idle_since > self.config.stall_s:
+                self._fail_stalled(waiting, source)  # nothing frees memory for them: give up
+                idle_since = None
             pause = 0.001 if upcoming is None else max(0.0, min(0.01, upcoming - self.now()))
             await asyncio.sleep(pause)
         if self.hiradix is not None:
             self.hiradix.check_events()
         return self.records
+
+    def _fail_stalled(self, waiting: list[ServeRequest], source: RequestSource) -> None:
+        tree = self.hiradix
+        for request in list(waiting):
+            if tree is not None and not tree.check_prefetch_progress(request.rid):
+                continue  # still waiting on its prefetch, which its stop policy allows
+            waiting.remove(request)
+            if tree is not None:
+                tree.terminate_prefetch(request.rid)
+            request.state = RequestState.FAILED
+            request.record.error = f"no device memory could be had for {self.config.stall_s} s"
+            source.finished(request, self.now())
 
     def submit(self, request: ServeRequest, waiting: list[ServeRequest]) -> bool:
         """Queue a request, or fail it (recorded, the run goes on) when it cannot be served."""
