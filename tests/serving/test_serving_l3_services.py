@@ -61,7 +61,6 @@ def test_serve_with_s3_l3_hits_and_keeps_outputs(
     assert set(rows) == {"none", "device", "device+host", "device+host+l3"}
     l3 = rows["device+host+l3"]
     assert l3["bytes_host_to_l3"] > 0 and l3["errors"] == 0
-    assert l3["hit_rate"] >= rows["device+host"]["hit_rate"]
     # A second process over the same bucket: what the first one wrote comes back from L3.
     again = serve(capsys, "--l3", s3_url)
     second = by_name(again)["device+host+l3"]
@@ -94,4 +93,3 @@ def test_serve_with_mooncake_l3_hits_and_keeps_outputs(
     assert result["outputs_identical"] is True
     l3 = rows["device+host+l3"]
     assert l3["hit_tokens_l3"] > 0 and l3["errors"] == 0
-    assert l3["hit_rate"] >= rows["device+host"]["hit_rate"]

@@ -1,0 +1,253 @@
+"""Shared pieces of the serving tests: tiny models, small workloads, and one call that serves.
+
+Sizes are chosen so every tier is used on a 2-core CPU in well under a second per run: the chat's
+working set (8 clients x 3 rounds, ~740 tokens) is about 6 times the device pool (128 tokens) and
+twice the host tier (96 pages of 4 tokens), so pages move from the device to host and from host
+to L3; a restart over the same L3 reads them back. With every round released at once, which tier
+a chat request's pages come from depends on timing, so the tests that need a first-run L3 hit use
+the one-request-at-a-time ``Sequential`` workload, where it depends on sizes only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import pathlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hicache.hiconfig import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.keys import StorageFormat
+from hicache.policies import PrefetchStopPolicy, WritePolicy
+from hicache.radix.workload import TraceRequest
+from hicache.serving.engine import CacheMode, EngineConfig, RequestSource
+from hicache.serving.model import TinyTransformer
+from hicache.serving.model_config import ModelConfig, ModelPreset
+from hicache.serving.request import RequestRecord, ServeRequest
+from hicache.serving.setup import ServingSetup, open_engine
+from hicache.serving.workload import ChatConfig, MultiTurnChat, TraceReplay
+
+PAGE = 4
+VOCAB = 512
+DEVICE_TOKENS = 128
+HOST_PAGES = 96
+CHAT = ChatConfig(
+    clients=8,
+    rounds=3,
+    system_tokens=32,
+    system_prompts=2,
+    turn_tokens=16,
+    output_tokens=4,
+    vocab=VOCAB,
+)
+RUN_TIMEOUT_S = 60.0
+ALL_PRESETS = list(ModelPreset)
+CACHED_MODES = [CacheMode.DEVICE, CacheMode.DEVICE_HOST, CacheMode.DEVICE_HOST_L3]
+# Prefetch whatever L3 holds, however slow it looks: on a tiny model compute is so fast that
+# the engine's "is reading worth it" estimate would otherwise skip prefetches at random.
+# A request that cannot be admitted fails after stall_s, so a stall shows up as an error record.
+ENGINE = EngineConfig(max_running=2, skip_slow_prefetch=False, stall_s=20.0)
+
+
+def model_config(preset: ModelPreset) -> ModelConfig:
+    return ModelConfig(
+        preset=preset,
+        vocab_size=VOCAB,
+        hidden=32,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        head_dim=8,
+        page_size=PAGE,
+        latent_dim=16,
+        index_dim=8,
+        index_topk_pages=2,  # fewer pages than a prompt has: the DSA selection matters
+        window=8,  # shorter than a prompt: the SWA mask matters
+        state_dim=8,
+    )
+
+
+@functools.cache
+def tiny_model(preset: ModelPreset) -> TinyTransformer:
+    return TinyTransformer(model_config(preset))
+
+
+def hicache_config(
+    l3_dir: pathlib.Path | None,
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+    stop_policy: PrefetchStopPolicy = PrefetchStopPolicy.TIMEOUT,
+    host_pages: int = HOST_PAGES,
+) -> HiCacheConfig:
+    """A small host tier and a file L3 in ``l3_dir`` (none when ``l3_dir`` is None)."""
+    return HiCacheConfig(
+        tiers=TierConfig(write_policy=write_policy, write_threshold=1, host_pages=host_pages),
+        prefetch=PrefetchConfig(stop_policy=stop_policy, threshold_tokens=PAGE),
+        storage=StorageConfig(url=None if l3_dir is None else f"file://{l3_dir}"),
+    )
+
+
+class Recording:
+    """A request source that keeps what every finished request generated (and its prompt)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.outputs: dict[str, list[int]] = {}
+        self.prompts: dict[str, list[int]] = {}
+
+    def due(self, now: float) -> list[ServeRequest]:
+        due: list[ServeRequest] = self.inner.due(now)
+        return due
+
+    def finished(self, request: ServeRequest, now: float) -> None:
+        if request.record.error is None:
+            self.outputs[request.rid] = list(request.generated)
+            self.prompts[request.rid] = list(request.prompt)
+        self.inner.finished(request, now)
+
+    def next_arrival(self) -> float | None:
+        arrival: float | None = self.inner.next_arrival()
+        return arrival
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, list[int]]
+    records: list[RequestRecord]
+    metrics: dict[str, float]
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    logits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    formats: dict[str, StorageFormat] = field(default_factory=dict)  # L3 key format, per pool
+
+    def hits(self, tier: str) -> int:
+        """Hit tokens of successful requests on ``tier`` (device, host or l3)."""
+        return sum(getattr(r, f"hit_{tier}") for r in self.records if r.error is None)
+
+    @property
+    def computed(self) -> int:
+        return sum(r.computed_tokens for r in self.records)
+
+    @property
+    def errors(self) -> list[str]:
+        return [r.error for r in self.records if r.error is not None]
+
+
+def _capture_logits(setup: ServingSetup, into: dict[tuple[str, int], torch.Tensor]) -> None:
+    """Keep the logits every token was sampled from, by (request, output position)."""
+    engine = setup.engine
+    sample = engine._sample
+
+    def recording_sample(request: ServeRequest, logits: torch.Tensor) -> int:
+        into[(request.rid, len(request.generated))] = logits.clone()
+        return sample(request, logits)
+
+    engine._sample = recording_sample  # type: ignore[method-assign]
+
+
+async def serve(
+    preset: ModelPreset,
+    mode: CacheMode,
+    source: RequestSource | None = None,
+    config: HiCacheConfig | None = None,
+    device_tokens: int = DEVICE_TOKENS,
+    engine: EngineConfig = ENGINE,
+    logits: bool = False,
+) -> RunResult:
+    """Serve ``source`` (the small chat by default) with a fresh engine, then close it."""
+    config = config or hicache_config(None)
+    recording = Recording(source if source is not None else MultiTurnChat(CHAT))
+    setup = await open_engine(tiny_model(preset), mode, config, device_tokens, engine)
+    captured: dict[tuple[str, int], torch.Tensor] = {}
+    if logits:
+        _capture_logits(setup, captured)
+    try:
+        # A run that stops making progress would spin forever: fail it instead.
+        records = await asyncio.wait_for(setup.engine.run(recording), RUN_TIMEOUT_S)
+    finally:
+        await setup.close()
+    controller = setup.controller
+    metrics = controller.metrics.as_dict() if controller is not None else {}
+    formats = dict(controller.bundler.formats) if controller is not None else {}
+    return RunResult(recording.outputs, records, metrics, recording.prompts, captured, formats)
+
+
+class Sequential:
+    """Closed loop with one request in flight: the next prompt arrives when the last finished.
+
+    Which tier serves a revisited prompt then depends on sizes only, not on timing.
+    """
+
+    def __init__(self, prompts: Sequence[Sequence[int]], output_tokens: int = 3) -> None:
+        self._pending = deque(
+            ServeRequest(f"s{i}", list(p), output_tokens) for i, p in enumerate(prompts)
+        )
+        self._busy = False
+
+    def due(self, now: float) -> list[ServeRequest]:
+        if self._busy or not self._pending:
+            return []
+        self._busy = True
+        request = self._pending.popleft()
+        request.arrival_s = request.record.arrival_s = now
+        return [request]
+
+    def finished(self, request: ServeRequest, now: float) -> None:
+        self._busy = False
+
+    def next_arrival(self) -> float | None:
+        return 0.0 if self._pending and not self._busy else None
+
+
+def revisit_prompts(docs: int = 10, doc_tokens: int = 44, revisits: int = 3) -> list[list[int]]:
+    """``docs`` distinct prompts (more than the host tier holds), then the first ``revisits``
+    of them again with a new question: their prefix is then in L3 only."""
+    gen = torch.Generator().manual_seed(7)
+    bodies = [torch.randint(0, VOCAB, (doc_tokens,), generator=gen).tolist() for _ in range(docs)]
+    questions = [torch.randint(0, VOCAB, (5,), generator=gen).tolist() for _ in range(revisits)]
+    return bodies + [bodies[i] + questions[i] for i in range(revisits)]
+
+
+def trace(prompts: Sequence[Sequence[int]], output_tokens: int = 3) -> TraceReplay:
+    """Prompts all arriving at once, each generating ``output_tokens`` tokens."""
+    requests = [
+        TraceRequest(f"t{i}", "", list(p), [0] * output_tokens) for i, p in enumerate(prompts)
+    ]
+    return TraceReplay(requests)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+def workload(name: str) -> RequestSource:
+    """A fresh source of a named workload: ``chat`` or ``revisit``."""
+    if name == "chat":
+        return MultiTurnChat(CHAT)
+    if name == "revisit":
+        return Sequential(revisit_prompts())
+    raise ValueError(f"no workload {name!r}")
+
+
+_BASELINES: dict[tuple[ModelPreset, str], RunResult] = {}
+
+
+async def baseline(preset: ModelPreset, name: str = "chat") -> RunResult:
+    """The no-cache run of a workload (with logits), computed once per test session."""
+    key = (preset, name)
+    if key not in _BASELINES:
+        _BASELINES[key] = await serve(preset, CacheMode.NONE, workload(name), logits=True)
+    return _BASELINES[key]
+
+
+def assert_same_run(got: RunResult, want: RunResult, label: str) -> None:
+    """Same requests finished, token for token, and each token's logits within 1e-4."""
+    assert not got.errors, f"{label}: {got.errors}"
+    assert got.outputs == want.outputs, f"{label}: outputs differ from the no-cache run"
+    assert got.prompts == want.prompts, f"{label}: the workload sent different prompts"
+    if got.logits:
+        assert got.logits.keys() == want.logits.keys()
+        worst = max(relative_error(got.logits[k], want.logits[k]) for k in want.logits)
+        assert worst <= 1e-4, f"{label}: logits differ by {worst:.2e} (relative)"
