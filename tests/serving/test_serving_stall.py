@@ -1,13 +1,10 @@
 """A device node the tree declines to evict once must be evictable again later.
 
-``RadixCache.evict`` pops a leaf from its heap and calls ``_evict_leaf``; HiRadixCache's
-``_evict_leaf`` returns 0 (keeps the node) when the node has host-only children and cannot be
-backed up because the host tier is full of pages it may not evict (here: pages whose L3 write is
-still in flight). It used to be lost from the eviction heap, so once the writes landed it was an evictable
-leaf (counted in ``evictable_size``) that ``evict`` could no longer find. In the serving engine
-that showed as a run that never ends: a waiting request needs those slots, nothing is running, and
-``Engine.run`` retries admission forever (seen with ``hicache serve``-like chat runs whose host
-tier is no larger than the device pool).
+``HiRadixCache._evict_leaf`` keeps a node (returns 0) when it has host-only children and cannot
+be backed up because the host tier is full of pages it may not evict (here: pages whose L3 write
+is still in flight). Such a node used to be lost from the eviction heap: once the writes landed
+it was an evictable leaf (counted in ``evictable_size``) that ``evict`` could no longer find, and
+the serving engine waited forever for slots with nothing running.
 """
 
 from __future__ import annotations
