@@ -131,6 +131,7 @@ class Engine:
             waiting.remove(request)
             if tree is not None:
                 tree.terminate_prefetch(request.rid)
+                tree.prefetched_tokens.pop(request.rid, None)
             request.state = RequestState.FAILED
             request.record.error = f"no device memory could be had for {self.config.stall_s} s"
             source.finished(request, self.now())
@@ -234,6 +235,8 @@ class Engine:
         rec = request.record
         rec.admitted_s = self.now()
         rec.hit_device, rec.hit_host, rec.hit_l3 = hits
+        if self.hiradix is not None:
+            self.hiradix.prefetched_tokens.pop(request.rid, None)
         return True
 
     def _cached_prefix(
@@ -245,7 +248,8 @@ class Engine:
         match = self.tree.match_prefix(request.key)
         prefix, last = match.device_indices, match.last_device_node
         tree = self.hiradix
-        from_l3 = tree.prefetched_tokens.pop(request.rid, 0) if tree is not None else 0
+        # Read, not taken: the credit is dropped only once the request is admitted (_start).
+        from_l3 = tree.prefetched_tokens.get(request.rid, 0) if tree is not None else 0
         if tree is None or not match.host_hit_length or match.last_host_node is None:
             return prefix, last, (match.prefix_len, 0, 0)
         loaded, node = tree.init_load_back(match.last_host_node)

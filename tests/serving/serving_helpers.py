@@ -46,7 +46,6 @@ CHAT = ChatConfig(
 )
 RUN_TIMEOUT_S = 60.0
 ALL_PRESETS = list(ModelPreset)
-CACHED_MODES = [CacheMode.DEVICE, CacheMode.DEVICE_HOST, CacheMode.DEVICE_HOST_L3]
 # Prefetch whatever L3 holds, however slow it looks: on a tiny model compute is so fast that
 # the engine's "is reading worth it" estimate would otherwise skip prefetches at random.
 # A request that cannot be admitted fails after stall_s, so a stall shows up as an error record.
