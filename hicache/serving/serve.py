@@ -27,7 +27,13 @@ from hicache.serving.model import TinyTransformer
 from hicache.serving.model_config import ModelConfig, ModelPreset
 from hicache.serving.report import oracle_hit_rate, print_table, summarize
 from hicache.serving.setup import open_engine, resolve_device
-from hicache.serving.workload import ChatConfig, MultiTurnChat, TraceReplay
+from hicache.serving.workload import (
+    ChatConfig,
+    MultiTurnChat,
+    SharedPrefixConfig,
+    TraceReplay,
+    shared_prefix_trace,
+)
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -46,6 +52,13 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         m.add_argument(f"--{flag}", type=int, default=default)
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="replay a JSONL trace ({id, namespace, tokens, output_tokens})")
+    w.add_argument(
+        "--workload",
+        choices=["chat", "fewshot", "longdoc"],
+        default="chat",
+        help="chat: multi-turn; fewshot: shared templates; longdoc: documents asked several "
+        "questions (clients x rounds requests, Poisson arrivals at --rate)",
+    )
     # Defaults: 40 chats of 4 turns over 2 system prompts, about 21.5k distinct tokens: over 4x
     # the device pool and 1.5x the host pool. Short answers keep the run prefill-bound, as the
     # reference HiCache benchmarks run (their output length 1 simulates a prefill node).
@@ -99,6 +112,19 @@ def _hicache_config(args: argparse.Namespace) -> HiCacheConfig:
 def _source(args: argparse.Namespace, vocab: int) -> Any:
     if args.trace:
         return TraceReplay(load_trace(args.trace), args.rate, args.seed)
+    if args.workload != "chat":
+        fewshot = args.workload == "fewshot"
+        shared = SharedPrefixConfig(
+            requests=args.clients * args.rounds,
+            prefixes=max(1, args.clients // (8 if fewshot else 4)),
+            prefix_tokens=args.system_tokens * (1 if fewshot else 3),
+            question_tokens=args.turn_tokens // 2,
+            output_tokens=args.output_tokens,
+            tenants=args.tenants,
+            seed=args.seed,
+            vocab=vocab,
+        )
+        return TraceReplay(shared_prefix_trace(shared), args.rate, args.seed)
     chat = ChatConfig(
         clients=args.clients, rounds=args.rounds, system_tokens=args.system_tokens,
         turn_tokens=args.turn_tokens, output_tokens=args.output_tokens, tenants=args.tenants,

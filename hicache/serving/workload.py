@@ -21,7 +21,13 @@ from hicache.errors import InvalidArgumentError
 from hicache.radix.workload import TraceRequest
 from hicache.serving.request import ServeRequest
 
-__all__ = ["ChatConfig", "MultiTurnChat", "TraceReplay"]
+__all__ = [
+    "ChatConfig",
+    "MultiTurnChat",
+    "SharedPrefixConfig",
+    "TraceReplay",
+    "shared_prefix_trace",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,3 +160,40 @@ class TraceReplay:
 
     def next_arrival(self) -> float | None:
         return self._queue.next_arrival()
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixConfig:
+    """Few-shot prompts (a few shared templates) or long documents asked several questions:
+    ``requests`` prompts, each one of ``prefixes`` shared prefixes and a question of its own."""
+
+    requests: int = 160
+    prefixes: int = 8
+    prefix_tokens: int = 1024
+    question_tokens: int = 64
+    output_tokens: int = 2
+    tenants: int = 1
+    seed: int = 0
+    vocab: int = 32000
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "prefixes", "prefix_tokens", "question_tokens", "tenants"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgumentError(f"{name} must be positive")
+
+
+def shared_prefix_trace(config: SharedPrefixConfig) -> list[TraceRequest]:
+    """Requests that each pick a shared prefix at random and add a question (deterministic)."""
+    rng = np.random.default_rng(config.seed)
+
+    def draw(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(0, config.vocab, size=n)]
+
+    prefixes = [draw(config.prefix_tokens) for _ in range(config.prefixes)]
+    out = []
+    for i in range(config.requests):
+        which = int(rng.integers(0, config.prefixes))
+        tenant = f"tenant-{which % config.tenants}" if config.tenants > 1 else ""
+        prompt = prefixes[which] + draw(config.question_tokens)
+        out.append(TraceRequest(f"p{which}-q{i}", tenant, prompt, draw(config.output_tokens)))
+    return out
