@@ -22,6 +22,8 @@ def plot_rounds(rows: Sequence[dict[str, Any]], path: str) -> None:
     for row in rows:
         per_round = row.get("rounds_ttft_ms") or []
         ax.plot(range(1, len(per_round) + 1), per_round, marker="o", label=row["name"])
+    rounds = max((len(row.get("rounds_ttft_ms") or []) for row in rows), default=0)
+    ax.set_xticks(range(1, rounds + 1))
     ax.set_xlabel("round")
     ax.set_ylabel("mean TTFT (ms)")
     ax.set_title("TTFT per round")
