@@ -10,11 +10,10 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
 
-from hicache.errors import BackendUnavailableError, InvalidArgumentError
+from hicache.errors import BackendUnavailableError
 
-__all__ = ["MARKER", "flat_view", "list_objects"]
+__all__ = ["MARKER", "list_objects"]
 
 # Suffix of the one-byte marker that stands for an empty object ("#" is outside the key alphabet).
 MARKER = "#empty"
@@ -55,15 +54,3 @@ def _http_get(admin_url: str, path: str) -> bytes:
             f"cannot list Mooncake objects: the master's admin server at {admin_url} "
             f"did not answer ({exc}); check admin_url (the master's --metrics_port)"
         ) from exc
-
-
-def flat_view(buffer: Any) -> memoryview:
-    try:
-        view = memoryview(buffer)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"register_memory needs a buffer, not {type(buffer).__name__}"
-        ) from None
-    if not view.c_contiguous:
-        raise InvalidArgumentError("register_memory needs a C-contiguous buffer")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.backends._buffers import flat_view
 from hicache.errors import BackendUnavailableError, InvalidArgumentError
 
 __all__ = [
@@ -188,7 +189,7 @@ class RegisteredMemory:
 
     def add(self, buffer: Any) -> bool:
         """Register ``buffer`` (C-contiguous, writable or not); False if already covered."""
-        view = _flat_view(buffer)
+        view = flat_view(buffer)
         if view.nbytes == 0:
             raise InvalidArgumentError("cannot register an empty buffer")
         start = address_of(view)
@@ -207,7 +208,7 @@ class RegisteredMemory:
 
     def remove(self, buffer: Any) -> bool:
         """Unregister the region that starts at ``buffer``; False if there is none."""
-        view = _flat_view(buffer)
+        view = flat_view(buffer)
         start = address_of(view)
         with self._lock:
             for i, region in enumerate(self._regions):
@@ -258,15 +259,3 @@ class Staging:
 
     def close(self) -> None:
         self._agent.deregister(self._handle)
-
-
-def _flat_view(buffer: Any) -> memoryview:
-    try:
-        view = memoryview(buffer)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"register_memory needs a buffer, not {type(buffer).__name__}"
-        ) from None
-    if not view.c_contiguous:
-        raise InvalidArgumentError("register_memory needs a C-contiguous buffer")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -43,7 +43,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from hicache.backends._mooncake_admin import MARKER, flat_view, list_objects
+from hicache.backends._buffers import flat_view
+from hicache.backends._mooncake_admin import MARKER, list_objects
 from hicache.backends._mooncake_client import (
     CONNECTION_CODES,
     NO_SPACE,

@@ -1,0 +1,22 @@
+"""Buffer helpers shared by backends that register host memory (mooncake, nixl)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hicache.errors import InvalidArgumentError
+
+__all__ = ["flat_view"]
+
+
+def flat_view(buffer: Any) -> memoryview:
+    """``buffer`` as a flat byte view; InvalidArgumentError unless it is a C-contiguous buffer."""
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"register_memory needs a buffer, not {type(buffer).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgumentError("register_memory needs a C-contiguous buffer")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
