@@ -179,14 +179,21 @@ async def _bench_open(
         raw_put(work)
         raw_get(work)
         times: dict[str, float] = {}
-        for _ in range(cfg.repeats):  # alternate, so noise hits both sides alike
-            for label, fn in (
-                ("put", lambda: _backend_put(backend, work)),
-                ("raw_put", lambda: asyncio.to_thread(raw_put, work)),
-                ("get", lambda: _backend_get(backend, work)),
-                ("raw_get", lambda: asyncio.to_thread(raw_get, work)),
-            ):
-                seconds = await _timed(fn)
+        steps = {
+            "put": lambda: _backend_put(backend, work),
+            "raw_put": lambda: asyncio.to_thread(raw_put, work),
+            "get": lambda: _backend_get(backend, work),
+            "raw_get": lambda: asyncio.to_thread(raw_get, work),
+        }
+        for repeat in range(cfg.repeats):
+            # Alternate, so noise hits both sides alike, and swap who goes first every other
+            # round: a get that runs right after the other side's 512 MiB of writes competes
+            # with their writeback, and the side that always went second would always pay.
+            order = ("put", "raw_put", "get", "raw_get")
+            if repeat % 2:
+                order = ("raw_put", "put", "raw_get", "get")
+            for label in order:
+                seconds = await _timed(steps[label])
                 times[label] = min(times.get(label, float("inf")), seconds)
     finally:
         unlink = getattr(backend, "unlink", None)
