@@ -7,7 +7,6 @@ and publishing a written object. Every method blocks and runs on a worker thread
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import stat
@@ -15,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.backends._file_io import fsync_dir, unlink_quietly
 from hicache.backends._nixl_agent import NixlAgent
 from hicache.backends.base import ObjectInfo
 from hicache.errors import BackendError, BackendUnavailableError
@@ -94,11 +94,11 @@ class PosixStore:
             try:
                 os.replace(target.tmp, f"{self.root}/{target.key}")
                 if self.fsync:  # the new name must survive a crash with the data
-                    _fsync_dir(self.root)
+                    fsync_dir(self.root)
                 return True
             except OSError:
                 pass
-        _unlink_quietly(target.tmp)
+        unlink_quietly(target.tmp)
         return False
 
     def begin_read(self, key: str) -> Target | None:
@@ -290,17 +290,3 @@ def _s3_reason(exc: Exception) -> str:
     # The class name and status only: botocore messages may echo request details.
     status = _s3_status(exc)
     return f"{type(exc).__name__}" + (f", HTTP {status}" if status is not None else "")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | _CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    # A temporary file that cannot be removed is hidden from scans and harmless.
-    with contextlib.suppress(OSError):
-        os.unlink(path)

@@ -304,7 +304,8 @@ class StorageTier:
                 if op is not None:
                     op.reason = op.reason or TerminationReason.ERROR
                 await asyncio.wait({task})
-                task.exception() if not task.cancelled() else None
+                if not task.cancelled():
+                    task.exception()  # retrieved: its failure is already counted as a timeout
                 return None
             return task.result()
         except asyncio.CancelledError:

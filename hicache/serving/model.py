@@ -124,9 +124,7 @@ class TinyTransformer:
             if len(tokens) == 0 or int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
                 raise ValueError(f"token ids must be in [0, {c.vocab_size}), at least one")
             positions = torch.arange(chunk.start, chunk.start + len(tokens), device=self.device)
-            inputs.append(
-                AttentionInputs(self, chunk.slots.to(self.device), chunk.start, positions)
-            )
+            inputs.append(AttentionInputs(chunk.slots.to(self.device), chunk.start, positions))
             token_ids.append(tokens)
         bounds = [0]
         for tokens in token_ids:

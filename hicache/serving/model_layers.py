@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,7 +23,6 @@ _FP8_MAX = 448.0  # largest float8_e4m3fn value
 
 @dataclass(slots=True)
 class AttentionInputs:
-    model: Any
     slots: torch.Tensor  # (T,) slots of positions 0 .. T-1
     start: int  # first new position
     positions: torch.Tensor  # (n,) new positions

@@ -6,8 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from hicache.keys import RadixKey
 from hicache.radix.request import CachedRequest
 
@@ -82,9 +80,3 @@ class ServeRequest:
     @property
     def all_tokens(self) -> list[int]:
         return self.prompt + self.generated
-
-    def next_input(self) -> tuple[torch.Tensor, int]:
-        """The tokens of the next forward chunk and where they start (set by the engine)."""
-        assert self.cached is not None
-        start = self.cached.kv_len
-        return torch.tensor(self.all_tokens[start:], dtype=torch.int64), start

@@ -26,7 +26,7 @@ from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.model import TinyTransformer
 from hicache.serving.model_config import ModelConfig, ModelPreset
 from hicache.serving.report import oracle_hit_rate, print_table, summarize
-from hicache.serving.setup import open_engine, resolve_device
+from hicache.serving.setup import host_pages, open_engine, resolve_device
 from hicache.serving.workload import (
     ChatConfig,
     MultiTurnChat,
@@ -224,9 +224,9 @@ def _unique_tokens(prompts: list[Any], page: int) -> int:
 
 
 def _host_tokens(args: argparse.Namespace, hicache: HiCacheConfig) -> int:
-    tiers = hicache.tiers
-    pages = tiers.host_pages or int(args.device_tokens // args.page_size * tiers.host_ratio)
-    return pages * args.page_size if tiers.host_enabled else 0
+    if not hicache.tiers.host_enabled:
+        return 0
+    return host_pages(hicache, args.device_tokens, args.page_size) * int(args.page_size)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from hicache.radix.tree import RadixCache, RadixCacheConfig
 from hicache.serving.engine import CacheMode, Engine, EngineConfig
 from hicache.serving.model import TinyTransformer
 
-__all__ = ["ServingSetup", "open_engine"]
+__all__ = ["ServingSetup", "host_pages", "open_engine", "resolve_device"]
 
 
 @dataclass(slots=True)
@@ -34,10 +34,17 @@ class ServingSetup:
             await self.controller.close(drain_s)
 
 
-def _device(kind: str) -> torch.device:
+def resolve_device(kind: str) -> torch.device:
+    """``auto``: CUDA when available, else the CPU."""
     if kind == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(kind)
+
+
+def host_pages(hicache: HiCacheConfig, device_tokens: int, page_size: int) -> int:
+    """Host pages of the anchor pool: ``tiers.host_pages``, else ``host_ratio`` x the device."""
+    tiers = hicache.tiers
+    return tiers.host_pages or max(1, int(device_tokens // page_size * tiers.host_ratio))
 
 
 async def open_engine(
@@ -62,9 +69,8 @@ async def open_engine(
     if mode is CacheMode.DEVICE:
         tree = RadixCache(radix, device[anchor])
         return ServingSetup(Engine(model, device, tree, engine_config), None)
-    tiers = hicache.tiers
-    pages = tiers.host_pages or max(1, int(device_tokens // config.page_size * tiers.host_ratio))
-    host = host_pools(pools_spec, {anchor: pages}, tiers.host_layout)
+    pages = host_pages(hicache, device_tokens, config.page_size)
+    host = host_pools(pools_spec, {anchor: pages}, hicache.tiers.host_layout)
     if mode is CacheMode.DEVICE_HOST:
         hicache = dataclasses.replace(
             hicache, storage=dataclasses.replace(hicache.storage, url=None)
@@ -72,7 +78,3 @@ async def open_engine(
     controller = await HiCacheController.open(hicache, device, host)
     tree = HiRadixCache(controller, radix)
     return ServingSetup(Engine(model, device, tree, engine_config), controller)
-
-
-def resolve_device(kind: str) -> torch.device:
-    return _device(kind)
