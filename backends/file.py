@@ -33,6 +33,7 @@ from urllib.parse import unquote
 
 import xxhash
 
+from hicache.backends._chunks import outlive_cancel
 from hicache.backends._file_bulk import picklable, read_in_processes, read_in_threads
 from hicache.backends._file_io import (
     ReadBuffer,
@@ -292,15 +293,7 @@ class FileBackend(StorageBackend):
         work = asyncio.gather(
             *(asyncio.to_thread(run, i, min(i + step, n)) for i in range(0, n, step))
         )
-        try:
-            chunks = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            # Threads cannot be stopped and still use the caller's buffers: wait for them, so a
-            # caller that reuses its buffers after a cancelled put never rewrites a page mid-write.
-            await asyncio.wait([work])
-            if not work.cancelled():
-                work.exception()  # retrieved: the caller's cancellation is what it asked for
-            raise
+        chunks = await outlive_cancel(work)
         return [result for chunk in chunks for result in chunk]
 
     def _dir_of(self, key: str) -> str:

@@ -30,11 +30,11 @@ import enum
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
+from hicache.backends._chunks import IOThreads
 from hicache.backends._hf3fs_index import (
     SLOT_HEADER,
     Entry,
@@ -42,7 +42,7 @@ from hicache.backends._hf3fs_index import (
     GeometryMismatchError,
     IndexLog,
     key_hash,
-    slot_header,
+    pack_slot_header,
     slot_header_matches,
 )
 from hicache.backends._hf3fs_posix import (
@@ -140,7 +140,8 @@ class Hf3fsBackend(StorageBackend):
         self._table = SlotTable(IndexLog(config.path("index"), geometry, config.fsync))
         self._io: SlotIO | None = None
         self._fd = -1
-        self._executor: ThreadPoolExecutor | None = None
+        self._threads: IOThreads | None = None
+        self._io_group = 1  # objects per claim: one syscall each in POSIX mode
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -156,7 +157,7 @@ class Hf3fsBackend(StorageBackend):
         """Check root, lock and size the data file, replay the index, start the I/O engine."""
         backend = cls(config)
         await asyncio.to_thread(backend._start)
-        backend._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hicache-3fs")
+        backend._threads = IOThreads(config.io_threads, "hicache-3fs")
         return backend
 
     def _start(self) -> None:
@@ -174,6 +175,7 @@ class Hf3fsBackend(StorageBackend):
                 lane_bytes = _STAGING_ITEMS * self._stride
                 self._io = UsrbioSlotIO(usrbio, self._fd, cfg.io_threads, lane_bytes)
                 self.mode = Hf3fsMode.USRBIO
+                self._io_group = _STAGING_ITEMS  # a claim fills one lane's staging buffer
         except BaseException:
             self._table.log.close()
             os.close(self._fd)  # releases the lock
@@ -206,16 +208,16 @@ class Hf3fsBackend(StorageBackend):
         return found
 
     async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
-        return await self._in_threads(self._get_chunk, list(zip(keys, buffers, strict=True)))
+        return await self._on_lead(self._get_all, keys, buffers)
 
     async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
-        return await self._in_threads(self._put_chunk, list(zip(keys, values, strict=True)))
+        return await self._on_lead(self._put_all, keys, values)
 
     async def _delete(self, keys: list[str]) -> list[bool]:
-        return await self._in_threads(self._delete_chunk, keys, split=False)
+        return await self._on_lead(self._delete_all, keys)
 
     async def _peek(self, keys: list[str], nbytes: int) -> list[bytes | None]:
-        return await self._in_threads(self._peek_chunk, [(key, nbytes) for key in keys])
+        return await self._on_lead(self._peek_all, keys, nbytes)
 
     async def _scan(self, prefix: str) -> AsyncIterator[ObjectInfo]:
         # A snapshot: puts and deletes while the caller iterates are safe.
@@ -229,8 +231,8 @@ class Hf3fsBackend(StorageBackend):
         return out
 
     async def _close(self) -> None:
-        if self._executor is not None:
-            await asyncio.to_thread(self._executor.shutdown, True)
+        if self._threads is not None:
+            await asyncio.to_thread(self._threads.shutdown)
         await asyncio.to_thread(self._stop)
 
     def _stop(self) -> None:
@@ -242,45 +244,29 @@ class Hf3fsBackend(StorageBackend):
             os.close(self._fd)  # releases the lock
             self._fd = -1
 
-    async def _in_threads(
-        self, fn: Callable[[list[Any]], list[T]], items: list[Any], split: bool = True
-    ) -> list[T]:
-        """``fn`` over up to ``io_threads`` chunks of ``items`` in the pool; results in order."""
-        n = len(items)
-        step = -(-n // min(self.config.io_threads, n)) if split else n
-        loop = asyncio.get_running_loop()
-        chunks = [items[i : i + step] for i in range(0, n, step)]
-        try:
-            futures = [loop.run_in_executor(self._executor, fn, c) for c in chunks]
-        except RuntimeError:  # the pool was shut down: close() ran while this call began
-            raise BackendClosedError(f"{type(self).__name__} is closed") from None
-        work = asyncio.gather(*futures)
-        try:
-            done = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            # Threads cannot be stopped and still use the caller's buffers: wait for them, so a
-            # caller reusing its buffers after a cancelled call never races a transfer.
-            await asyncio.wait([work])
-            if not work.cancelled():
-                work.exception()  # retrieved: the caller's cancellation is what it asked for
-            raise
-        return [result for chunk in done for result in chunk]
+    async def _on_lead(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run one call's job on a lead thread (see ``_chunks``)."""
+        if self._threads is None:
+            raise BackendClosedError(f"{type(self).__name__} is closed")
+        return await self._threads.call(fn, *args)
 
-    # ----- worker threads ---------------------------------------------------------------------
-    def _put_chunk(self, items: list[tuple[str, list[memoryview]]]) -> list[bool]:
+    # ----- lead threads: plan, move (spread over the I/O threads), settle --------------------
+    def _put_all(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
         """Reserve slots, write header and data, publish the records, release dead slots."""
-        plans = self._table.reserve([total_bytes(segs) for _, segs in items])
+        plans = self._table.reserve([total_bytes(segs) for segs in values])
+        heads = memoryview(bytearray(SLOT_HEADER * len(keys)))  # one block per object
         ios: list[IOItem] = []
         planned: list[tuple[str, Entry]] = []
-        for (key, segs), entry in zip(items, plans, strict=True):
+        for i, (key, segs, entry) in enumerate(zip(keys, values, plans, strict=True)):
             if entry is not None:
-                head = memoryview(slot_header(entry.seq, entry.size, key_hash(key)))
+                head = heads[i * SLOT_HEADER : (i + 1) * SLOT_HEADER]
+                pack_slot_header(head, entry.seq, entry.size, key_hash(key))
                 ios.append((entry.slot * self._stride, [head, *segs]))
                 planned.append((key, entry))
         done: list[tuple[str, Entry]] = []
         lost: list[int] = []
-        for (key, entry), io, got in zip(planned, ios, self._io_call(True, ios), strict=True):
-            if got == total_bytes(io[1]):
+        for (key, entry), got in zip(planned, self._io_call(True, ios), strict=True):
+            if got == SLOT_HEADER + entry.size:
                 done.append((key, entry))
             else:
                 lost.append(entry.slot)
@@ -295,7 +281,7 @@ class Hf3fsBackend(StorageBackend):
         self._table.free(lost)  # never published: no record names these slots
         self._release(dead)
         stored = {key for key, _ in done}
-        return [key in stored for key, _ in items]
+        return [key in stored for key in keys]
 
     def _sync_data(self) -> bool:
         """Make written data durable before any record points at it; False if that failed."""
@@ -306,13 +292,12 @@ class Hf3fsBackend(StorageBackend):
             return False
         return True
 
-    def _get_chunk(self, items: list[tuple[str, list[memoryview]]]) -> list[int]:
-        keys = [key for key, _ in items]
+    def _get_all(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
         entries = self._table.pin(keys, touch=True)
         try:
             targets = [
                 None if e is None or e.size > total_bytes(segs) else _first(segs, e.size)
-                for (_, segs), e in zip(items, entries, strict=True)
+                for segs, e in zip(buffers, entries, strict=True)
             ]
             got = self._read(keys, entries, targets)
         finally:
@@ -323,13 +308,9 @@ class Hf3fsBackend(StorageBackend):
             for n, t, e in zip(got, targets, entries, strict=True)
         ]
 
-    def _peek_chunk(self, items: list[tuple[str, int]]) -> list[bytes | None]:
-        keys = [key for key, _ in items]
+    def _peek_all(self, keys: list[str], nbytes: int) -> list[bytes | None]:
         entries = self._table.pin(keys, touch=False)  # tools reading headers keep the LRU order
-        bufs = [
-            None if e is None else bytearray(min(n, e.size))
-            for (_, n), e in zip(items, entries, strict=True)
-        ]
+        bufs = [None if e is None else bytearray(min(nbytes, e.size)) for e in entries]
         try:
             got = self._read(keys, entries, [None if b is None else [memoryview(b)] for b in bufs])
         finally:
@@ -341,15 +322,17 @@ class Hf3fsBackend(StorageBackend):
     ) -> list[int]:
         """Read each targeted object with its slot header in front; its size, or MISS."""
         results = [MISS] * len(keys)
+        heads = memoryview(bytearray(SLOT_HEADER * len(keys)))
         ios: list[IOItem] = []
-        which: list[tuple[int, Entry, bytearray]] = []
+        which: list[tuple[int, Entry, int]] = []  # (item, entry, bytes the read must return)
         for i, (entry, segs) in enumerate(zip(entries, targets, strict=True)):
             if entry is not None and segs is not None:
-                head = bytearray(SLOT_HEADER)
-                ios.append((entry.slot * self._stride, [memoryview(head), *segs]))
-                which.append((i, entry, head))
-        for (i, entry, head), io, got in zip(which, ios, self._io_call(False, ios), strict=True):
-            if got != total_bytes(io[1]):
+                head = heads[i * SLOT_HEADER : (i + 1) * SLOT_HEADER]
+                ios.append((entry.slot * self._stride, [head, *segs]))
+                which.append((i, entry, SLOT_HEADER + total_bytes(segs)))
+        for (i, entry, want), got in zip(which, self._io_call(False, ios), strict=True):
+            head = heads[i * SLOT_HEADER : (i + 1) * SLOT_HEADER]
+            if got != want:
                 self._table.count("read_errors", f"read of {keys[i]!r} failed ({got})")
             elif not slot_header_matches(head, entry.seq, entry.size, key_hash(keys[i])):
                 self._table.count("slot_mismatches", f"slot of {keys[i]!r} holds other data")
@@ -358,7 +341,7 @@ class Hf3fsBackend(StorageBackend):
                 results[i] = entry.size
         return results
 
-    def _delete_chunk(self, keys: list[str]) -> list[bool]:
+    def _delete_all(self, keys: list[str]) -> list[bool]:
         found, dead = self._table.delete(keys)
         self._release(dead)
         return found
@@ -369,13 +352,16 @@ class Hf3fsBackend(StorageBackend):
         if not slots:
             return
         zeros: list[IOItem] = [(slot * self._stride, [_ZERO_HEADER]) for slot in slots]
-        for slot, got in zip(slots, self._io_call(True, zeros), strict=True):
+        # On this thread: small writes, cheaper than waking the workers for them.
+        for slot, got in zip(slots, self._io_call(True, zeros, spread=False), strict=True):
             if got != SLOT_HEADER:
                 self._table.count("put_errors", f"zeroing slot {slot} failed ({got})")
         self._table.free(slots)
 
-    def _io_call(self, write: bool, ios: list[IOItem]) -> list[int]:
+    def _io_call(self, write: bool, ios: list[IOItem], spread: bool = True) -> list[int]:
+        """Move ``ios``, shared out over the I/O threads unless ``spread`` is False."""
         if not ios:
             return []
-        assert self._io is not None  # set by open()
-        return self._io.write(ios) if write else self._io.read(ios)
+        assert self._io is not None and self._threads is not None  # set by open()
+        move = self._io.write if write else self._io.read
+        return self._threads.spread(move, ios, self._io_group) if spread else move(ios)

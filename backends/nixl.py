@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
+from hicache.backends._chunks import outlive_cancel
 from hicache.backends._nixl_agent import (
     NixlAgent,
     NixlPluginError,
@@ -329,19 +330,8 @@ class NixlBackend(StorageBackend):
 
     # ----- helpers ----------------------------------------------------------------------------
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on a worker thread; a cancelled caller still waits for it to finish.
-
-        The thread may be moving the caller's buffers: returning early would let the caller
-        reuse them mid-transfer (and close() free the agent under it).
-        """
-        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            await asyncio.wait([work])
-            if not work.cancelled():
-                work.exception()  # retrieved: the caller's cancellation is what it asked for
-            raise
+        """``fn(*args)`` on a worker thread; a cancelled caller still waits for it to finish."""
+        return await outlive_cancel(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
 
     def _note_read_errors(self, count: int, detail: str) -> None:
         with self._errors_lock:
