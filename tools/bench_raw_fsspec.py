@@ -1,7 +1,7 @@
 """The raw s3fs baseline of ``hicache bench backends --backend fsspec``, and its S3 server.
 
 The baseline moves the same bytes the plainest way s3fs offers: ``fs.pipe({path: bytes})`` and
-``fs.cat([paths])``, batched as the bench batches the backend (32 keys a call), on the bucket
+``fs.cat([paths])``, one batch of the bench's 32 keys a call, on the bucket
 and endpoint the backend was opened with, under a prefix of its own (``<root>/raw-baseline-*``,
 left in place: with ``--url``, remove it after the run). Without ``--url``, the
 bench runs against a moto server started for the run (``provision``), which is a functional
@@ -23,7 +23,6 @@ from hicache.tools.services import moto_server
 
 __all__ = ["provision", "raw_baseline"]
 
-_BATCH = 32  # as tools/bench_backends.py batches the backend
 _BUCKET = "hicache-bench"
 
 
@@ -43,23 +42,21 @@ def _raw_fs(config: Any) -> Any:
 
 def raw_baseline(
     backend: StorageBackend, scratch: str, work: Any
-) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
-    """(put, get) over raw s3fs, next to the backend's objects (same bucket and endpoint)."""
+) -> tuple[Callable[[Any, int, int], None], Callable[[Any, int, int], None]]:
+    """(put, get) of one batch over raw s3fs, next to the backend's objects (same bucket and
+    endpoint)."""
     config = backend.config  # type: ignore[attr-defined]
     fs = _raw_fs(config)
     base = f"{config.root}/raw-baseline-{uuid.uuid4().hex[:8]}"
     paths = [f"{base}/{key}" for key in work.keys]
 
-    def put(w: Any) -> None:
-        for i in range(0, len(paths), _BATCH):
-            batch = range(i, min(i + _BATCH, len(paths)))
-            fs.pipe({paths[j]: w.source[j].tobytes() for j in batch})
+    def put(w: Any, lo: int, hi: int) -> None:
+        fs.pipe({paths[j]: w.source[j].tobytes() for j in range(lo, hi)})
 
-    def get(w: Any) -> None:
-        for i in range(0, len(paths), _BATCH):
-            got = fs.cat(paths[i : i + _BATCH])
-            for j in range(i, min(i + _BATCH, len(paths))):
-                np.copyto(w.dest[j], np.frombuffer(got[paths[j]], dtype=np.uint8))
+    def get(w: Any, lo: int, hi: int) -> None:
+        got = fs.cat(paths[lo:hi])
+        for j in range(lo, hi):
+            np.copyto(w.dest[j], np.frombuffer(got[paths[j]], dtype=np.uint8))
 
     return put, get
 

@@ -1,7 +1,7 @@
 """The ``3fs`` backend's raw baseline and store for ``hicache bench backends --backend 3fs``.
 
 The baseline is the backend's I/O without the backend: ``os.pwritev``/``os.preadv`` of each
-object at a fixed slot offset of a preallocated file of its own (same slot stride), in batches
+object at a fixed slot offset of a preallocated file of its own (same slot stride), each batch
 of 32 split over a thread pool as large as the backend's. No index, no slot header, no
 bookkeeping: what is left of the gap is the price of those. Without ``--url`` the store is a
 POSIX-mode store in the scratch directory; USRBIO needs a 3FS mount (pass ``--url``).
@@ -20,7 +20,6 @@ from hicache.backends.hf3fs import Hf3fsConfig
 
 __all__ = ["provision", "raw_baseline"]
 
-_BATCH = 32  # keys per call, as the backend benchmark sends them
 _MIN_SLOTS = 1024  # room for 512 objects of any size, each rewritten into a fresh slot
 
 
@@ -50,19 +49,18 @@ def raw_baseline(backend: Any, scratch: str, work: Any) -> tuple[Callable[[Any],
     pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="raw-3fs")
     threads = config.io_threads
 
-    def run(move: Callable[[int, list[Any], int], int], arrays: Any) -> None:
-        for start in range(0, rows, _BATCH):
-            batch = list(range(start, min(start + _BATCH, rows)))
-            step = -(-len(batch) // threads)
-            chunks = [batch[i : i + step] for i in range(0, len(batch), step)]
-            for _ in pool.map(lambda c: [move(fd, [arrays[j]], j * stride) for j in c], chunks):
-                pass
+    def run(move: Callable[[int, list[Any], int], int], arrays: Any, lo: int, hi: int) -> None:
+        batch = list(range(lo, hi))
+        step = -(-len(batch) // threads)
+        chunks = [batch[i : i + step] for i in range(0, len(batch), step)]
+        for _ in pool.map(lambda c: [move(fd, [arrays[j]], j * stride) for j in c], chunks):
+            pass
 
-    def put(w: Any) -> None:
-        run(os.pwritev, w.source)
+    def put(w: Any, lo: int, hi: int) -> None:
+        run(os.pwritev, w.source, lo, hi)
 
-    def get(w: Any) -> None:
-        run(os.preadv, w.dest)
+    def get(w: Any, lo: int, hi: int) -> None:
+        run(os.preadv, w.dest, lo, hi)
 
     # Released when the benchmark drops the callables (or at exit): no thread outlives its use.
     weakref.finalize(put, _release, pool, fd)

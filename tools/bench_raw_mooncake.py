@@ -2,7 +2,8 @@
 
 The baseline is a ``MooncakeDistributedStore`` client of its own on the same master, with the
 workload's source and destination registered, moving batches of 32 objects with
-``batch_upsert_from`` / ``batch_get_into``: what a caller of the library does at best. Upsert,
+``batch_upsert_from`` / ``batch_get_into``, one call per batch: what a caller of the library
+does at best. Upsert,
 not ``batch_put_from``: a put of a key that exists returns 0 without writing (measured), so
 repeated rounds would time nothing. Its keys carry a ``raw-`` prefix, apart from the backend's,
 and its puts prefer its own segment exactly when the backend's do (``prefer_local_segment``).
@@ -29,14 +30,13 @@ from hicache.tools.services_mooncake import MooncakeMaster
 
 __all__ = ["provision", "raw_baseline"]
 
-_BATCH = 32
 _RAW_CLIENTS: list[Any] = []  # closed before the provisioned master stops, or at exit
 
 
 def raw_baseline(
     backend: Any, scratch: str, work: Any
-) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
-    """(put, get) moving ``work`` through a raw client on the backend's master."""
+) -> tuple[Callable[[Any, int, int], None], Callable[[Any, int, int], None]]:
+    """(put, get) moving one batch of ``work`` through a raw client on the backend's master."""
     if not isinstance(backend, MooncakeBackend):
         raise TypeError(f"the mooncake baseline needs a MooncakeBackend, not {type(backend)}")
     cfg = backend.config
@@ -62,20 +62,18 @@ def raw_baseline(
     keys = [f"raw-{k}" for k in work.keys]
     size = int(work.source.shape[1])
 
-    def move(fn: Any, rows: np.ndarray, what: str, *extra: Any) -> None:
+    def move(fn: Any, rows: np.ndarray, lo: int, hi: int, what: str, *extra: Any) -> None:
         base = int(rows.ctypes.data)
-        for lo in range(0, len(keys), _BATCH):
-            batch = keys[lo : lo + _BATCH]
-            ptrs = [base + (lo + i) * size for i in range(len(batch))]
-            out = fn(batch, ptrs, [size] * len(batch), *extra)
-            if any(r < 0 for r in out):
-                raise BackendError(f"raw Mooncake {what} failed: {out}")
+        ptrs = [base + i * size for i in range(lo, hi)]
+        out = fn(keys[lo:hi], ptrs, [size] * (hi - lo), *extra)
+        if any(r < 0 for r in out):
+            raise BackendError(f"raw Mooncake {what} failed: {out}")
 
-    def put(w: Any) -> None:
-        move(store.batch_upsert_from, w.source, "put", placement)
+    def put(w: Any, lo: int, hi: int) -> None:
+        move(store.batch_upsert_from, w.source, lo, hi, "put", placement)
 
-    def get(w: Any) -> None:
-        move(store.batch_get_into, w.dest, "get")
+    def get(w: Any, lo: int, hi: int) -> None:
+        move(store.batch_get_into, w.dest, lo, hi, "get")
 
     return put, get
 

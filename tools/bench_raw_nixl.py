@@ -27,8 +27,6 @@ from hicache.backends.nixl import _QUEUE_PARAMS, NixlBackend, NixlPlugin, PosixQ
 
 __all__ = ["provision", "raw_baseline"]
 
-_BATCH = 32  # objects per transfer, as the benchmark's backend calls
-
 
 @contextlib.contextmanager
 def provision(scratch: str, total_bytes: int) -> Iterator[str]:
@@ -55,38 +53,38 @@ def raw_baseline(backend: Any, scratch: str, work: Any) -> tuple[Callable[[Any],
     os.makedirs(root, exist_ok=True)
     row_bytes = int(work.source.shape[1])
 
-    def run(op: str, array: Any, flags: int, suffix: str) -> None:
-        for lo in range(0, len(work.keys), _BATCH):
-            keys = work.keys[lo : lo + _BATCH]
-            fds = [os.open(os.path.join(root, key + suffix), flags, 0o644) for key in keys]
-            files = agent.register_memory([(0, row_bytes, fd, "") for fd in fds], "FILE")
-            local = [(array[lo + i].ctypes.data, row_bytes, 0) for i in range(len(keys))]
-            handle = agent.initialize_xfer(
-                op,
-                agent.get_xfer_descs(local, "DRAM"),
-                agent.get_xfer_descs([(0, row_bytes, fd) for fd in fds], "FILE"),
-                agent.name,
-            )
-            state = agent.transfer(handle)
-            while state == "PROC":
-                state = agent.check_xfer_state(handle)
-            agent.release_xfer_handle(handle)
-            agent.deregister_memory(files)
-            for fd in fds:
-                if fsync:
-                    os.fsync(fd)
-                os.close(fd)
-            if state != "DONE":
-                raise RuntimeError(f"raw NIXL {op} ended in state {state}")
-            if suffix:
-                for key in keys:
-                    path = os.path.join(root, key)
-                    os.replace(path + suffix, path)
+    def run(op: str, array: Any, lo: int, hi: int, flags: int, suffix: str) -> None:
+        """One batch: open and register its files, one transfer, deregister, close."""
+        keys = work.keys[lo:hi]
+        fds = [os.open(os.path.join(root, key + suffix), flags, 0o644) for key in keys]
+        files = agent.register_memory([(0, row_bytes, fd, "") for fd in fds], "FILE")
+        local = [(array[lo + i].ctypes.data, row_bytes, 0) for i in range(len(keys))]
+        handle = agent.initialize_xfer(
+            op,
+            agent.get_xfer_descs(local, "DRAM"),
+            agent.get_xfer_descs([(0, row_bytes, fd) for fd in fds], "FILE"),
+            agent.name,
+        )
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+        agent.deregister_memory(files)
+        for fd in fds:
+            if fsync:
+                os.fsync(fd)
+            os.close(fd)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL {op} ended in state {state}")
+        if suffix:
+            for key in keys:
+                path = os.path.join(root, key)
+                os.replace(path + suffix, path)
 
-    def put(w: Any) -> None:
-        run("WRITE", w.source, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, ".tmp")
+    def put(w: Any, lo: int, hi: int) -> None:
+        run("WRITE", w.source, lo, hi, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, ".tmp")
 
-    def get(w: Any) -> None:
-        run("READ", w.dest, os.O_RDONLY, "")
+    def get(w: Any, lo: int, hi: int) -> None:
+        run("READ", w.dest, lo, hi, os.O_RDONLY, "")
 
     return put, get
