@@ -37,7 +37,9 @@ def provision(scratch: str, total_bytes: int) -> Iterator[str]:
     yield f"hf3fs://{root}?mode=posix&slots={slots}"
 
 
-def raw_baseline(backend: Any, scratch: str, work: Any) -> tuple[Callable[[Any], None], ...]:
+def raw_baseline(
+    backend: Any, scratch: str, work: Any
+) -> tuple[Callable[[Any, int, int], None], ...]:
     """(put, get): each object at ``index * stride`` of a file of its own, as the backend does."""
     config = getattr(backend, "config", None)
     if not isinstance(config, Hf3fsConfig):

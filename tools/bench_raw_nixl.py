@@ -34,7 +34,9 @@ def provision(scratch: str, total_bytes: int) -> Iterator[str]:
     yield f"nixl://{scratch}/store?plugin=posix"
 
 
-def raw_baseline(backend: Any, scratch: str, work: Any) -> tuple[Callable[[Any], None], ...]:
+def raw_baseline(
+    backend: Any, scratch: str, work: Any
+) -> tuple[Callable[[Any, int, int], None], ...]:
     """(put, get) moving ``work`` through a raw NIXL agent; registers ``work`` with the backend."""
     queue, fsync = PosixQueue.POSIX_AIO, False
     if isinstance(backend, NixlBackend):
