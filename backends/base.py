@@ -125,6 +125,8 @@ def _holds_objects(fmt: str) -> bool:
 
 
 def segments_nbytes(segments: Sequence[memoryview]) -> int:
+    if len(segments) == 1:  # the common case: one page, one view
+        return segments[0].nbytes
     return sum(s.nbytes for s in segments)
 
 
@@ -233,15 +235,20 @@ class StorageBackend(abc.ABC):
         if not checked:
             return []
         results = await self._get_into(checked, segments)
-        c = self._counters
+        hits = misses = too_small = nbytes = 0  # summed locally, stored once
         for n, segs in zip(results, segments, strict=True):
             if n < 0:
-                c["get_misses"] += 1
+                misses += 1
             elif n > segments_nbytes(segs):
-                c["get_too_small"] += 1
+                too_small += 1
             else:
-                c["get_hits"] += 1
-                c["bytes_read"] += n
+                hits += 1
+                nbytes += n
+        c = self._counters
+        c["get_hits"] += hits
+        c["get_misses"] += misses
+        c["get_too_small"] += too_small
+        c["bytes_read"] += nbytes
         return results
 
     async def put(self, keys: Sequence[str], values: Sequence[Segments]) -> list[bool]:
@@ -260,13 +267,13 @@ class StorageBackend(abc.ABC):
         if not checked:
             return []
         results = await self._put(checked, segments)
+        stored = sum(results)
         c = self._counters
-        for ok, segs in zip(results, segments, strict=True):
-            if ok:
-                c["puts"] += 1
-                c["bytes_written"] += segments_nbytes(segs)
-            else:
-                c["put_failures"] += 1
+        c["puts"] += stored
+        c["put_failures"] += len(results) - stored
+        c["bytes_written"] += sum(
+            segments_nbytes(segs) for ok, segs in zip(results, segments, strict=True) if ok
+        )
         return results
 
     async def delete(self, keys: Sequence[str]) -> list[bool]:

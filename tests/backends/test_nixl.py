@@ -345,3 +345,24 @@ async def test_obj_object_deleted_elsewhere_reads_as_miss(moto: MotoServer) -> N
     assert bytes(bufs[1]) == b"y" * 50
     assert await backend.get(["gone"]) == [None]
     await backend.close()
+
+
+# ----- polling pace -----------------------------------------------------------------------------
+def test_pacer_sleeps_most_of_the_expected_time_and_learns_rates_asymmetrically() -> None:
+    from hicache.backends._nixl_agent import TransferPacer
+
+    pacer = TransferPacer()
+    mib64 = 64 << 20
+    assert pacer.first_wait("READ", mib64) == 0.0  # nothing seen yet: poll from the start
+    pacer.record("READ", mib64, 0.008)  # 8 ms for 64 MiB
+    assert pacer.first_wait("READ", mib64) == pytest.approx(0.75 * 0.008)
+    assert pacer.first_wait("WRITE", mib64) == 0.0  # rates are per direction
+    pacer.record("READ", mib64, 0.004)  # faster: believed at once
+    assert pacer.first_wait("READ", mib64) == pytest.approx(0.75 * 0.004)
+    pacer.record("READ", mib64, 0.040)  # much slower: followed a fifth of the way
+    rate = (mib64 / 0.004) + 0.2 * (mib64 / 0.040 - mib64 / 0.004)
+    assert pacer.first_wait("READ", mib64) == pytest.approx(0.75 * mib64 / rate)
+    pacer.record("READ", 4096, 1.0)  # a small transfer is fixed cost: no sample
+    pacer.record("READ", mib64, 0.0)
+    assert pacer.first_wait("READ", mib64) == pytest.approx(0.75 * mib64 / rate)
+    assert pacer.first_wait("READ", 4096) == 0.0  # and small ones are polled from the start
