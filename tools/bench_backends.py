@@ -232,16 +232,17 @@ async def _timed_rounds(
         "raw_get_blocking": lambda: asyncio.to_thread(_raw_blocking, raw_get, work),
     }
     times: dict[str, float] = {}
+    puts = ["put", "raw_put", "raw_put_blocking"]
+    gets = ["get", "raw_get", "raw_get_blocking"]
     for repeat in range(repeats):
-        # Alternate, so noise hits both sides alike, and reverse who goes first every other
-        # round: a get that runs right after the other side's 512 MiB of writes competes
-        # with their writeback, and the side that always went second would always pay.
-        puts = ["put", "raw_put", "raw_put_blocking"]
-        gets = ["get", "raw_get", "raw_get_blocking"]
-        if repeat % 2:
-            puts.reverse()
-            gets.reverse()
-        for label in puts + gets:
+        # Alternate, so noise hits every side alike, and rotate who goes first, so over every
+        # three rounds each side takes each place once.
+        shift = repeat % len(puts)
+        for label in puts[shift:] + puts[:shift] + gets[shift:] + gets[:shift]:
+            # Untimed: every step starts with no dirty pages. Without this a disk-bound put
+            # paid for the previous step's writeback and one baseline read 0.8 GB/s in a run
+            # where the same code, one place over, read 1.9.
+            await asyncio.to_thread(os.sync)
             seconds = await _timed(steps[label])
             times[label] = min(times.get(label, float("inf")), seconds)
     return times
