@@ -5,7 +5,7 @@ workload's source and destination registered, moving batches of 32 objects with
 ``batch_upsert_from`` / ``batch_get_into``, one call per batch: what a caller of the library
 does at best. Upsert,
 not ``batch_put_from``: a put of a key that exists returns 0 without writing (measured), so
-repeated rounds would time nothing. Its keys carry a ``raw-`` prefix, apart from the backend's,
+repeated rounds would time nothing. Its keys carry a ``raw-<id>-`` prefix, apart from the backend's,
 and its puts prefer its own segment exactly when the backend's do (``prefer_local_segment``).
 
 The backend gets the same memory through ``register_memory``, as a host pool gives it its
@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import importlib
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,7 +60,8 @@ def raw_baseline(
     placement = importlib.import_module("mooncake.store").ReplicateConfig()
     if cfg.prefer_local_segment:  # the same placement as the backend's
         placement.preferred_segment = store.get_hostname()
-    keys = [f"raw-{k}" for k in work.keys]
+    tag = uuid.uuid4().hex[:8]  # a key space per baseline: the bench runs two side by side
+    keys = [f"raw-{tag}-{k}" for k in work.keys]
     size = int(work.source.shape[1])
 
     def move(fn: Any, rows: np.ndarray, lo: int, hi: int, what: str, *extra: Any) -> None:
