@@ -226,7 +226,12 @@ def _add_bench(sub: Any) -> None:
     b_backends.add_argument("--url", help="backend URL (with a single --backend)")
     b_backends.add_argument("--objects", type=int, default=256)
     b_backends.add_argument("--object-bytes", type=int, default=2 << 20)
-    b_backends.add_argument("--repeats", type=int, default=3, help="best of N")
+    b_backends.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="best of N rounds; a multiple of 3 puts each side in each place equally",
+    )
     b_backends.add_argument("--dir", help="scratch directory for file stores (default: temp)")
     b_backends.set_defaults(bench_run=_bench_backends)
     b_codec = bench_sub.add_parser("codec", help="page codec: compression ratio and speed")
