@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from hicache.errors import InvalidArgumentError
 
-__all__ = ["flat_view"]
+__all__ = ["address_of", "flat_view"]
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a flat byte view's first byte (read-only views too)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def flat_view(buffer: Any) -> memoryview:

@@ -18,9 +18,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from hicache.backends.base import segments_nbytes
 from hicache.errors import BackendUnavailableError
 
-__all__ = ["IOItem", "PosixSlotIO", "SlotIO", "check_root", "open_data_file", "total_bytes"]
+__all__ = ["IOItem", "PosixSlotIO", "SlotIO", "check_root", "open_data_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +39,6 @@ class SlotIO(Protocol):
     def read(self, items: Sequence[IOItem]) -> list[int]: ...
 
     def close(self) -> None: ...
-
-
-def total_bytes(segs: Sequence[memoryview]) -> int:
-    if len(segs) == 1:  # the common case: one page, one view
-        return segs[0].nbytes
-    return sum(s.nbytes for s in segs)
 
 
 def _tail(segs: Sequence[memoryview], skip: int) -> list[memoryview]:
@@ -79,13 +74,13 @@ class PosixSlotIO:
                 out.append(-(exc.errno or errno.EIO))
         for i, (off, segs) in enumerate(items):
             done = out[i]
-            if done >= 0 and done < total_bytes(segs):
+            if done >= 0 and done < segments_nbytes(segs):
                 out[i] = self._finish(fn, off, segs, done)
         return out
 
     def _finish(self, fn: _VectorIO, off: int, segs: Sequence[memoryview], done: int) -> int:
         """Complete a short transfer (a signal, a long iovec); a short read is end of file."""
-        want = total_bytes(segs)
+        want = segments_nbytes(segs)
         try:
             while done < want:
                 n = fn(self._fd, _tail(segs, done)[:_IOV_MAX], off + done)

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from hicache.backends._hf3fs_posix import IOItem, total_bytes
-from hicache.backends.base import copy_into_segments
+from hicache.backends._hf3fs_posix import IOItem
+from hicache.backends.base import copy_into_segments, segments_nbytes
 from hicache.errors import BackendUnavailableError
 
 __all__ = ["UsrbioSlotIO", "find_usrbio"]
@@ -102,7 +102,7 @@ class _Lane:
             batch: list[tuple[int, int, int]] = []  # (item, lane offset, bytes)
             pos = 0
             while i < len(items) and len(batch) < self.entries:
-                n = total_bytes(items[i][1])
+                n = segments_nbytes(items[i][1])
                 if n > self.nbytes:
                     results[i], i = -errno.EINVAL, i + 1  # cannot happen: lanes hold a slot
                     continue

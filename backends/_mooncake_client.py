@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.backends._buffers import address_of
 from hicache.backends.base import copy_into_segments, segments_nbytes
 from hicache.errors import BackendLoadError, BackendUnavailableError
 
@@ -30,8 +31,8 @@ __all__ = [
     "MooncakeClient",
     "RegisteredRanges",
     "SetupParams",
-    "address_of",
     "lost_master",
+    "master_address",
     "load_store_class",
 ]
 
@@ -62,11 +63,6 @@ def load_store_class() -> Any:
 def lost_master(codes: Sequence[int]) -> bool:
     """Whether any status code says the master could not be reached."""
     return any(rc in CONNECTION_CODES for rc in codes)
-
-
-def address_of(view: memoryview) -> int:
-    """The address of a flat byte view's first byte (read-only views too)."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 class RegisteredRanges:
@@ -118,13 +114,23 @@ class SetupParams:
     master: str
     prefer_local: bool = True  # not a setup argument: where this client's puts are placed
 
-    @property
-    def master_host(self) -> str:
-        return self.master.rpartition(":")[0].strip("[]")
+    def setup_args(self) -> tuple[Any, ...]:
+        """The arguments of ``MooncakeDistributedStore.setup``, in its order."""
+        return (
+            self.local_hostname,
+            self.metadata_server,
+            self.global_segment_bytes,
+            self.local_buffer_bytes,
+            self.protocol,
+            self.rdma_devices,
+            self.master,
+        )
 
-    @property
-    def master_port(self) -> int:
-        return int(self.master.rpartition(":")[2])
+
+def master_address(master: str) -> tuple[str, int]:
+    """(host, port) of a ``host:port`` or ``[v6]:port`` master address."""
+    host, _, port = master.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 @dataclass(slots=True)
@@ -144,7 +150,7 @@ class MooncakeClient:
     def __init__(self, store_cls: Any, params: SetupParams, staging_bytes: int) -> None:
         self.params = params
         self.store = store_cls()
-        rc = self.store.setup(*_setup_args(params))
+        rc = self.store.setup(*params.setup_args())
         if rc != OK:
             raise BackendUnavailableError(
                 f"Mooncake client setup against master {params.master} (metadata server "
@@ -331,15 +337,3 @@ def _placement(store: Any, prefer_local: bool) -> Any:
     if prefer_local:
         config.preferred_segment = store.get_hostname()
     return config
-
-
-def _setup_args(p: SetupParams) -> tuple[Any, ...]:
-    return (
-        p.local_hostname,
-        p.metadata_server,
-        p.global_segment_bytes,
-        p.local_buffer_bytes,
-        p.protocol,
-        p.rdma_devices,
-        p.master,
-    )

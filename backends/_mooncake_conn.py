@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from hicache.backends._mooncake_client import MooncakeClient, SetupParams
+from hicache.backends._mooncake_client import MooncakeClient, SetupParams, master_address
 from hicache.backends._mooncake_gate import Gate, RateLimitedLog, reachable
 
 __all__ = ["Connection", "Unavailable"]
@@ -82,7 +82,7 @@ class Connection:
         now, gate = time.monotonic(), self.gate
         if not gate.may_try(now):
             raise Unavailable
-        if gate.down and not reachable(self.params.master_host, self.params.master_port, 0.2):
+        if gate.down and not reachable(*master_address(self.params.master), 0.2):
             gate.failed(now)  # still down: wait longer before the next probe
             raise Unavailable
         if gate.should_rebuild(now):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.backends._buffers import flat_view
+from hicache.backends._buffers import address_of, flat_view
 from hicache.errors import BackendUnavailableError, InvalidArgumentError
 
 __all__ = [
@@ -33,7 +33,6 @@ __all__ = [
     "TransferPacer",
     "RegisteredMemory",
     "Staging",
-    "address_of",
     "load_nixl_api",
 ]
 
@@ -99,11 +98,6 @@ def load_nixl_api() -> Any:
         f"the nixl backend needs the NIXL Python package (nixl-cu12), which is not installed: "
         f"{INSTALL_HINT}"
     )
-
-
-def address_of(view: memoryview) -> int:
-    """The address of a flat byte view's first byte (read-only views too)."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hicache.backends._nixl_agent import NixlAgent, RegisteredMemory, Staging, address_of
+from hicache.backends._buffers import address_of
+from hicache.backends._nixl_agent import NixlAgent, RegisteredMemory, Staging
 from hicache.backends._nixl_stores import Target
 
 __all__ = ["Job", "Mover"]

@@ -33,7 +33,6 @@ from urllib.parse import unquote
 
 import xxhash
 
-from hicache.backends._chunks import outlive_cancel
 from hicache.backends._file_bulk import picklable, read_in_processes, read_in_threads
 from hicache.backends._file_io import (
     ReadBuffer,
@@ -50,6 +49,7 @@ from hicache.backends._file_io import (
     unlink_quietly,
     write_all,
 )
+from hicache.backends._io_threads import outlive_cancel
 from hicache.backends.base import (
     MISS,
     TEMP_GRACE_S,

@@ -34,7 +34,6 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
-from hicache.backends._chunks import IOThreads
 from hicache.backends._hf3fs_index import (
     SLOT_HEADER,
     Entry,
@@ -51,11 +50,17 @@ from hicache.backends._hf3fs_posix import (
     SlotIO,
     check_root,
     open_data_file,
-    total_bytes,
 )
 from hicache.backends._hf3fs_slots import SlotTable
 from hicache.backends._hf3fs_usrbio import UsrbioSlotIO, find_usrbio
-from hicache.backends.base import MISS, Capabilities, ObjectInfo, StorageBackend
+from hicache.backends._io_threads import IOThreads
+from hicache.backends.base import (
+    MISS,
+    Capabilities,
+    ObjectInfo,
+    StorageBackend,
+    segments_nbytes,
+)
 from hicache.errors import BackendClosedError, ConfigError
 
 __all__ = ["Hf3fsBackend", "Hf3fsConfig", "Hf3fsMode"]
@@ -245,7 +250,7 @@ class Hf3fsBackend(StorageBackend):
             self._fd = -1
 
     async def _on_lead(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run one call's job on a lead thread (see ``_chunks``)."""
+        """Run one call's job on a lead thread (see ``_io_threads``)."""
         if self._threads is None:
             raise BackendClosedError(f"{type(self).__name__} is closed")
         return await self._threads.call(fn, *args)
@@ -253,7 +258,7 @@ class Hf3fsBackend(StorageBackend):
     # ----- lead threads: plan, move (spread over the I/O threads), settle --------------------
     def _put_all(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
         """Reserve slots, write header and data, publish the records, release dead slots."""
-        plans = self._table.reserve([total_bytes(segs) for segs in values])
+        plans = self._table.reserve([segments_nbytes(segs) for segs in values])
         heads = memoryview(bytearray(SLOT_HEADER * len(keys)))  # one block per object
         ios: list[IOItem] = []
         planned: list[tuple[str, Entry]] = []
@@ -296,7 +301,7 @@ class Hf3fsBackend(StorageBackend):
         entries = self._table.pin(keys, touch=True)
         try:
             targets = [
-                None if e is None or e.size > total_bytes(segs) else _first(segs, e.size)
+                None if e is None or e.size > segments_nbytes(segs) else _first(segs, e.size)
                 for segs, e in zip(buffers, entries, strict=True)
             ]
             got = self._read(keys, entries, targets)
@@ -324,15 +329,16 @@ class Hf3fsBackend(StorageBackend):
         results = [MISS] * len(keys)
         heads = memoryview(bytearray(SLOT_HEADER * len(keys)))
         ios: list[IOItem] = []
-        which: list[tuple[int, Entry, int]] = []  # (item, entry, bytes the read must return)
+        which: list[tuple[int, Entry, memoryview]] = []  # (item, entry, its header block)
         for i, (entry, segs) in enumerate(zip(entries, targets, strict=True)):
             if entry is not None and segs is not None:
                 head = heads[i * SLOT_HEADER : (i + 1) * SLOT_HEADER]
                 ios.append((entry.slot * self._stride, [head, *segs]))
-                which.append((i, entry, SLOT_HEADER + total_bytes(segs)))
-        for (i, entry, want), got in zip(which, self._io_call(False, ios), strict=True):
-            head = heads[i * SLOT_HEADER : (i + 1) * SLOT_HEADER]
-            if got != want:
+                which.append((i, entry, head))
+        for (i, entry, head), (_, io), got in zip(
+            which, ios, self._io_call(False, ios), strict=True
+        ):
+            if got != segments_nbytes(io):
                 self._table.count("read_errors", f"read of {keys[i]!r} failed ({got})")
             elif not slot_header_matches(head, entry.seq, entry.size, key_hash(keys[i])):
                 self._table.count("slot_mismatches", f"slot of {keys[i]!r} holds other data")

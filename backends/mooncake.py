@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from hicache.backends._buffers import flat_view
+from hicache.backends._buffers import address_of, flat_view
 from hicache.backends._mooncake_admin import MARKER, list_objects
 from hicache.backends._mooncake_client import (
     CONNECTION_CODES,
@@ -53,9 +53,9 @@ from hicache.backends._mooncake_client import (
     RPC_FAIL,
     MooncakeClient,
     SetupParams,
-    address_of,
     load_store_class,
     lost_master,
+    master_address,
 )
 from hicache.backends._mooncake_conn import Connection, Unavailable
 from hicache.backends._mooncake_gate import local_address, reachable
@@ -67,7 +67,7 @@ from hicache.errors import (
     InvalidArgumentError,
 )
 
-__all__ = ["MooncakeBackend", "MooncakeConfig"]
+__all__ = ["MooncakeBackend", "MooncakeConfig", "setup_params"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -120,11 +120,11 @@ class MooncakeConfig:
 
     @property
     def master_host(self) -> str:
-        return self.master.rpartition(":")[0].strip("[]")
+        return master_address(self.master)[0]
 
     @property
     def master_port(self) -> int:
-        return int(self.master.rpartition(":")[2])
+        return master_address(self.master)[1]
 
 
 class MooncakeBackend(StorageBackend):
@@ -353,12 +353,18 @@ def _connect(cfg: MooncakeConfig) -> Connection:
             "--http_metadata_server_port=8080 (and use "
             "metadata_server=http://HOST:8080/metadata), or fix the URL"
         )
-    hostname = cfg.local_hostname or local_address(cfg.master_host, cfg.master_port)
+    params = setup_params(cfg)
     if cfg.protocol == "tcp":
         # Otherwise the transfer engine advertises the first NIC's address to its peers.
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
-    params = SetupParams(
-        hostname,
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", params.local_hostname)
+    key = (params, cfg.staging_bytes, cfg.retry_backoff_s, cfg.rebuild_after_s)
+    return Connection.acquire(store_cls, key)
+
+
+def setup_params(cfg: MooncakeConfig) -> SetupParams:
+    """How a client for ``cfg`` is set up (resolves this host's address toward the master)."""
+    return SetupParams(
+        cfg.local_hostname or local_address(cfg.master_host, cfg.master_port),
         cfg.metadata_server,
         cfg.global_segment_bytes,
         cfg.local_buffer_bytes,
@@ -367,8 +373,6 @@ def _connect(cfg: MooncakeConfig) -> Connection:
         cfg.master,
         cfg.prefer_local_segment,
     )
-    key = (params, cfg.staging_bytes, cfg.retry_backoff_s, cfg.rebuild_after_s)
-    return Connection.acquire(store_cls, key)
 
 
 def _require(client: MooncakeClient | None) -> MooncakeClient:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
-from hicache.backends._chunks import outlive_cancel
+from hicache.backends._io_threads import outlive_cancel
 from hicache.backends._nixl_agent import (
     NixlAgent,
     NixlPluginError,

@@ -98,18 +98,21 @@ async def _timed(fn: Callable[[], Awaitable[None]]) -> float:
     return time.perf_counter() - start
 
 
+def _batches(n: int) -> list[tuple[int, int]]:
+    """(lo, hi) of each batch of ``_BATCH`` objects out of ``n``."""
+    return [(lo, min(lo + _BATCH, n)) for lo in range(0, n, _BATCH)]
+
+
 async def _backend_put(backend: StorageBackend, work: _Workload) -> None:
-    for i in range(0, len(work.keys), _BATCH):
-        batch = work.keys[i : i + _BATCH]
-        ok = await backend.put(batch, [work.source[j] for j in range(i, i + len(batch))])
+    for lo, hi in _batches(len(work.keys)):
+        ok = await backend.put(work.keys[lo:hi], [work.source[j] for j in range(lo, hi)])
         if not all(ok):
             raise RuntimeError(f"{backend.name}: a put failed during the benchmark")
 
 
 async def _backend_get(backend: StorageBackend, work: _Workload) -> None:
-    for i in range(0, len(work.keys), _BATCH):
-        batch = work.keys[i : i + _BATCH]
-        got = await backend.get_into(batch, [work.dest[j] for j in range(i, i + len(batch))])
+    for lo, hi in _batches(len(work.keys)):
+        got = await backend.get_into(work.keys[lo:hi], [work.dest[j] for j in range(lo, hi)])
         if any(n != work.source.shape[1] for n in got):
             raise RuntimeError(f"{backend.name}: a get missed during the benchmark")
 
@@ -166,14 +169,14 @@ def _raw_baseline(
 
 async def _raw_async(move: BatchMove, work: _Workload) -> None:
     """Each batch through ``asyncio.to_thread``: how an asyncio caller uses a blocking client."""
-    for lo in range(0, len(work.keys), _BATCH):
-        await asyncio.to_thread(move, work, lo, min(lo + _BATCH, len(work.keys)))
+    for lo, hi in _batches(len(work.keys)):
+        await asyncio.to_thread(move, work, lo, hi)
 
 
 def _raw_blocking(move: BatchMove, work: _Workload) -> None:
     """Every batch back to back on the calling thread."""
-    for lo in range(0, len(work.keys), _BATCH):
-        move(work, lo, min(lo + _BATCH, len(work.keys)))
+    for lo, hi in _batches(len(work.keys)):
+        move(work, lo, hi)
 
 
 async def _bench_backend(

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from hicache.backends._mooncake_client import load_store_class
-from hicache.backends.mooncake import MooncakeBackend
+from hicache.backends.mooncake import MooncakeBackend, setup_params
 from hicache.errors import BackendError
 from hicache.tools.services_mooncake import MooncakeMaster
 
@@ -42,15 +42,7 @@ def raw_baseline(
         raise TypeError(f"the mooncake baseline needs a MooncakeBackend, not {type(backend)}")
     cfg = backend.config
     store = load_store_class()()
-    rc = store.setup(
-        "127.0.0.1" if cfg.master_host.startswith("127.") else cfg.local_hostname or "",
-        cfg.metadata_server,
-        cfg.global_segment_bytes,
-        cfg.local_buffer_bytes,
-        cfg.protocol,
-        cfg.rdma_devices,
-        cfg.master,
-    )
+    rc = store.setup(*setup_params(cfg).setup_args())  # the backend's own arguments
     if rc != 0:
         raise BackendError(f"raw Mooncake client setup against {cfg.master} failed ({rc})")
     _RAW_CLIENTS.append(store)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hicache.backends._chunks import IOThreads
+from hicache.backends._io_threads import IOThreads
 from hicache.errors import BackendClosedError
 
 
