@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeAlias, TypeVar, runtime_checkable
 from urllib.parse import parse_qsl, urlsplit
 
-from hicache.config import build_config
 from hicache.errors import BackendClosedError, InvalidArgumentError
 from hicache.keys import validate_key, validate_key_prefix
+from hicache.typed_config import build_config
 
 __all__ = [
     "MISS",

@@ -29,17 +29,17 @@ import torch
 
 from hicache.backends.base import StorageBackend
 from hicache.backends.registry import open_backend
-from hicache.controller import HiCacheController
 from hicache.dtypes import DType
-from hicache.hiconfig import HiCacheConfig, PrefetchConfig, StorageConfig
-from hicache.hiradix import HiRadixCache
 from hicache.keys import RadixKey
-from hicache.pools.bundle import BundlePage
 from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
-from hicache.pools.spec import ModelShape, PoolPreset, preset
+from hicache.pools.pool_spec import ModelShape, PoolPreset, preset
 from hicache.radix.tree import RadixCacheConfig
-from hicache.storage_tier import PrefetchOp, WriteJob
+from hicache.tiering.bundler import BundlePage
+from hicache.tiering.cache import HiRadixCache
+from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig
+from hicache.tiering.controller import HiCacheController
+from hicache.tiering.storage_tier import PrefetchOp, WriteJob
 
 __all__ = ["add_bench_controller_parser", "run_bench_controller"]
 

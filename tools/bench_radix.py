@@ -21,7 +21,7 @@ from typing import Any
 from hicache.errors import InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.radix import EvictionPolicy, RadixCache, RadixCacheConfig
-from hicache.radix.workload import (
+from hicache.serving.traces import (
     TraceRequest,
     WorkloadConfig,
     WorkloadKind,

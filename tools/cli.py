@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.backends.base import TEMP_GRACE_S, StorageBackend
 from hicache.backends.registry import default_registry
-from hicache.config import parse_duration, parse_size
 from hicache.errors import HiCacheError
+from hicache.typed_config import parse_duration, parse_size
 
 if TYPE_CHECKING:
     from hicache.tools.progress import Progress
@@ -320,7 +320,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_store_commands(sub)
     _add_config_command(sub)
-    from hicache.serving.serve import add_serve_parser
+    from hicache.tools.serve import add_serve_parser
 
     add_serve_parser(sub)
     return parser
@@ -330,7 +330,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     import dataclasses
     import enum
 
-    from hicache.hiconfig import check_config, config_from_args
+    from hicache.tiering.config import check_config
+    from hicache.tools.config_flags import config_from_args
 
     config = config_from_args(args)
     check_config(config, args.page_size)
@@ -347,7 +348,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _add_config_command(sub: Any) -> None:
-    from hicache.hiconfig import add_hicache_flags
+    from hicache.tools.config_flags import add_hicache_flags
 
     p = sub.add_parser(
         "config", help="check a tiered-cache config (file and flags) and print what takes effect"

@@ -10,8 +10,7 @@ from hicache.pools.device import (
     unpack_indexer,
 )
 from hicache.pools.host import HostPool, host_pools
-from hicache.pools.req_to_token import ReqToTokenPool
-from hicache.pools.spec import (
+from hicache.pools.pool_spec import (
     ALL_PAGES,
     STATE_AT_END,
     Granularity,
@@ -27,6 +26,7 @@ from hicache.pools.spec import (
     usable_prefix,
     validate_pool_name,
 )
+from hicache.pools.req_to_token import ReqToTokenPool
 
 __all__ = [
     "ALL_PAGES",

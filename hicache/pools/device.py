@@ -19,7 +19,7 @@ from hicache.errors import ConfigError, InvalidArgumentError, LayoutError
 from hicache.layouts import Layout, buffer_shape
 from hicache.pools._index import IndexLike, check_indices
 from hicache.pools.allocator import TokenSlotAllocator
-from hicache.pools.spec import INDEXER_SCALE_BYTES, ModelPools, PoolSpec
+from hicache.pools.pool_spec import INDEXER_SCALE_BYTES, ModelPools, PoolSpec
 
 __all__ = ["DevicePool", "default_device", "device_pools", "pack_indexer", "unpack_indexer"]
 

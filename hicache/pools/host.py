@@ -31,7 +31,7 @@ from hicache.layouts import (
 from hicache.pools._index import IndexLike, check_indices
 from hicache.pools.allocator import TokenSlotAllocator
 from hicache.pools.device import DevicePool
-from hicache.pools.spec import ModelPools, PoolSpec
+from hicache.pools.pool_spec import ModelPools, PoolSpec
 
 __all__ = ["HostPool", "host_pools"]
 

@@ -1,7 +1,7 @@
 """The RadixAttention prefix tree: what is cached, who holds it, what to evict."""
 
+from hicache.radix.eviction import EvictionPolicy
 from hicache.radix.node import TreeNode
-from hicache.radix.policies import EvictionPolicy
 from hicache.radix.shadow import ShadowInsertResult, ShadowMatchResult, ShadowRadixCache
 from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
 

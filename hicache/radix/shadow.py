@@ -14,7 +14,7 @@ The tree indexes full token positions once. Each node maps onto every pool:
   slots address them, so they are kept, matched and freed with their owner.
 
 A match is usable up to the longest prefix for which every pool's hit rule holds
-(:func:`~hicache.pools.spec.common_usable_prefix`): an SWA prefix needs its window's pages, a
+(:func:`~hicache.pools.pool_spec.common_usable_prefix`): an SWA prefix needs its window's pages, a
 hybrid prefix ends at a node end with a snapshot. The match splits a node when that end falls
 inside it, counts hits only on the usable part, and returns each pool's slots.
 
@@ -42,7 +42,7 @@ import torch
 
 from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
-from hicache.pools.spec import ModelPools, common_usable_prefix
+from hicache.pools.pool_spec import ModelPools, common_usable_prefix
 from hicache.radix.node import TreeNode
 from hicache.radix.shadow_rules import (
     check_pool_values,

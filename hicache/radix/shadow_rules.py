@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hicache.errors import ConfigError, InvalidArgumentError
-from hicache.pools.spec import Granularity, HitRule, HitRuleKind, ModelPools
+from hicache.pools.pool_spec import Granularity, HitRule, HitRuleKind, ModelPools
 from hicache.radix.node import TreeNode
 from hicache.radix.packing import common_prefix_bytes
 

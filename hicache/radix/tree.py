@@ -22,10 +22,10 @@ from typing import Any
 
 from hicache.errors import InvalidArgumentError, InvalidTokenError
 from hicache.keys import RadixKey
+from hicache.radix.eviction import EvictionPolicy, eviction_key
+from hicache.radix.lifecycle import CachedRequest, cache_finished_req, cache_unfinished_req
 from hicache.radix.node import TreeNode
 from hicache.radix.packing import common_prefix_bytes, pack_key, unit_bytes
-from hicache.radix.policies import EvictionPolicy, eviction_key
-from hicache.radix.request import CachedRequest, cache_finished_req, cache_unfinished_req
 
 __all__ = ["MatchResult", "RadixCache", "RadixCacheConfig"]
 
@@ -202,11 +202,11 @@ class RadixCache:
         return freed
 
     def cache_finished_req(self, req: CachedRequest) -> None:
-        """Commit a finished request's KV; see :mod:`hicache.radix.request`."""
+        """Commit a finished request's KV; see :mod:`hicache.radix.lifecycle`."""
         cache_finished_req(self, req)
 
     def cache_unfinished_req(self, req: CachedRequest) -> None:
-        """Commit a running request's KV and move its lock; see :mod:`hicache.radix.request`."""
+        """Commit a running request's KV and move its lock; see :mod:`hicache.radix.lifecycle`."""
         cache_unfinished_req(self, req)
 
     def pin(self, key: RadixKey, ttl_s: float) -> TreeNode | None:

@@ -20,13 +20,13 @@ from typing import Any, Protocol
 
 import torch
 
-from hicache.hiradix import HiRadixCache
 from hicache.pools.req_to_token import ReqToTokenPool
-from hicache.radix.request import CachedRequest
+from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.tree import RadixCache
-from hicache.scheduler import PrefixScheduler, SchedulePolicy, SchedulerConfig
+from hicache.scheduling.scheduler import PrefixScheduler, SchedulePolicy, SchedulerConfig
 from hicache.serving.model import ChunkInput, TinyTransformer
 from hicache.serving.request import RequestRecord, RequestState, ServeRequest
+from hicache.tiering.cache import HiRadixCache
 
 __all__ = ["CacheMode", "Engine", "EngineConfig", "RequestSource"]
 

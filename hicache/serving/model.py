@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from hicache.pools.device import DevicePool
-from hicache.serving.model_config import LayerKind, ModelConfig, pool_of
 from hicache.serving.model_layers import (
     AttentionInputs,
     attention_layer,
     latent_layer,
     recurrent_layer,
 )
+from hicache.serving.presets import LayerKind, ModelConfig, pool_of
 
 __all__ = ["ChunkInput", "TinyTransformer"]
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hicache.pools.device import DevicePool, pack_indexer, unpack_indexer
-from hicache.serving.model_config import LayerKind
+from hicache.serving.presets import LayerKind
 
 if TYPE_CHECKING:
     from hicache.serving.model import TinyTransformer

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.keys import RadixKey
-from hicache.radix.request import CachedRequest
+from hicache.radix.lifecycle import CachedRequest
 
 __all__ = ["RequestRecord", "RequestState", "ServeRequest"]
 

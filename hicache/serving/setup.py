@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.controller import HiCacheController
-from hicache.hiconfig import HiCacheConfig
-from hicache.hiradix import HiRadixCache
 from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
 from hicache.radix.tree import RadixCache, RadixCacheConfig
 from hicache.serving.engine import CacheMode, Engine, EngineConfig
 from hicache.serving.model import TinyTransformer
+from hicache.tiering.cache import HiRadixCache
+from hicache.tiering.config import HiCacheConfig
+from hicache.tiering.controller import HiCacheController
 
 __all__ = ["ServingSetup", "host_pages", "open_engine", "resolve_device"]
 

@@ -16,8 +16,8 @@ from hicache.backends.base import (
     segments_nbytes,
 )
 from hicache.backends.memory import MemoryBackend, MemoryConfig
-from hicache.config import build_config, parse_bool, parse_size
 from hicache.errors import ConfigError, InvalidArgumentError, InvalidKeyError
+from hicache.typed_config import build_config, parse_bool, parse_size
 
 # ----- as_segments ------------------------------------------------------------------------------
 

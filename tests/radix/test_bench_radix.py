@@ -13,7 +13,7 @@ import pytest
 
 from hicache.errors import InvalidArgumentError, TraceFormatError
 from hicache.radix import EvictionPolicy
-from hicache.radix.workload import (
+from hicache.serving.traces import (
     TraceRequest,
     WorkloadConfig,
     WorkloadKind,

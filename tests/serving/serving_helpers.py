@@ -20,16 +20,16 @@ from typing import Any
 
 import torch
 
-from hicache.hiconfig import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
 from hicache.keys import StorageFormat
-from hicache.policies import PrefetchStopPolicy, WritePolicy
-from hicache.radix.workload import TraceRequest
 from hicache.serving.engine import CacheMode, EngineConfig, RequestSource
 from hicache.serving.model import TinyTransformer
-from hicache.serving.model_config import ModelConfig, ModelPreset
+from hicache.serving.presets import ModelConfig, ModelPreset
 from hicache.serving.request import RequestRecord, ServeRequest
 from hicache.serving.setup import ServingSetup, open_engine
-from hicache.serving.workload import ChatConfig, MultiTurnChat, TraceReplay
+from hicache.serving.traces import TraceRequest
+from hicache.serving.workloads import ChatConfig, MultiTurnChat, TraceReplay
+from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.policies import PrefetchStopPolicy, WritePolicy
 
 PAGE = 4
 VOCAB = 512

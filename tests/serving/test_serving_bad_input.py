@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from serving_helpers import DEVICE_TOKENS, VOCAB, hicache_config, serve
 
-from hicache.radix.workload import TraceRequest, dump_trace
 from hicache.serving.engine import CacheMode
-from hicache.serving.model_config import ModelPreset
+from hicache.serving.presets import ModelPreset
 from hicache.serving.request import ServeRequest
+from hicache.serving.traces import TraceRequest, dump_trace
 from hicache.tools.cli import main
 
 OUT = 3

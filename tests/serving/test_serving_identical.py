@@ -27,13 +27,13 @@ from serving_helpers import (
     workload,
 )
 
-from hicache.policies import PrefetchStopPolicy, WritePolicy
 from hicache.pools.device import DevicePool, device_pools
 from hicache.pools.host import host_pools
-from hicache.pools.spec import ModelPools
+from hicache.pools.pool_spec import ModelPools
 from hicache.serving.engine import CacheMode
 from hicache.serving.model import ChunkInput
-from hicache.serving.model_config import ModelPreset
+from hicache.serving.presets import ModelPreset
+from hicache.tiering.policies import PrefetchStopPolicy, WritePolicy
 
 PRESET_IDS = [p.value for p in ALL_PRESETS]
 

@@ -14,15 +14,15 @@ import pathlib
 import torch
 from serving_helpers import model_config
 
-from hicache.controller import HiCacheController
-from hicache.hiconfig import HiCacheConfig, StorageConfig, TierConfig
-from hicache.hiradix import HiRadixCache
 from hicache.keys import RadixKey
-from hicache.policies import WritePolicy
 from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
 from hicache.radix.tree import RadixCacheConfig
-from hicache.serving.model_config import ModelPreset
+from hicache.serving.presets import ModelPreset
+from hicache.tiering.cache import HiRadixCache
+from hicache.tiering.config import HiCacheConfig, StorageConfig, TierConfig
+from hicache.tiering.controller import HiCacheController
+from hicache.tiering.policies import WritePolicy
 
 
 async def test_a_node_kept_once_is_evicted_once_the_host_has_room(tmp_path: pathlib.Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from hicache.errors import InvalidArgumentError
 from hicache.serving.request import ServeRequest
-from hicache.serving.workload import (
+from hicache.serving.workloads import (
     ChatConfig,
     MultiTurnChat,
     SharedPrefixConfig,

@@ -31,11 +31,11 @@ from hicache.backends.wrappers import (
     Operation,
     SleepFn,
 )
-from hicache.hiconfig import PrefetchConfig, StorageConfig
 from hicache.keys import RadixKey
-from hicache.policies import PrefetchStopPolicy, TerminationReason
-from hicache.pools.bundle import BundlePage
-from hicache.storage_tier import PrefetchOp
+from hicache.tiering.bundler import BundlePage
+from hicache.tiering.config import PrefetchConfig, StorageConfig
+from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason
+from hicache.tiering.storage_tier import PrefetchOp
 
 SEQ = tokens(1, 8)
 

@@ -10,19 +10,17 @@ import pytest
 from tier_harness import PAGE, Harness
 
 from hicache.errors import BackendError, ConfigError, InvalidArgumentError
-from hicache.hiconfig import (
+from hicache.layouts import Layout
+from hicache.tiering.config import (
     HiCacheConfig,
     PrefetchConfig,
     StorageConfig,
     TierConfig,
-    add_hicache_flags,
     check_config,
-    config_from_args,
     config_from_mapping,
     load_config,
 )
-from hicache.layouts import Layout
-from hicache.policies import (
+from hicache.tiering.policies import (
     L3Admission,
     PrefetchStopPolicy,
     TerminationReason,
@@ -32,6 +30,7 @@ from hicache.policies import (
     can_terminate,
     prefetch_timeout,
 )
+from hicache.tools.config_flags import add_hicache_flags, config_from_args
 
 DEFAULTS = PrefetchConfig()
 

@@ -17,9 +17,9 @@ from tier_harness import PAGE, FakeClock, Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
-from hicache.hiconfig import PrefetchConfig, TierConfig
 from hicache.keys import RadixKey
-from hicache.policies import PrefetchStopPolicy, TerminationReason
+from hicache.tiering.config import PrefetchConfig, TierConfig
+from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason
 
 BEST, WAIT, TIMEOUT = (
     PrefetchStopPolicy.BEST_EFFORT,

@@ -21,10 +21,10 @@ from tier_gated import (
 from tier_harness import PAGE, Harness
 
 from hicache.backends.memory import MemoryBackend
-from hicache.hiconfig import PrefetchConfig, StorageConfig, TierConfig
 from hicache.keys import RadixKey
-from hicache.policies import L3Admission, PrefetchStopPolicy, WritePolicy
-from hicache.pools.spec import PoolPreset
+from hicache.pools.pool_spec import PoolPreset
+from hicache.tiering.config import PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.policies import L3Admission, PrefetchStopPolicy, WritePolicy
 
 SEQ = tokens(1, 8)
 WAIT = PrefetchConfig(stop_policy=PrefetchStopPolicy.WAIT_COMPLETE, threshold_tokens=PAGE)

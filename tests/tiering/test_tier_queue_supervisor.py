@@ -13,10 +13,10 @@ from tier_gated import assert_clean, tokens, until
 from tier_harness import Harness
 
 from hicache.backends.memory import MemoryBackend
-from hicache.hiconfig import StorageConfig
-from hicache.pools.bundle import BundlePage
-from hicache.storage_tier import StorageTier, WriteJob
-from hicache.supervisor import TaskSupervisor
+from hicache.tiering.bundler import BundlePage
+from hicache.tiering.config import StorageConfig
+from hicache.tiering.storage_tier import StorageTier, WriteJob
+from hicache.tiering.supervisor import TaskSupervisor
 
 
 # ----- StorageTier.submit_write on its own (no workers: nothing leaves the queue) ---------------

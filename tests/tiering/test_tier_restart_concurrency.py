@@ -20,19 +20,19 @@ from tier_gated import (
 from tier_harness import PAGE, FakeClock, Harness
 
 from hicache.backends.memory import MemoryBackend
-from hicache.controller import HiCacheController
 from hicache.dtypes import DType
-from hicache.hiconfig import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
-from hicache.hiradix import HiRadixCache
 from hicache.keys import RadixKey
-from hicache.metrics import COUNTERS
-from hicache.policies import PrefetchStopPolicy, TerminationReason
 from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
+from hicache.pools.pool_spec import ModelShape, PoolPreset, preset
 from hicache.pools.req_to_token import ReqToTokenPool
-from hicache.pools.spec import ModelShape, PoolPreset, preset
-from hicache.radix.request import CachedRequest
+from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.tree import RadixCacheConfig
+from hicache.tiering.cache import HiRadixCache
+from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.controller import HiCacheController
+from hicache.tiering.metrics import COUNTERS
+from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason
 
 WAIT = PrefetchStopPolicy.WAIT_COMPLETE
 SEQ = tokens(1, 8)
@@ -333,7 +333,7 @@ async def test_metrics_as_dict_and_prometheus() -> None:
 
 
 def test_an_unknown_counter_is_refused() -> None:
-    from hicache.metrics import HiCacheMetrics
+    from hicache.tiering.metrics import HiCacheMetrics
 
     with pytest.raises(KeyError, match="unknown counter"):
         HiCacheMetrics().add("no_such_counter")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from tier_harness import PAGE, Harness
 
-from hicache.hiconfig import TierConfig
 from hicache.keys import RadixKey
-from hicache.policies import WritePolicy
+from hicache.tiering.config import TierConfig
+from hicache.tiering.policies import WritePolicy
 
 SYSTEM = list(range(1, 9))  # two pages shared by every request
 

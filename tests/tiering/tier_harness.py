@@ -15,16 +15,16 @@ from typing import Any
 import torch
 
 from hicache.backends.base import StorageBackend
-from hicache.controller import HiCacheController
-from hicache.hiconfig import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
-from hicache.hiradix import HiRadixCache
 from hicache.keys import RadixKey
 from hicache.pools.device import DevicePool, device_pools
 from hicache.pools.host import HostPool, host_pools
+from hicache.pools.pool_spec import ModelShape, PoolPreset, preset
 from hicache.pools.req_to_token import ReqToTokenPool
-from hicache.pools.spec import ModelShape, PoolPreset, preset
-from hicache.radix.request import CachedRequest
+from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.tree import RadixCacheConfig
+from hicache.tiering.cache import HiRadixCache
+from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.controller import HiCacheController
 
 PAGE = 4
 

@@ -10,7 +10,7 @@ import torch
 from hicache.errors import ConfigError, InvalidArgumentError, InvalidTokenError
 from hicache.keys import RadixKey
 from hicache.radix import RadixCache, RadixCacheConfig
-from hicache.scheduler import (
+from hicache.scheduling.scheduler import (
     DelayerConfig,
     PrefillDelayer,
     PrefixScheduler,

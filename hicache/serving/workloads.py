@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hicache.errors import InvalidArgumentError
-from hicache.radix.workload import TraceRequest
 from hicache.serving.request import ServeRequest
+from hicache.serving.traces import TraceRequest
 
 __all__ = [
     "ChatConfig",

@@ -20,17 +20,17 @@ import torch
 
 from hicache.codec import NO_PARENT
 from hicache.keys import RadixKey, chain_packed_hashes, chain_page_hashes, namespace_digest
-from hicache.policies import TerminationReason, admit_to_l3, can_terminate, prefetch_timeout
-from hicache.pools.bundle import BundlePage
+from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.node import TreeNode
-from hicache.radix.request import CachedRequest
 from hicache.radix.tree import RadixCache
-from hicache.storage_tier import PrefetchOp, WriteJob
+from hicache.tiering.bundler import BundlePage
+from hicache.tiering.policies import TerminationReason, admit_to_l3, can_terminate, prefetch_timeout
+from hicache.tiering.storage_tier import PrefetchOp, WriteJob
 
 if TYPE_CHECKING:
-    from hicache.controller import HiCacheController
-    from hicache.metrics import HiCacheMetrics
     from hicache.pools.host import HostPool
+    from hicache.tiering.controller import HiCacheController
+    from hicache.tiering.metrics import HiCacheMetrics
 
 __all__ = ["L3TreeBase"]
 

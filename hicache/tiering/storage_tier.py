@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hicache.backends.base import StorageBackend
-from hicache.hiconfig import PrefetchConfig, StorageConfig
-from hicache.metrics import HiCacheMetrics
-from hicache.policies import TerminationReason
-from hicache.pools.bundle import BundlePage, PageBundler
-from hicache.supervisor import TaskSupervisor
+from hicache.tiering.bundler import BundlePage, PageBundler
+from hicache.tiering.config import PrefetchConfig, StorageConfig
+from hicache.tiering.metrics import HiCacheMetrics
+from hicache.tiering.policies import TerminationReason
+from hicache.tiering.supervisor import TaskSupervisor
 
 __all__ = ["PrefetchOp", "StorageTier", "WriteJob"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hicache.dtypes import DType
 from hicache.errors import ConfigError
 from hicache.layouts.spec import LayoutSpec
-from hicache.pools.spec import ModelPools, PoolSpec
+from hicache.pools.pool_spec import ModelPools, PoolSpec
 
 __all__ = ["LayerKind", "ModelConfig", "ModelPreset"]
 

@@ -14,8 +14,8 @@ from hicache.errors import InvalidArgumentError
 from hicache.keys import namespace_digest
 from hicache.layouts import Layout
 from hicache.pools import HostPool
-from hicache.pools.bundle import BundlePage, PageBundler
-from hicache.pools.spec import PoolPreset, preset
+from hicache.pools.pool_spec import PoolPreset, preset
+from hicache.tiering.bundler import BundlePage, PageBundler
 
 NS = namespace_digest("tiny-model")
 

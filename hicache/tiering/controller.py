@@ -3,10 +3,11 @@
 Device <-> host copies run per layer through the layouts' gather/scatter on one
 :class:`~hicache.layouts.TransferStream` per direction (CUDA streams with an event per layer;
 synchronous copies on the CPU, behind the same API), so a forward pass waits for layer ``i`` of a
-load only. Host <-> L3 goes through :class:`~hicache.storage_tier.StorageTier` on asyncio tasks.
+load only. Host <-> L3 goes through :class:`~hicache.tiering.storage_tier.StorageTier` on
+asyncio tasks.
 
 The controller moves data and counts it; which pages move, and when, is the tree's business
-(:class:`~hicache.hiradix.HiRadixCache`). It serves a *pool group*: the pools that share the
+(:class:`~hicache.tiering.cache.HiRadixCache`). It serves a *pool group*: the pools that share the
 anchor pool's slots (the anchor itself, and sidecars such as the DSA indexer), which move together.
 """
 
@@ -20,13 +21,13 @@ import torch
 
 from hicache.backends.base import StorageBackend
 from hicache.errors import BackendError, ConfigError, HiCacheError
-from hicache.hiconfig import HiCacheConfig, check_config
 from hicache.layouts import LayerTransfer, TransferStream
-from hicache.metrics import HiCacheMetrics
-from hicache.pools.bundle import PageBundler
 from hicache.pools.device import DevicePool
 from hicache.pools.host import HostPool
-from hicache.storage_tier import StorageTier
+from hicache.tiering.bundler import PageBundler
+from hicache.tiering.config import HiCacheConfig, check_config
+from hicache.tiering.metrics import HiCacheMetrics
+from hicache.tiering.storage_tier import StorageTier
 
 __all__ = ["GroupTransfer", "HiCacheController"]
 

@@ -14,13 +14,12 @@ A file has up to four tables; every key is optional::
     url = "file:///var/cache/hicache"
     required = false
 
-CLI flags (:func:`add_hicache_flags`) override the file. :func:`check_config` refuses a combination
-that cannot work, with a message saying what to change; it runs before anything is allocated.
+CLI flags (``hicache.tools.config_flags``) override the file. :func:`check_config` refuses a
+combination that cannot work, with a message saying what to change; it runs before anything is allocated.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import pathlib
@@ -29,20 +28,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.config import build_config
 from hicache.errors import BackendError, ConfigError
 from hicache.layouts import Layout
-from hicache.policies import L3Admission, PrefetchStopPolicy, WritePolicy
+from hicache.tiering.policies import L3Admission, PrefetchStopPolicy, WritePolicy
+from hicache.typed_config import build_config
 
 __all__ = [
     "HiCacheConfig",
     "PrefetchConfig",
     "StorageConfig",
     "TierConfig",
-    "add_hicache_flags",
     "check_config",
     "check_storage_url",
-    "config_from_args",
+    "config_from_mapping",
+    "config_tables",
     "load_config",
 ]
 
@@ -198,53 +197,9 @@ def check_storage_url(url: str) -> None:
         raise ConfigError(f"storage url {url!r}: {exc}") from None
 
 
-# CLI flag -> (table, field). Flags name their table only where a name would be ambiguous.
-_FLAGS: dict[str, tuple[str, str, str]] = {
-    "--write-policy": ("tiers", "write_policy", "write_through | write_through_selective | ..."),
-    "--write-threshold": ("tiers", "write_threshold", "hits before write_through_selective"),
-    "--host-pages": ("tiers", "host_pages", "host pages of the main pool"),
-    "--host-ratio": ("tiers", "host_ratio", "host size as a multiple of the device pool"),
-    "--host-layout": ("tiers", "host_layout", "page_first | page_first_direct | layer_first"),
-    "--prefetch-policy": ("prefetch", "stop_policy", "best_effort | wait_complete | timeout"),
-    "--prefetch-threshold": ("prefetch", "threshold_tokens", "min L3 tokens worth a prefetch"),
-    "--prefetch-timeout-base": ("prefetch", "timeout_base_s", "seconds"),
-    "--prefetch-timeout-per-1k": ("prefetch", "timeout_per_1k_tokens_s", "seconds per 1k"),
-    "--prefetch-timeout-max": ("prefetch", "timeout_max_s", "seconds"),
-    "--l3-admission": ("storage", "admission", "all | hit_threshold"),
-    "--l3-hit-threshold": ("storage", "admission_hit_threshold", "hits before a page goes to L3"),
-    "--l3-compress": ("storage", "compress", "zstd byte planes for L3 pages (true/false)"),
-}
-
-
-def add_hicache_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("tiered cache")
-    group.add_argument("--config", help="a .toml or .json HiCache config file")
-    group.add_argument("--l3", help="L3 backend URL, or 'none' to turn L3 off")
-    group.add_argument("--l3-required", action="store_true", help="refuse to start without L3")
-    group.add_argument("--no-host", action="store_true", help="no host tier (device only)")
-    for flag, (_, _, help_text) in _FLAGS.items():
-        group.add_argument(flag, help=help_text)
-
-
-def config_from_args(args: argparse.Namespace, base: HiCacheConfig | None = None) -> HiCacheConfig:
-    """The config file named by ``--config`` (or ``base``), with the other flags over it."""
-    config = load_config(args.config) if getattr(args, "config", None) else base or HiCacheConfig()
-    tables: dict[str, dict[str, Any]] = {
-        name: _as_dict(getattr(config, name)) for name in _SECTIONS
+def config_tables(config: HiCacheConfig) -> dict[str, dict[str, Any]]:
+    """``config`` as nested tables, the shape :func:`config_from_mapping` reads."""
+    return {
+        name: {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+        for name, section in ((n, getattr(config, n)) for n in _SECTIONS)
     }
-    for flag, (table, name, _) in _FLAGS.items():
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None:
-            tables[table][name] = value
-    l3 = getattr(args, "l3", None)
-    if l3 is not None:
-        tables["storage"]["url"] = None if l3.strip().lower() in ("", "none", "off") else l3
-    if getattr(args, "l3_required", False):
-        tables["storage"]["required"] = True
-    if getattr(args, "no_host", False):
-        tables["tiers"]["host_enabled"] = False
-    return config_from_mapping(tables)
-
-
-def _as_dict(section: Any) -> dict[str, Any]:
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}

@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 
-from hicache.controller import GroupTransfer, HiCacheController
 from hicache.errors import ConfigError, InvalidArgumentError
-from hicache.hiradix_l3 import L3TreeBase
 from hicache.keys import RadixKey
-from hicache.policies import WritePolicy, backup_on_hit
+from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.node import TreeNode
-from hicache.radix.request import CachedRequest
 from hicache.radix.tree import MatchResult, RadixCacheConfig
+from hicache.tiering.controller import GroupTransfer, HiCacheController
+from hicache.tiering.l3_tree import L3TreeBase
+from hicache.tiering.policies import WritePolicy, backup_on_hit
 
 __all__ = ["HiRadixCache"]
 

@@ -9,7 +9,7 @@ import pytest
 
 from hicache.errors import ConfigError, InvalidArgumentError, InvalidTokenError
 from hicache.keys import RadixKey
-from hicache.router import CacheAwareRouter, RouterConfig
+from hicache.scheduling.router import CacheAwareRouter, RouterConfig
 
 
 def key(base: int, n: int = 32, tail: int | None = None, ns: str | None = None) -> RadixKey:

@@ -9,7 +9,7 @@ from hicache.errors import DoubleFreeError, InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.pools import ReqToTokenPool, TokenSlotAllocator
 from hicache.radix import RadixCache, RadixCacheConfig
-from hicache.radix.request import CachedRequest
+from hicache.radix.lifecycle import CachedRequest
 
 PAGE = 4
 

@@ -19,21 +19,22 @@ from typing import Any
 
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
 from hicache.dtypes import DType
-from hicache.hiconfig import HiCacheConfig, add_hicache_flags, check_config, config_from_args
-from hicache.radix.workload import load_trace
-from hicache.scheduler import SchedulePolicy
+from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.model import TinyTransformer
-from hicache.serving.model_config import ModelConfig, ModelPreset
+from hicache.serving.presets import ModelConfig, ModelPreset
 from hicache.serving.report import oracle_hit_rate, print_table, summarize
 from hicache.serving.setup import host_pages, open_engine, resolve_device
-from hicache.serving.workload import (
+from hicache.serving.traces import load_trace
+from hicache.serving.workloads import (
     ChatConfig,
     MultiTurnChat,
     SharedPrefixConfig,
     TraceReplay,
     shared_prefix_trace,
 )
+from hicache.tiering.config import HiCacheConfig, check_config
+from hicache.tools.config_flags import add_hicache_flags, config_from_args
 
 __all__ = ["add_serve_parser", "run_serve"]
 

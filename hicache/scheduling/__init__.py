@@ -1,0 +1,1 @@
+"""The scheduler (which waiting request runs next) and the cache-aware router."""
