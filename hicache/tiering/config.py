@@ -15,7 +15,8 @@ A file has up to four tables; every key is optional::
     required = false
 
 CLI flags (``hicache.tools.config_flags``) override the file. :func:`check_config` refuses a
-combination that cannot work, with a message saying what to change; it runs before anything is allocated.
+combination that cannot work, with a message saying what to change; it runs before anything
+is allocated.
 """
 
 from __future__ import annotations
