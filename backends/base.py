@@ -8,18 +8,27 @@ backend never re-checks keys itself.
 Buffers: a value is one buffer or a sequence of buffers (scatter-gather segments, for example a
 page header and a view of the payload), all C-contiguous. ``put`` copies what it needs before it
 returns; the caller may reuse its buffers at once. ``get_into`` fills caller-owned buffers.
+The helpers for such values live in :mod:`hicache.backends.segments` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import abc
-import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeAlias, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, TypeAlias, TypeVar, runtime_checkable
 from urllib.parse import parse_qsl, urlsplit
 
-from hicache.errors import BackendClosedError, InvalidArgumentError
+from hicache.backends.segments import (
+    BufferLike,
+    Segments,
+    as_segments,
+    copy_into_segments,
+    fill_from_segments,
+    join_segments,
+    segments_nbytes,
+)
+from hicache.errors import BackendClosedError, ConfigError, InvalidArgumentError
 from hicache.keys import validate_key, validate_key_prefix
 from hicache.typed_config import build_config
 
@@ -33,6 +42,7 @@ __all__ = [
     "TEMP_GRACE_S",
     "TempFile",
     "TempFileOwner",
+    "UrlPart",
     "as_segments",
     "copy_into_segments",
     "fill_from_segments",
@@ -40,12 +50,10 @@ __all__ = [
     "segments_nbytes",
 ]
 
-BufferLike: TypeAlias = "bytes | bytearray | memoryview | Any"
-Segments: TypeAlias = "BufferLike | Sequence[BufferLike]"
+UrlPart: TypeAlias = Literal["host", "path"]
 MISS = -1
 # A temporary file younger than this may belong to a write in progress: never removed.
 TEMP_GRACE_S = 15 * 60.0
-_FIELD_NAME_RE = re.compile(r":[^:]*:")
 B = TypeVar("B", bound="StorageBackend")
 
 
@@ -56,7 +64,7 @@ class Capabilities:
     persistent: bool = False  # objects survive close() and a process restart
     shared_across_processes: bool = False  # another process opening the same URL sees them
     zero_copy: bool = False  # reads and writes go straight to or from registered memory
-    listable: bool = True  # scan() works
+    listable: bool = True  # scan() works; if not, scan() raises a HiCacheError
     max_object_bytes: int | None = None  # larger objects are refused by put
 
 
@@ -95,67 +103,6 @@ class TempFileOwner(Protocol):
         ...
 
 
-def as_segments(value: Segments, writable: bool) -> list[memoryview]:
-    """``value`` as a list of flat byte views; raises :class:`InvalidArgumentError`."""
-    items = value if isinstance(value, (list, tuple)) else (value,)
-    out: list[memoryview] = []
-    for item in items:
-        try:
-            view = memoryview(item)
-        except (TypeError, ValueError):  # numpy raises ValueError for dtypes with no buffer
-            raise InvalidArgumentError(
-                f"a buffer must support the buffer protocol, not {type(item).__name__}"
-            ) from None
-        if not view.c_contiguous:
-            raise InvalidArgumentError("buffers must be C-contiguous")
-        if writable and view.readonly:
-            raise InvalidArgumentError("get_into needs writable buffers")
-        if _holds_objects(view.format):
-            # Its bytes are object pointers: storing them is meaningless, reading into it unsafe.
-            raise InvalidArgumentError("a buffer of Python objects cannot be stored or filled")
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        out.append(view)
-    return out
-
-
-def _holds_objects(fmt: str) -> bool:
-    """Whether a PEP 3118 format has an object ('O') item; ``:name:`` field labels are skipped."""
-    return "O" in fmt and "O" in _FIELD_NAME_RE.sub("", fmt)
-
-
-def segments_nbytes(segments: Sequence[memoryview]) -> int:
-    if len(segments) == 1:  # the common case: one page, one view
-        return segments[0].nbytes
-    return sum(s.nbytes for s in segments)
-
-
-def join_segments(segments: Sequence[memoryview]) -> bytearray:
-    """One new buffer holding the segments back to back (one copy)."""
-    out = bytearray(segments_nbytes(segments))
-    fill_from_segments(segments, out)
-    return out
-
-
-def fill_from_segments(segments: Sequence[memoryview], target: bytearray) -> None:
-    """Copy ``segments`` back to back into ``target``, which holds exactly their bytes."""
-    view, offset = memoryview(target), 0
-    for seg in segments:
-        view[offset : offset + seg.nbytes] = seg
-        offset += seg.nbytes
-
-
-def copy_into_segments(source: memoryview, segments: Sequence[memoryview]) -> None:
-    """Copy ``source`` across ``segments`` in order; the caller checked it fits."""
-    offset, total = 0, source.nbytes
-    for seg in segments:
-        if offset >= total:
-            return
-        n = min(seg.nbytes, total - offset)
-        seg[:n] = source[offset : offset + n]
-        offset += n
-
-
 def _validate_keys(keys: Sequence[str]) -> list[str]:
     if isinstance(keys, (str, bytes)):
         raise InvalidArgumentError("pass a sequence of keys, not a single key")
@@ -167,6 +114,9 @@ class StorageBackend(abc.ABC):
 
     name: ClassVar[str]
     url_schemes: ClassVar[tuple[str, ...]] = ()
+    #: The parts of ``scheme://host/path`` the backend gives a meaning to (see
+    #: :meth:`url_location_fields`); a URL with a part it does not claim is refused.
+    url_parts: ClassVar[frozenset[UrlPart]] = frozenset()
     # A class default, not a ClassVar: a wrapper backend reports its inner backend's per instance.
     capabilities: Capabilities = Capabilities()
     config_type: ClassVar[type[Any]]
@@ -195,9 +145,10 @@ class StorageBackend(abc.ABC):
         Query options and overrides are config fields; the location is given to
         :meth:`url_location_fields`, which a backend overrides to say what it means.
         """
-        _, sep, rest = url.partition("://")
+        scheme, sep, rest = url.partition("://")
         # Parsed as a neutral scheme: urlsplit drops a scheme that starts with a digit ("3fs").
         parts = urlsplit("x://" + rest if sep else url)
+        cls._refuse_unclaimed_parts(scheme if sep else cls.name, parts.netloc, parts.path)
         values: dict[str, Any] = dict(cls.url_location_fields(parts.netloc, parts.path))
         values.update(parse_qsl(parts.query, keep_blank_values=True))
         values.update(overrides)
@@ -205,8 +156,28 @@ class StorageBackend(abc.ABC):
 
     @classmethod
     def url_location_fields(cls, netloc: str, path: str) -> dict[str, Any]:
-        """Config fields named by the URL's location part; none by default."""
+        """Config fields named by the URL's location part; none by default.
+
+        Called only with the parts the backend claims in :attr:`url_parts`; the others are
+        empty (a path of just ``/`` counts as empty).
+        """
         return {}
+
+    @classmethod
+    def _refuse_unclaimed_parts(cls, scheme: str, netloc: str, path: str) -> None:
+        # A part the backend ignores would be silently dropped: memory://cache-a and
+        # memory://cache-b would open the same kind of store, which their author did not mean.
+        found: dict[UrlPart, str] = {
+            "host": netloc.rpartition("@")[2],  # the user part may hold credentials: not shown
+            "path": "" if path == "/" else path,
+        }
+        for part, value in found.items():
+            if value and part not in cls.url_parts:
+                claimed = " and ".join(sorted(cls.url_parts)) or "no location"
+                raise ConfigError(
+                    f"{scheme}:// URLs take no {part} (got {value!r}): the {cls.name} backend "
+                    f"reads {claimed} from its URL; give options as ?name=value"
+                )
 
     @classmethod
     async def open(cls: type[B], config: Any) -> B:
@@ -402,8 +373,9 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def _scan(self, prefix: str) -> AsyncIterator[ObjectInfo]: ...
 
-    @abc.abstractmethod
-    async def _stats(self) -> dict[str, int | float]: ...
+    async def _stats(self) -> dict[str, int | float]:
+        """The backend's own counters, merged over the base's by :meth:`stats`; none by default."""
+        return {}
 
-    @abc.abstractmethod
-    async def _close(self) -> None: ...
+    async def _close(self) -> None:  # noqa: B027 - optional on purpose: many have nothing to free
+        """Release the backend's resources, once (the base makes ``close()`` idempotent)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hicache.backends.base import (
     MISS,
@@ -46,6 +46,8 @@ class MemoryBackend(StorageBackend):
     def __init__(self, config: MemoryConfig | None = None) -> None:
         super().__init__()
         self.config = config or MemoryConfig()
+        # An object larger than the capacity is refused by put; per instance, like the capacity.
+        self.capabilities = replace(self.capabilities, max_object_bytes=self.config.capacity_bytes)
         self._objects: OrderedDict[str, tuple[bytearray, float]] = OrderedDict()
         self._used = 0
         self._evictions = 0

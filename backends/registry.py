@@ -4,6 +4,10 @@ Backends come from three places: the built-in table below (so a source checkout 
 installed metadata), the ``hicache.backends`` entry-point group (the built-ins declare themselves
 there too, and so do third-party plugins), and :func:`register_backend` at run time. Nothing is
 imported until a backend is used: an entry is a ``"module:Class"`` string until then.
+
+The built-ins are listed once, in ``_KNOWN``: pyproject.toml repeats them as entry points only
+so that tools reading installed metadata see them, and tests/backends/test_registry.py checks
+that the two agree (an entry point that named another class would be a conflict at run time).
 """
 
 from __future__ import annotations
@@ -43,14 +47,16 @@ class _Known:
     install_hint: str
 
 
-# The built-in backends. Found here even in a source tree with no installed metadata.
+# The built-in backends: the one list of them. It, not pyproject.toml's entry points, is the
+# source: it works in a source tree with no installed metadata and carries what an entry point
+# cannot (URL schemes, install hints). The entry points must name the same targets (tested).
 _KNOWN: dict[str, _Known] = {
     "memory": _Known("hicache.backends.memory:MemoryBackend", ("memory",), ""),
     "file": _Known("hicache.backends.file:FileBackend", ("file",), ""),
     "shm": _Known("hicache.backends.shm:SharedMemoryBackend", ("shm",), ""),
     # First-party backends whose client libraries are optional extras.
     "fsspec": _Known(
-        "hicache.backends.fsspec_store:FsspecBackend",
+        "hicache.backends.fsspec:FsspecBackend",
         ("s3", "s3a", "gs", "gcs", "az", "abfs"),
         "pip install 'hicache[s3]' (s3fs; gcsfs or adlfs for gs:// and az://)",
     ),
@@ -63,17 +69,10 @@ _KNOWN: dict[str, _Known] = {
     "3fs": _Known("hicache.backends.hf3fs:Hf3fsBackend", ("hf3fs", "3fs"), ""),
 }
 
-# Schemes that a plugin or an optional first-party backend serves, and how to get it; used only
-# to make an unknown-scheme error actionable.
-_INSTALL_HINTS: dict[str, str] = {
-    "s3": "pip install 'hicache[s3]' (s3fs)",
-    "gs": "pip install gcsfs",
-    "gcs": "pip install gcsfs",
-    "az": "pip install adlfs",
-    "abfs": "pip install adlfs",
-    "mooncake": "pip install 'hicache[mooncake]' (and apt-get install libibverbs1)",
-    "nixl": "pip install 'hicache[nixl]'",
-}
+# Schemes that no built-in serves but a known plugin would, and how to get it; used only to make
+# an unknown-scheme error actionable. A built-in's scheme never reaches this table (it resolves
+# to the built-in, whose own install hint then applies), so none is repeated here.
+_INSTALL_HINTS: dict[str, str] = {}
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,14 +57,6 @@ async def _build(shape: ModelShape, device_tokens: int, host_pages: int, url: st
     return await HiCacheController.open(config, device, host)
 
 
-async def _settle(tree: HiRadixCache, done: Any) -> None:
-    # A short sleep, not sleep(0): a busy loop would add its own CPU time to the figure and,
-    # with a file backend, take a core from the I/O threads.
-    while not done():
-        await asyncio.sleep(0.0005)
-        tree.check_events()
-
-
 class _CpuTimed:
     """Forwards to a backend and adds up the process CPU time spent inside it.
 
@@ -105,14 +97,15 @@ async def _overhead_round(pages: int, seqs: int) -> tuple[float, float, int]:
         tree = HiRadixCache(ctl, RadixCacheConfig(page_size=shape.page_size))
         for seq in tokens:
             tree.insert(RadixKey(seq), ctl.anchor_device.alloc(per_seq))
-        await _settle(tree, lambda: not tree._pending_writes and not ctl.storage.queued_pages)
-        await _settle(tree, lambda: ctl.metrics.counts["pages_written_l3"] >= pages * seqs)
+        await tree.quiesce()
+        if ctl.metrics.counts["pages_written_l3"] < pages * seqs:
+            raise RuntimeError("overhead round wrote fewer pages to L3 than it inserted")
         tree.evict(per_seq * seqs)
-        tree.evict_host(per_seq * seqs)
+        tree.host_evictor.evict(per_seq * seqs)
         for i, seq in enumerate(tokens):
             key = RadixKey(seq)
-            tree.prefetch_from_storage(f"r{i}", key, tree.match_prefix(key))
-        await _settle(tree, lambda: not tree._prefetches)
+            tree.prefetcher.start(f"r{i}", key, tree.match_prefix(key))
+        await tree.quiesce()
         for seq in tokens:
             match = tree.match_prefix(RadixKey(seq))
             assert match.last_host_node is not None
@@ -155,7 +148,7 @@ async def _roundtrip_controller(ctl: HiCacheController, pages: int) -> float:
     job = WriteJob(bundle, 1.0)
     storage.submit_write(job)
     while job.ok is None:
-        await asyncio.sleep(0.0005)
+        await storage.wait_for_activity(1.0)
     if not all(job.ok):
         raise RuntimeError("a controller L3 write failed during the benchmark")
     back = list(range(pages, 2 * pages))
@@ -163,7 +156,7 @@ async def _roundtrip_controller(ctl: HiCacheController, pages: int) -> float:
     op = PrefetchOp("bench", candidates, lambda n: back[:n], time.monotonic())
     storage.start_prefetch(op)
     while not op.reads_finished:
-        await asyncio.sleep(0.0005)
+        await storage.wait_for_activity(1.0)
     seconds = time.perf_counter() - start
     if op.completed_pages != pages:
         raise RuntimeError(f"controller read back {op.completed_pages} of {pages} pages")

@@ -21,14 +21,8 @@ from typing import Any
 from hicache.errors import InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.radix import EvictionPolicy, RadixCache, RadixCacheConfig
-from hicache.serving.traces import (
-    TraceRequest,
-    WorkloadConfig,
-    WorkloadKind,
-    dump_trace,
-    generate_trace,
-    load_trace,
-)
+from hicache.serving.traces import TraceRequest, dump_trace, load_trace
+from hicache.serving.workloads import WorkloadConfig, WorkloadKind, generate_trace
 
 __all__ = [
     "RadixBenchConfig",

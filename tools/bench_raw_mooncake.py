@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache.backends._mooncake_client import load_store_class
-from hicache.backends.mooncake import MooncakeBackend, setup_params
+from hicache.backends.mooncake.backend import MooncakeBackend, setup_params
+from hicache.backends.mooncake.client import load_store_class
 from hicache.errors import BackendError
 from hicache.tools.services_mooncake import MooncakeMaster
 

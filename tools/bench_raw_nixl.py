@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hicache.backends._nixl_agent import load_nixl_api
-from hicache.backends.nixl import _QUEUE_PARAMS, NixlBackend, NixlPlugin, PosixQueue
+from hicache.backends.nixl.agent import load_nixl_api
+from hicache.backends.nixl.backend import _QUEUE_PARAMS, NixlBackend, NixlPlugin, PosixQueue
 
 __all__ = ["provision", "raw_baseline"]
 

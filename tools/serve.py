@@ -20,6 +20,7 @@ from typing import Any
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
 from hicache.dtypes import DType
 from hicache.scheduling.scheduler import SchedulePolicy
+from hicache.serving.arrivals import TraceReplay
 from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.model import TinyTransformer
 from hicache.serving.presets import ModelConfig, ModelPreset
@@ -30,7 +31,6 @@ from hicache.serving.workloads import (
     ChatConfig,
     MultiTurnChat,
     SharedPrefixConfig,
-    TraceReplay,
     shared_prefix_trace,
 )
 from hicache.tiering.config import HiCacheConfig, check_config
@@ -163,12 +163,14 @@ async def _run_one(
     started = time.perf_counter()
     try:
         records = await setup.engine.run(source)
+        l3 = await setup.l3_stats()
     finally:
         await setup.close()
     wall = time.perf_counter() - started
     if not args.quiet and not args.json:
         print(file=sys.stderr)
     metrics = setup.controller.metrics.as_dict() if setup.controller else {}
+    metrics["bytes_staged"] = float(l3.get("bytes_staged", 0))
     row = summarize(mode.value, records, wall, metrics)
     row["rounds_ttft_ms"] = _ttft_by_round(records)
     return row, outputs, prompts

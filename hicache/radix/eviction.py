@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import TypeAlias
 
 from hicache.radix.node import TreeNode
 
-__all__ = ["EvictionPolicy", "eviction_key"]
+__all__ = ["EvictionPolicy", "SortKey", "eviction_key"]
+
+
+# A node's place in the eviction order, compared element by element (bools and ints included).
+SortKey: TypeAlias = tuple[float, ...]
 
 
 class EvictionPolicy(enum.Enum):
@@ -26,35 +30,35 @@ class EvictionPolicy(enum.Enum):
     SLRU = "slru"  # probation segment before protected, each least recently used first
 
 
-def _lru(n: TreeNode) -> Any:
+def _lru(n: TreeNode) -> SortKey:
     return (n.last_access_time, n.access_tick)
 
 
-def _lfu(n: TreeNode) -> Any:
+def _lfu(n: TreeNode) -> SortKey:
     return (n.hit_count, n.last_access_time, n.access_tick)
 
 
-def _fifo(n: TreeNode) -> Any:
+def _fifo(n: TreeNode) -> SortKey:
     return (n.creation_time, n.id)
 
 
-def _mru(n: TreeNode) -> Any:
+def _mru(n: TreeNode) -> SortKey:
     return (-n.last_access_time, -n.access_tick)
 
 
-def _filo(n: TreeNode) -> Any:
+def _filo(n: TreeNode) -> SortKey:
     return (-n.creation_time, -n.id)
 
 
-def _priority(n: TreeNode) -> Any:
+def _priority(n: TreeNode) -> SortKey:
     return (n.priority, n.last_access_time, n.access_tick)
 
 
-def _slru(n: TreeNode) -> Any:
+def _slru(n: TreeNode) -> SortKey:
     return (n.protected, n.last_access_time, n.access_tick)
 
 
-_KEYS: dict[EvictionPolicy, Callable[[TreeNode], Any]] = {
+_KEYS: dict[EvictionPolicy, Callable[[TreeNode], SortKey]] = {
     EvictionPolicy.LRU: _lru,
     EvictionPolicy.LFU: _lfu,
     EvictionPolicy.FIFO: _fifo,
@@ -65,6 +69,6 @@ _KEYS: dict[EvictionPolicy, Callable[[TreeNode], Any]] = {
 }
 
 
-def eviction_key(policy: EvictionPolicy) -> Callable[[TreeNode], Any]:
+def eviction_key(policy: EvictionPolicy) -> Callable[[TreeNode], SortKey]:
     """The sort key of ``policy``: smaller is evicted first."""
     return _KEYS[policy]

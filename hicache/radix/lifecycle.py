@@ -10,7 +10,7 @@ partial page, which the tree never caches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +18,9 @@ from hicache.errors import InvalidArgumentError
 from hicache.keys import RadixKey
 
 if TYPE_CHECKING:
+    from hicache.pools.req_to_token import ReqToTokenPool
     from hicache.radix.node import TreeNode
+    from hicache.radix.slots import SlotAllocator
     from hicache.radix.tree import RadixCache
 
 __all__ = ["CachedRequest", "cache_finished_req", "cache_unfinished_req"]
@@ -35,7 +37,7 @@ class CachedRequest:
     allocated: int = 0  # slots allocated in the row (whole pages)
     extra_key: str | None = None
     is_bigram: bool = False
-    prefix_indices: Any = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: TreeNode | None = None  # holds one lock on the shared prefix
 
     def key(self, page_size: int) -> RadixKey:
@@ -43,30 +45,36 @@ class CachedRequest:
         return RadixKey(tokens, self.extra_key, self.is_bigram).page_aligned(page_size)
 
 
-def _commit(tree: RadixCache, req: CachedRequest) -> tuple[RadixKey, torch.Tensor]:
-    """Insert the request's whole pages and free the duplicate slots; (key, row slots)."""
+def _pools(tree: RadixCache) -> tuple[SlotAllocator, ReqToTokenPool]:
     if tree.allocator is None or tree.req_to_token is None:
         raise InvalidArgumentError("the request lifecycle needs an allocator and a req_to_token")
+    return tree.allocator, tree.req_to_token
+
+
+def _commit(tree: RadixCache, req: CachedRequest) -> tuple[RadixKey, torch.Tensor]:
+    """Insert the request's whole pages and free the duplicate slots; (key, row slots)."""
+    allocator, table = _pools(tree)
     if req.kv_len > req.allocated or req.kv_len > len(req.token_ids):
         raise InvalidArgumentError(f"request {req.rid}: kv_len {req.kv_len} is inconsistent")
     key = req.key(tree.page_size)
-    row = tree.req_to_token.table[req.req_pool_idx]
+    row = table.table[req.req_pool_idx]
     kv = row[: len(key)].clone()
     shared = len(req.prefix_indices)
     already = tree.insert(key, kv) if len(key) else 0
     if already > shared:  # another request cached these pages meanwhile: ours are duplicates
-        tree.allocator.free(kv[shared:already])
+        allocator.free(kv[shared:already])
     return key, row
 
 
 def cache_finished_req(tree: RadixCache, req: CachedRequest) -> None:
     """Commit a finished request, free its leftover slots and its row, release its lock."""
     key, row = _commit(tree, req)
+    allocator, table = _pools(tree)
     if req.allocated > len(key):
-        tree.allocator.free(row[len(key) : req.allocated].clone())
+        allocator.free(row[len(key) : req.allocated].clone())
     if req.last_node is not None:
         tree.dec_lock_ref(req.last_node)
-    tree.req_to_token.free(req.req_pool_idx)
+    table.free(req.req_pool_idx)
     req.last_node = None
     req.allocated = 0
 
@@ -80,7 +88,7 @@ def cache_unfinished_req(tree: RadixCache, req: CachedRequest) -> None:
     key, row = _commit(tree, req)
     if not len(key):
         return
-    match = tree.match_prefix(key)
+    match = tree.match_prefix(key, count_hits=False)  # the tree's own re-match: not a hit
     row[: match.prefix_len] = match.device_indices
     tree.inc_lock_ref(match.last_device_node)
     if req.last_node is not None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TreeNode"]
 
@@ -11,9 +14,9 @@ class TreeNode:
     """One span of tokens (``key``: packed units) that requests share.
 
     ``value`` holds the device slot indices of the span (``None`` once evicted from the device,
-    and always ``None`` in a simulated tree); ``host_value`` the host slots once backed up;
-    ``hash_value`` the chained page hashes when computed. ``lock_ref`` counts the requests using
-    the span (a locked node is never evicted); ``pin_count`` counts pins that hold it.
+    and always ``None`` in a simulated tree); ``host_value`` its host pages (one per token
+    page) once backed up; ``hash_value`` the chained page hashes when computed. ``lock_ref``
+    counts the requests and unexpired pins using the span (a locked node is never evicted).
 
     ``pool_values`` and ``pool_locks`` are for trees over several pools (ShadowRadixCache): the
     node's data in each extra pool (``None`` once that pool dropped it) and each pool's lock
@@ -52,8 +55,8 @@ class TreeNode:
         self.length = length  # in units (tokens, or token pairs for bigram keys)
         self.parent = parent
         self.children: dict[bytes, TreeNode] = {}
-        self.value: Any = None
-        self.host_value: Any = None
+        self.value: torch.Tensor | None = None
+        self.host_value: torch.Tensor | None = None
         self.hash_value: list[bytes] | None = None
         self.in_storage = False
         self.lock_ref = 0
@@ -66,7 +69,7 @@ class TreeNode:
         self.access_tick = 0
         self.heap_version = 0
         self.namespace: tuple[str | None, bool] = (None, False)
-        self.pool_values: dict[str, Any] | None = None
+        self.pool_values: dict[str, torch.Tensor | None] | None = None
         self.pool_locks: dict[str, dict[int, int]] | None = None
 
     @property

@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -52,7 +52,11 @@ from hicache.radix.shadow_rules import (
     pool_indices,
     pool_roles,
 )
+from hicache.radix.slots import SlotAllocator
 from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
+
+if TYPE_CHECKING:
+    from hicache.pools.req_to_token import ReqToTokenPool
 
 __all__ = ["ShadowInsertResult", "ShadowMatchResult", "ShadowRadixCache"]
 
@@ -63,7 +67,7 @@ class ShadowMatchResult(MatchResult):
     (per-token: ``prefix_len`` slots, -1 where the pool holds nothing; per-sequence: the snapshot
     slot at the prefix end as a 1-element tensor, or None for an empty prefix)."""
 
-    pool_indices: dict[str, Any] = field(default_factory=dict)
+    pool_indices: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -82,9 +86,9 @@ class ShadowRadixCache(RadixCache):
     def __init__(
         self,
         pools: ModelPools,
-        allocators: Mapping[str, Any],
+        allocators: Mapping[str, SlotAllocator],
         config: RadixCacheConfig | None = None,
-        req_to_token: Any = None,
+        req_to_token: ReqToTokenPool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         roles = pool_roles(pools)
@@ -119,7 +123,7 @@ class ShadowRadixCache(RadixCache):
         return self._held[owner] - self._locked[owner]
 
     # ----- matching -------------------------------------------------------------------------
-    def match_prefix(self, key: RadixKey) -> ShadowMatchResult:
+    def match_prefix(self, key: RadixKey, count_hits: bool = True) -> ShadowMatchResult:
         """The longest prefix of ``key`` that every pool can serve; see the module docstring.
 
         Only the usable nodes are touched (hit, access time), so a node the match reaches but
@@ -135,7 +139,7 @@ class ShadowRadixCache(RadixCache):
         path = self._cut(path, usable, unit)
         now, tick = self._clock(), next(self._ticks)
         for node in path:
-            self._touch(node, now, tick, True, 0)
+            self._touch(node, now, tick, count_hits, 0)
         last = path[-1] if path else root
         if path and self._is_evictable_leaf(last):
             self._push(last)  # its sort key changed
@@ -175,12 +179,16 @@ class ShadowRadixCache(RadixCache):
         return path
 
     # ----- inserting ------------------------------------------------------------------------
-    def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
+    def insert(self, key: RadixKey, value: torch.Tensor | None = None, priority: int = 0) -> int:
         """Cache ``key`` with anchor slots only; the other pools hold nothing on new nodes."""
         return self.insert_bundle(key, value, None, priority).already
 
     def insert_bundle(
-        self, key: RadixKey, value: Any, pool_values: Mapping[str, Any] | None, priority: int = 0
+        self,
+        key: RadixKey,
+        value: torch.Tensor | None,
+        pool_values: Mapping[str, object] | None,
+        priority: int = 0,
     ) -> ShadowInsertResult:
         """Cache ``key`` with its anchor slots ``value`` and each extra pool's slots.
 
@@ -229,7 +237,10 @@ class ShadowRadixCache(RadixCache):
         return [*nodes, leaf]
 
     def _attach(
-        self, path: list[TreeNode], given: dict[str, torch.Tensor], unused: dict[str, list[Any]]
+        self,
+        path: list[TreeNode],
+        given: dict[str, torch.Tensor],
+        unused: dict[str, list[torch.Tensor]],
     ) -> None:
         depth = 0
         for node in path:
@@ -320,7 +331,7 @@ class ShadowRadixCache(RadixCache):
 
     # ----- per-node data --------------------------------------------------------------------
     @staticmethod
-    def _data(node: TreeNode, name: str) -> Any:
+    def _data(node: TreeNode, name: str) -> torch.Tensor | None:
         return None if node.pool_values is None else node.pool_values.get(name)
 
     @staticmethod
@@ -346,10 +357,11 @@ class ShadowRadixCache(RadixCache):
             self._locked[name] += len(data)
 
     def _drop_data(self, node: TreeNode, name: str) -> int:
-        amount = self._amount(node, name)
-        if not amount:
+        data = self._data(node, name)
+        if data is None or not len(data):
             return 0
-        self.allocators[name].free(self._data(node, name))
+        amount = len(data)
+        self.allocators[name].free(data)
         self._held[name] -= amount
         if self._locks(node, name):
             self._locked[name] -= amount
@@ -402,7 +414,7 @@ class ShadowRadixCache(RadixCache):
             for name in self.roles.extra:
                 self._drop_data(node, name)
             if node.value is not None:
-                self.allocator.free(node.value)
+                self.allocators[self.roles.anchor].free(node.value)  # the tree's own allocator
                 node.value = None
         RadixCache.__init__(self, self.config, self.allocator, self.req_to_token, self._clock)
         self._held = dict.fromkeys(self.roles.extra, 0)

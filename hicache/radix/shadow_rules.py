@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -85,7 +84,7 @@ def pool_roles(pools: ModelPools) -> PoolRoles:
     )
 
 
-def _as_slots(name: str, raw: Any) -> torch.Tensor:
+def _as_slots(name: str, raw: object) -> torch.Tensor:
     try:
         slots = torch.as_tensor(raw)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -183,9 +182,11 @@ def peek_path(root: TreeNode | None, data: bytes, page_bytes: int) -> tuple[list
     return path, last
 
 
-def pool_indices(roles: PoolRoles, path: Sequence[TreeNode], anchor: Any) -> dict[str, Any]:
+def pool_indices(
+    roles: PoolRoles, path: Sequence[TreeNode], anchor: torch.Tensor
+) -> dict[str, torch.Tensor | None]:
     """Each non-anchor pool's slots for the prefix ``path`` covers (see ShadowMatchResult)."""
-    own: dict[str, Any] = {roles.anchor: anchor}
+    own: dict[str, torch.Tensor | None] = {roles.anchor: anchor}
     for name in roles.token_pools:
         parts = []
         for node in path:

@@ -18,16 +18,26 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from hicache.errors import InvalidArgumentError, InvalidTokenError
+import torch
+
+from hicache.errors import HiCacheError, InvalidArgumentError, InvalidTokenError
 from hicache.keys import RadixKey
-from hicache.radix.eviction import EvictionPolicy, eviction_key
+from hicache.radix.eviction import EvictionPolicy, SortKey, eviction_key
 from hicache.radix.lifecycle import CachedRequest, cache_finished_req, cache_unfinished_req
 from hicache.radix.node import TreeNode
 from hicache.radix.packing import common_prefix_bytes, pack_key, unit_bytes
+from hicache.radix.slots import SlotAllocator
+
+if TYPE_CHECKING:
+    from hicache.pools.req_to_token import ReqToTokenPool
 
 __all__ = ["MatchResult", "RadixCache", "RadixCacheConfig"]
+
+# The slots of every simulated match: one shared empty tensor, so a simulated match (the radix
+# benchmark's hot loop) allocates nothing. Never written to: an empty tensor has no elements.
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +60,13 @@ class RadixCacheConfig:
 class MatchResult:
     """The longest cached page-aligned prefix of a key.
 
-    ``device_indices`` are the device slots of the prefix (None in a simulated tree).
+    ``device_indices`` are the device slots of the prefix (empty in a simulated tree).
     ``last_host_node`` and ``host_hit_length`` are filled by HiRadixCache (host tier).
     """
 
     prefix_len: int
     last_device_node: TreeNode
-    device_indices: Any = None
+    device_indices: torch.Tensor = _NO_SLOTS
     last_host_node: TreeNode | None = None
     host_hit_length: int = 0
     path: list[TreeNode] = field(default_factory=list)
@@ -68,20 +78,20 @@ class RadixCache:
     def __init__(
         self,
         config: RadixCacheConfig | None = None,
-        allocator: Any = None,
-        req_to_token: Any = None,
+        allocator: SlotAllocator | None = None,
+        req_to_token: ReqToTokenPool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or RadixCacheConfig()
         self.page_size = self.config.page_size
-        self.allocator = allocator  # frees the slots of evicted nodes (``free(indices)``)
+        self.allocator = allocator  # frees the slots of evicted nodes
         self.req_to_token = req_to_token  # the request lifecycle's table (ReqToTokenPool)
         self._clock = clock
         self._ids = itertools.count(1)
         self._ticks = itertools.count(1)
         self._roots: dict[tuple[str | None, bool], TreeNode] = {}
-        self._key_fn = eviction_key(self.config.policy)
-        self._heap: list[tuple[Any, int, int, TreeNode]] = []
+        self.eviction_order = eviction_key(self.config.policy)  # a node's sort key: first out first
+        self._heap: list[tuple[SortKey, int, int, TreeNode]] = []
         self._protected: OrderedDict[int, TreeNode] = OrderedDict()  # SLRU, LRU order
         self._protected_tokens = 0
         self._pins: list[tuple[float, int, TreeNode]] = []  # (expiry, tick, node)
@@ -90,8 +100,9 @@ class RadixCache:
         self.total_nodes = 0
 
     # ----- public API -----------------------------------------------------------------------
-    def match_prefix(self, key: RadixKey) -> MatchResult:
-        """The longest cached page-aligned prefix of ``key``; counts a hit on every matched node.
+    def match_prefix(self, key: RadixKey, count_hits: bool = True) -> MatchResult:
+        """The longest cached page-aligned prefix of ``key``; counts a hit on every matched node
+        unless ``count_hits`` is False (the tree matching for itself, or a scheduling peek).
 
         A match that ends inside a node splits it at that page boundary, so the returned last
         node covers exactly the prefix.
@@ -101,7 +112,7 @@ class RadixCache:
         if root is None:  # nothing cached in this namespace: register no root for a miss
             result = MatchResult(0, self._make_root(key))
         else:
-            node, pos, path = self._walk(root, data, unit, hit=True)
+            node, pos, path = self._walk(root, data, unit, hit=count_hits)
             result = MatchResult(pos // unit, node, path=path)
         if not self.config.simulated:
             result.device_indices = self._concat([n.value for n in result.path])
@@ -130,7 +141,7 @@ class RadixCache:
             node = child
         return pos // unit, deepest
 
-    def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
+    def insert(self, key: RadixKey, value: torch.Tensor | None = None, priority: int = 0) -> int:
         """Cache ``key`` (truncated to whole pages) with its device slots ``value``.
 
         Returns how many units were already cached: the caller owns the slots of that part of
@@ -313,10 +324,11 @@ class RadixCache:
         cut = upper.length
         if child.value is not None:
             upper.value, child.value = child.value[:cut], child.value[cut:]
-        if child.host_value is not None:
-            upper.host_value, child.host_value = child.host_value[:cut], child.host_value[cut:]
+        pages = cut // self.page_size
+        if child.host_value is not None:  # host pages: one per token page
+            host = child.host_value
+            upper.host_value, child.host_value = host[:pages], host[pages:]
         if child.hash_value is not None:
-            pages = cut // self.page_size
             upper.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
         first_page = child.key[: self.page_size * unit]
         child.key = child.key[nbytes:]
@@ -340,25 +352,32 @@ class RadixCache:
 
     def _push(self, node: TreeNode) -> None:
         node.heap_version += 1
-        heapq.heappush(self._heap, (self._key_fn(node), node.heap_version, node.id, node))
+        heapq.heappush(self._heap, (self.eviction_order(node), node.heap_version, node.id, node))
 
     def _evict_leaf(self, node: TreeNode) -> int:
-        parent = node.parent
-        assert parent is not None
-        del parent.children[node.key[: self.page_size * unit_bytes(node.namespace[1])]]
         if node.value is not None and self.allocator is not None:
             self.allocator.free(node.value)
         node.value = None
-        node.parent = None
         self.evictable_size -= node.length
-        self.total_nodes -= 1
         if node.protected:
             self._unprotect(node)
-        if parent.parent is not None and self._is_evictable_leaf(parent):
+        parent = node.parent
+        self.detach_leaf(node)
+        if parent is not None and parent.parent is not None and self._is_evictable_leaf(parent):
             self._push(parent)
-        elif parent.parent is None and not parent.children:
-            del self._roots[parent.namespace]
         return node.length
+
+    def detach_leaf(self, node: TreeNode) -> None:
+        """Unlink a childless node from its parent (its data is the caller's to free); a
+        namespace root left without children goes too."""
+        parent = node.parent
+        if parent is None or node.children:
+            raise InvalidArgumentError("only a leaf under a parent can be detached")
+        del parent.children[node.key[: self.page_size * unit_bytes(node.namespace[1])]]
+        node.parent = None
+        self.total_nodes -= 1
+        if parent.parent is None and not parent.children:
+            del self._roots[parent.namespace]
 
     def _rebuild_heap(self) -> None:
         self._heap = []
@@ -412,9 +431,11 @@ class RadixCache:
         return node
 
     @staticmethod
-    def _concat(values: Sequence[Any]) -> Any:
-        import torch
-
-        if not values:
+    def _concat(values: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The device slots of consecutive nodes (``node.value``) as one tensor."""
+        slots = [v for v in values if v is not None]
+        if len(slots) != len(values):  # a gap would shift every later slot: refuse it
+            raise HiCacheError("a node on a device path holds no device slots")
+        if not slots:
             return torch.empty(0, dtype=torch.int64)
-        return values[0] if len(values) == 1 else torch.cat(list(values))
+        return slots[0] if len(slots) == 1 else torch.cat(slots)

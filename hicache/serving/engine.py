@@ -117,8 +117,11 @@ class Engine:
             elif idle_since is not None and self.now() - idle_since > self.config.stall_s:
                 self._fail_stalled(waiting, source)  # nothing frees memory for them: give up
                 idle_since = None
-            pause = 0.001 if upcoming is None else max(0.0, min(0.01, upcoming - self.now()))
-            await asyncio.sleep(pause)
+            pause = 0.01 if upcoming is None else max(0.0, min(0.01, upcoming - self.now()))
+            if self.hiradix is not None:  # a finished prefetch or write wakes it early
+                await self.hiradix.storage.wait_for_activity(pause)
+            else:
+                await asyncio.sleep(pause)
         if self.hiradix is not None:
             self.hiradix.check_events()
         return self.records
@@ -126,12 +129,12 @@ class Engine:
     def _fail_stalled(self, waiting: list[ServeRequest], source: RequestSource) -> None:
         tree = self.hiradix
         for request in list(waiting):
-            if tree is not None and not tree.check_prefetch_progress(request.rid):
+            if tree is not None and not tree.prefetcher.may_run(request.rid):
                 continue  # still waiting on its prefetch, which its stop policy allows
             waiting.remove(request)
             if tree is not None:
-                tree.terminate_prefetch(request.rid)
-                tree.prefetched_tokens.pop(request.rid, None)
+                tree.prefetcher.terminate(request.rid)
+                tree.prefetcher.inserted_tokens.pop(request.rid, None)
             request.state = RequestState.FAILED
             request.record.error = f"no device memory could be had for {self.config.stall_s} s"
             source.finished(request, self.now())
@@ -156,17 +159,17 @@ class Engine:
         tree = self.hiradix
         if tree is None or not tree.storage.enabled or not len(request.key):
             return False
-        match = tree.peek_match(request.key)
+        match = tree.match_prefix(request.key, count_hits=False)
         cached = match.prefix_len + match.host_hit_length
         missing = len(request.key) - cached
-        if missing < tree.prefetch_config.threshold_tokens or cached >= request.cached_at_submit:
+        if missing < tree.prefetcher.config.threshold_tokens or cached >= request.cached_at_submit:
             request.cached_at_submit = min(request.cached_at_submit, cached)
             return False
         request.cached_at_submit = cached
         if not self._prefetch_pays(missing):
             tree.metrics.add("prefetch_skipped_slow")
             return False
-        return tree.prefetch_from_storage(request.rid, request.key, match)
+        return tree.prefetcher.start(request.rid, request.key, match)
 
     def _refusal(self, request: ServeRequest) -> str | None:
         vocab = self.model.config.vocab_size
@@ -202,7 +205,7 @@ class Engine:
             if len(running) >= self.config.max_running:
                 break
             tree = self.hiradix
-            if tree is not None and not tree.check_prefetch_progress(request.rid):
+            if tree is not None and not tree.prefetcher.may_run(request.rid):
                 continue  # its prefetch is still worth waiting for; others may go first
             if self._maybe_prefetch(request):
                 continue  # its cached prefix was evicted while it waited: read it back first
@@ -236,7 +239,7 @@ class Engine:
         rec.admitted_s = self.now()
         rec.hit_device, rec.hit_host, rec.hit_l3 = hits
         if self.hiradix is not None:
-            self.hiradix.prefetched_tokens.pop(request.rid, None)
+            self.hiradix.prefetcher.inserted_tokens.pop(request.rid, None)
         return True
 
     def _cached_prefix(
@@ -249,7 +252,7 @@ class Engine:
         prefix, last = match.device_indices, match.last_device_node
         tree = self.hiradix
         # Read, not taken: the credit is dropped only once the request is admitted (_start).
-        from_l3 = tree.prefetched_tokens.get(request.rid, 0) if tree is not None else 0
+        from_l3 = tree.prefetcher.inserted_tokens.get(request.rid, 0) if tree is not None else 0
         if tree is None or not match.host_hit_length or match.last_host_node is None:
             return prefix, last, (match.prefix_len, 0, 0)
         loaded, node = tree.init_load_back(match.last_host_node)

@@ -52,6 +52,7 @@ def summarize(
         "bytes_host_to_device": int(metrics.get("bytes_host_to_device", 0)),
         "bytes_host_to_l3": int(metrics.get("bytes_host_to_l3", 0)),
         "bytes_l3_to_host": int(metrics.get("bytes_l3_to_host", 0)),
+        "bytes_staged": int(metrics.get("bytes_staged", 0)),
         "corrupt_pages": int(metrics.get("corrupt_pages", 0)),
         "errors": int(metrics.get("errors", 0)) + int(metrics.get("timeouts", 0)),
         "prefetch_skipped_slow": int(metrics.get("prefetch_skipped_slow", 0)),

@@ -22,16 +22,22 @@ __all__ = ["ServingSetup", "host_pages", "open_engine", "resolve_device"]
 @dataclass(slots=True)
 class ServingSetup:
     engine: Engine
-    controller: HiCacheController | None
+    cache: HiRadixCache | None  # the tiered cache, in the modes with host memory
+
+    @property
+    def controller(self) -> HiCacheController | None:
+        return self.cache.controller if self.cache is not None else None
+
+    async def l3_stats(self) -> dict[str, int | float]:
+        """The L3 backend's own counters (``bytes_staged`` among them); empty without L3."""
+        backend = self.cache.storage.backend if self.cache is not None else None
+        return await backend.stats() if backend is not None else {}
 
     async def close(self, drain_s: float = 10.0) -> None:
         """Close the cache; L3 writes still queued get ``drain_s`` to land (a restart finds
         what was written)."""
-        tree = self.engine.hiradix
-        if tree is not None:
-            tree.check_events()
-        if self.controller is not None:
-            await self.controller.close(drain_s)
+        if self.cache is not None:
+            await self.cache.close(drain_s)
 
 
 def resolve_device(kind: str) -> torch.device:
@@ -75,6 +81,5 @@ async def open_engine(
         hicache = dataclasses.replace(
             hicache, storage=dataclasses.replace(hicache.storage, url=None)
         )
-    controller = await HiCacheController.open(hicache, device, host)
-    tree = HiRadixCache(controller, radix)
-    return ServingSetup(Engine(model, device, tree, engine_config), controller)
+    tree = await HiRadixCache.open(hicache, device, host, radix)
+    return ServingSetup(Engine(model, device, tree, engine_config), tree)

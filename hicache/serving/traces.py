@@ -1,60 +1,31 @@
-"""Request traces for replaying through the radix tree: synthetic workloads and JSONL files.
+"""Request traces: the ``TraceRequest`` record and its JSONL files.
 
 A trace is a list of requests ``{"id", "namespace", "tokens", "output_tokens"}``, one JSON object
-per line on disk. The generators are seeded and deterministic (numpy's PCG64 stream is stable
-across platforms), so a benchmark figure can be reproduced from its command line alone.
-
-Every workload issues ``clients x rounds`` requests:
-
-- ``multiturn``: each client holds one chat; its round ``r`` prompt is a system prompt, the whole
-  history so far (earlier user turns and outputs) and a new user turn. Requests are interleaved
-  round by round (round 1 of every client, then round 2, ...), as concurrent chats arrive.
-- ``fewshot``: a few long templates (``clients // 16``) each followed by a short question.
-- ``longdoc``: several long documents (``clients // 8``), each asked many questions.
+per line on disk; an empty namespace is the default one. Reading checks every line and raises
+:class:`~hicache.errors.TraceFormatError` naming the first bad line. The generators that make
+traces live in :mod:`hicache.serving.workloads`.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
-
-from hicache.errors import InvalidArgumentError, TraceFormatError
+from hicache.errors import TraceFormatError
 
 __all__ = [
+    "TOKEN_LIMIT",
     "TraceRequest",
-    "WorkloadConfig",
-    "WorkloadKind",
     "dump_trace",
     "format_trace",
-    "generate_trace",
     "load_trace",
     "parse_trace",
 ]
 
-_TOKEN_LIMIT = 1 << 32
-
-# Token counts (inclusive ranges) shaped like chat traffic; generators draw uniformly in them.
-_SYSTEM_PROMPTS = 4
-_SYSTEM_LEN = (250, 350)
-_USER_TURN_LEN = (50, 200)
-_CHAT_OUTPUT_LEN = (100, 300)
-_TEMPLATE_LEN = (1000, 3000)
-_QUESTION_LEN = (20, 100)
-_SHORT_OUTPUT_LEN = (10, 100)
-_DOCUMENT_LEN = (4000, 8000)
-_ANSWER_LEN = (50, 200)
-
-
-class WorkloadKind(enum.Enum):
-    MULTITURN = "multiturn"
-    FEWSHOT = "fewshot"
-    LONGDOC = "longdoc"
+TOKEN_LIMIT = 1 << 32  # token ids are uint32, as the radix keys pack them
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,88 +36,6 @@ class TraceRequest:
     namespace: str
     tokens: list[int]
     output_tokens: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadConfig:
-    kind: WorkloadKind = WorkloadKind.MULTITURN
-    clients: int = 64
-    rounds: int = 5
-    seed: int = 0
-    namespaces: int = 2  # clients (or requests) spread over this many tenants
-    vocab: int = 32000
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.kind, WorkloadKind):
-            raise InvalidArgumentError("kind must be a WorkloadKind")
-        for name in ("clients", "rounds", "namespaces", "vocab"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-        if self.vocab > _TOKEN_LIMIT:
-            raise InvalidArgumentError(f"vocab must be at most 2**32, got {self.vocab}")
-
-
-# ----- generation -----------------------------------------------------------------------------
-class _Draw:
-    """Random token spans and lengths from one seeded stream."""
-
-    def __init__(self, config: WorkloadConfig) -> None:
-        self._rng = np.random.default_rng(config.seed)
-        self._vocab = config.vocab
-
-    def length(self, bounds: tuple[int, int]) -> int:
-        return int(self._rng.integers(bounds[0], bounds[1] + 1))
-
-    def tokens(self, bounds: tuple[int, int]) -> list[int]:
-        n = self.length(bounds)
-        return [int(t) for t in self._rng.integers(0, self._vocab, size=n)]
-
-    def index(self, n: int) -> int:
-        return int(self._rng.integers(0, n))
-
-
-def _multiturn(config: WorkloadConfig, draw: _Draw) -> list[TraceRequest]:
-    systems = [draw.tokens(_SYSTEM_LEN) for _ in range(_SYSTEM_PROMPTS)]
-    histories = [list(systems[c % _SYSTEM_PROMPTS]) for c in range(config.clients)]
-    out: list[TraceRequest] = []
-    for r in range(config.rounds):
-        for c in range(config.clients):
-            prompt = histories[c] + draw.tokens(_USER_TURN_LEN)
-            output = draw.tokens(_CHAT_OUTPUT_LEN)
-            histories[c] = prompt + output
-            ns = f"tenant-{c % config.namespaces}"
-            out.append(TraceRequest(f"c{c}-r{r}", ns, prompt, output))
-    return out
-
-
-def _shared_prefix(
-    config: WorkloadConfig,
-    draw: _Draw,
-    prefix_len: tuple[int, int],
-    per_prefix: int,
-    suffix: tuple[tuple[int, int], tuple[int, int]],
-) -> list[TraceRequest]:
-    """Requests that each pick one of a few long prefixes and add a short unique question."""
-    prefixes = [draw.tokens(prefix_len) for _ in range(max(1, config.clients // per_prefix))]
-    question_len, output_len = suffix
-    out: list[TraceRequest] = []
-    for i in range(config.clients * config.rounds):
-        prefix = prefixes[draw.index(len(prefixes))]
-        ns = f"tenant-{draw.index(config.namespaces)}"
-        prompt = prefix + draw.tokens(question_len)
-        out.append(TraceRequest(f"q{i}", ns, prompt, draw.tokens(output_len)))
-    return out
-
-
-def generate_trace(config: WorkloadConfig) -> list[TraceRequest]:
-    """A synthetic trace of ``config.clients * config.rounds`` requests."""
-    draw = _Draw(config)
-    if config.kind is WorkloadKind.MULTITURN:
-        return _multiturn(config, draw)
-    if config.kind is WorkloadKind.FEWSHOT:
-        return _shared_prefix(config, draw, _TEMPLATE_LEN, 16, (_QUESTION_LEN, _SHORT_OUTPUT_LEN))
-    return _shared_prefix(config, draw, _DOCUMENT_LEN, 8, (_QUESTION_LEN, _ANSWER_LEN))
 
 
 # ----- JSONL ----------------------------------------------------------------------------------
@@ -163,6 +52,7 @@ def format_trace(requests: Iterable[TraceRequest]) -> Iterator[str]:
 
 
 def dump_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
+    """Write ``requests`` to ``path`` as JSONL, replacing the file."""
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(format_trace(requests))
 
@@ -175,7 +65,7 @@ def _token_list(row: dict[str, Any], name: str, line: int, allow_empty: bool) ->
         raise TraceFormatError(line, f"{name!r} is empty: a prompt needs at least one token")
     for t in value:
         # bool is an int subclass, but ``true`` in a token list is a broken trace.
-        if type(t) is not int or not 0 <= t < _TOKEN_LIMIT:
+        if type(t) is not int or not 0 <= t < TOKEN_LIMIT:
             raise TraceFormatError(line, f"{name!r} holds {t!r}: tokens are ints in [0, 2**32)")
     return value
 

@@ -1,116 +1,203 @@
-"""Request sources for the serving loop: closed-loop multi-turn chat and trace replay.
+"""Synthetic workloads, seeded and deterministic: multi-turn chat and shared-prefix prompts.
 
-Multi-turn chat: ``clients`` conversations of ``rounds`` turns each. Round 1 of every client
-arrives at its Poisson arrival time; each later round arrives when the client's previous answer
-is complete, and its prompt is the previous prompt, the answer the model actually generated and a
-new user turn, so the cache sees the growing histories real chats produce. Clients share one of a
-few system prompts and are spread over tenant namespaces.
+Each family builds its prompts with one piece of code, whether it becomes an open-loop trace
+(``hicache bench radix``, JSONL files, :class:`~hicache.serving.arrivals.TraceReplay`) or feeds
+the serving loop as a closed loop.
 
-Trace replay (and the few-shot and long-document generators): each request arrives at its
-Poisson time (or all at once with rate 0), prompts as given; ``output_tokens`` gives the length.
+**Multi-turn chat** (:class:`ChatConfig`): ``clients`` conversations of ``rounds`` turns. Client
+``c`` opens with system prompt ``c mod system_prompts``; each turn's prompt is the client's
+history (system prompt, earlier turns and answers) followed by a new user turn.
+
+- :func:`multiturn_trace` (open loop): answers are drawn tokens, requests are interleaved round
+  by round (round 0 of every client, then round 1, ...), and everything comes from one stream.
+- :class:`MultiTurnChat` (closed loop): a turn's answer is what the model generated. Round 0
+  arrives at Poisson times; each later turn when the client's previous answer is complete (with
+  ``barrier``, once the whole previous round is). Each client draws its turns from a stream of
+  its own, so its prompts do not depend on the order in which clients finish.
+
+**Shared prefix** (:class:`SharedPrefixConfig`, :func:`shared_prefix_trace`): ``requests``
+prompts, each one of ``prefixes`` shared prefixes (few-shot templates, long documents) and a
+question of its own.
+
+Token counts are a fixed ``int`` or an inclusive range ``(lo, hi)`` drawn uniformly per span. A
+fixed count draws nothing, so a fixed-size workload's stream holds token ids only. numpy's PCG64
+stream is the same on every platform, so a figure can be reproduced from its command line.
+
+:class:`WorkloadConfig` names the presets of ``hicache bench radix`` (multiturn, fewshot,
+longdoc), with token counts shaped like chat traffic; :func:`generate_trace` builds them.
 """
 
 from __future__ import annotations
 
-import heapq
+import enum
 from dataclasses import dataclass
 
 import numpy as np
 
 from hicache.errors import InvalidArgumentError
+from hicache.serving.arrivals import ArrivalQueue, poisson_times
 from hicache.serving.request import ServeRequest
-from hicache.serving.traces import TraceRequest
+from hicache.serving.traces import TOKEN_LIMIT, TraceRequest
 
 __all__ = [
     "ChatConfig",
     "MultiTurnChat",
     "SharedPrefixConfig",
-    "TraceReplay",
+    "TenantSpread",
+    "TokenCount",
+    "WorkloadConfig",
+    "WorkloadKind",
+    "generate_trace",
+    "multiturn_trace",
     "shared_prefix_trace",
+    "tenant_name",
 ]
 
+TokenCount = int | tuple[int, int]  # a fixed count, or an inclusive range drawn uniformly
 
+
+# ----- checks and draws -----------------------------------------------------------------------
+def _check_ints(owner: object, names: tuple[str, ...], minimum: int) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if type(value) is not int or value < minimum:
+            raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_counts(owner: object, names: tuple[str, ...], minimum: int) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        bounds = (value, value) if type(value) is int else value
+        fits = type(bounds) is tuple and len(bounds) == 2 and all(type(b) is int for b in bounds)
+        if not fits or not minimum <= bounds[0] <= bounds[1]:
+            raise InvalidArgumentError(
+                f"{name} must be an int >= {minimum} or a range (lo, hi) with {minimum} <= lo <= "
+                f"hi, got {value!r}"
+            )
+
+
+def _check_vocab(vocab: object) -> None:
+    if type(vocab) is not int or not 0 < vocab <= TOKEN_LIMIT:
+        raise InvalidArgumentError(f"vocab must be an int in [1, 2**32], got {vocab!r}")
+
+
+class _TokenDraw:
+    """Token ids, token counts and choices from one seeded stream."""
+
+    def __init__(self, seed: int | tuple[int, int], vocab: int) -> None:
+        self._rng = np.random.default_rng(seed)
+        self._vocab = vocab
+
+    def count(self, n: TokenCount) -> int:
+        if isinstance(n, int):
+            return n  # a fixed count draws nothing: the stream then holds token ids only
+        return int(self._rng.integers(n[0], n[1] + 1))
+
+    def tokens(self, n: TokenCount) -> list[int]:
+        ids: list[int] = self._rng.integers(0, self._vocab, size=self.count(n)).tolist()
+        return ids
+
+    def index(self, n: int) -> int:
+        return int(self._rng.integers(0, n))
+
+    def arrival_times(self, n: int, rate: float) -> list[float]:
+        return poisson_times(n, rate, self._rng)
+
+
+def tenant_name(index: int, tenants: int) -> str:
+    """The namespace of tenant ``index mod tenants``; ``""`` (the default) for one tenant."""
+    return f"tenant-{index % tenants}" if tenants > 1 else ""
+
+
+# ----- multi-turn chat ------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ChatConfig:
+    """A multi-turn chat; ``rate`` and ``barrier`` shape the closed loop's arrivals only."""
+
     clients: int = 12
     rounds: int = 4
-    system_tokens: int = 256
+    system_tokens: TokenCount = 256
     system_prompts: int = 2
-    turn_tokens: int = 64
-    output_tokens: int = 16
-    tenants: int = 1
-    rate: float = 0.0  # round-1 arrivals per second (Poisson); 0: all at once
+    turn_tokens: TokenCount = 64
+    output_tokens: TokenCount = 16  # per turn: drawn answer (trace) or max_new_tokens (loop)
+    tenants: int = 1  # client c is in namespace tenant_name(c, tenants)
+    rate: float = 0.0  # round-0 arrivals per second (Poisson); 0: all at once
     barrier: bool = True  # round r+1 starts once every client has its round-r answer
     seed: int = 0
     vocab: int = 32000
 
     def __post_init__(self) -> None:
-        for name in ("clients", "rounds", "system_prompts", "turn_tokens", "output_tokens"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgumentError(f"chat {name} must be positive")
-        if self.system_tokens < 0 or self.tenants <= 0 or self.rate < 0:
-            raise InvalidArgumentError("system_tokens >= 0, tenants > 0 and rate >= 0 please")
-
-    def working_set_tokens(self) -> int:
-        """Tokens of every client's final history: what an infinite cache would hold."""
-        per_round = self.turn_tokens + self.output_tokens
-        return self.clients * (self.system_tokens + self.rounds * per_round)
+        _check_ints(self, ("clients", "rounds", "system_prompts", "tenants"), 1)
+        _check_counts(self, ("turn_tokens", "output_tokens"), 1)
+        _check_counts(self, ("system_tokens",), 0)
+        _check_vocab(self.vocab)
+        if not self.rate >= 0:
+            raise InvalidArgumentError(f"rate must be >= 0, got {self.rate!r}")
 
 
-def _poisson_times(n: int, rate: float, rng: np.random.Generator) -> list[float]:
-    if rate <= 0:
-        return [0.0] * n
-    return [float(t) for t in np.cumsum(rng.exponential(1.0 / rate, size=n))]
+class _ChatPrompts:
+    """The prompt-building half of a chat, shared by the trace and the closed loop."""
+
+    def __init__(self, config: ChatConfig, draw: _TokenDraw) -> None:
+        self.config = config
+        self.systems = [draw.tokens(config.system_tokens) for _ in range(config.system_prompts)]
+
+    def opening(self, client: int) -> list[int]:
+        """The history ``client`` starts from: its system prompt."""
+        return list(self.systems[client % len(self.systems)])
+
+    def turn(self, history: list[int], draw: _TokenDraw) -> list[int]:
+        """The next prompt: ``history`` and a new user turn drawn from ``draw``."""
+        return history + draw.tokens(self.config.turn_tokens)
+
+    def tenant(self, client: int) -> str:
+        return tenant_name(client, self.config.tenants)
+
+    @staticmethod
+    def rid(client: int, round_: int) -> str:
+        return f"c{client}-r{round_}"  # ``hicache serve`` reads the round back from ``-r``
 
 
-class _Queue:
-    """Requests by arrival time."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, ServeRequest]] = []
-        self._seq = 0
-
-    def push(self, request: ServeRequest) -> None:
-        heapq.heappush(self._heap, (request.arrival_s, self._seq, request))
-        self._seq += 1
-
-    def due(self, now: float) -> list[ServeRequest]:
-        out = []
-        while self._heap and self._heap[0][0] <= now:
-            out.append(heapq.heappop(self._heap)[2])
-        return out
-
-    def next_arrival(self) -> float | None:
-        return self._heap[0][0] if self._heap else None
+def multiturn_trace(config: ChatConfig) -> list[TraceRequest]:
+    """The chat as an open-loop trace of ``clients * rounds`` requests (see the module doc)."""
+    draw = _TokenDraw(config.seed, config.vocab)
+    prompts = _ChatPrompts(config, draw)
+    histories = [prompts.opening(c) for c in range(config.clients)]
+    out: list[TraceRequest] = []
+    for r in range(config.rounds):
+        for c in range(config.clients):
+            prompt = prompts.turn(histories[c], draw)
+            answer = draw.tokens(config.output_tokens)
+            histories[c] = prompt + answer
+            out.append(TraceRequest(prompts.rid(c, r), prompts.tenant(c), prompt, answer))
+    return out
 
 
 class MultiTurnChat:
-    """Closed-loop chat clients (see the module docstring)."""
+    """The chat as closed-loop clients of the serving loop (see the module docstring)."""
 
     def __init__(self, config: ChatConfig) -> None:
         self.config = config
-        rng = np.random.default_rng(config.seed)
-        systems = [self._draw(rng, config.system_tokens) for _ in range(config.system_prompts)]
-        # One stream per client: its turns do not depend on the order in which others finish,
-        # so every cache configuration is sent the same prompts.
-        self._client_rngs = [np.random.default_rng((config.seed, c)) for c in range(config.clients)]
-        self._queue = _Queue()
+        draw = _TokenDraw(config.seed, config.vocab)
+        self._prompts = _ChatPrompts(config, draw)
+        self._client_draws = [
+            _TokenDraw((config.seed, c), config.vocab) for c in range(config.clients)
+        ]
+        self._queue = ArrivalQueue()
         self._held: dict[int, list[ServeRequest]] = {}  # round -> next turns behind the barrier
         self._open = {0: config.clients}  # round -> clients still in it
-        times = _poisson_times(config.clients, config.rate, rng)
+        times = draw.arrival_times(config.clients, config.rate)
         for client in range(config.clients):
-            history = list(systems[client % config.system_prompts])
-            self._queue.push(self._turn(client, 0, history, times[client]))
-
-    def _draw(self, rng: np.random.Generator, n: int) -> list[int]:
-        return [int(t) for t in rng.integers(0, self.config.vocab, size=n)]
+            opening = self._prompts.opening(client)
+            self._queue.push(self._turn(client, 0, opening, times[client]))
 
     def _turn(self, client: int, round_: int, history: list[int], at: float) -> ServeRequest:
-        prompt = history + self._draw(self._client_rngs[client], self.config.turn_tokens)
-        tenant = f"tenant-{client % self.config.tenants}" if self.config.tenants > 1 else None
-        return ServeRequest(
-            f"c{client}-r{round_}", prompt, self.config.output_tokens, tenant, at, (client, round_)
-        )
+        draw = self._client_draws[client]
+        prompt = self._prompts.turn(history, draw)
+        max_new = draw.count(self.config.output_tokens)
+        tenant = self._prompts.tenant(client) or None
+        rid = self._prompts.rid(client, round_)
+        return ServeRequest(rid, prompt, max_new, tenant, at, (client, round_))
 
     def due(self, now: float) -> list[ServeRequest]:
         return self._queue.due(now)
@@ -140,26 +227,12 @@ class MultiTurnChat:
         return self._queue.next_arrival()
 
 
-class TraceReplay:
-    """Open-loop replay of trace requests (JSONL or generated)."""
+# ----- shared prefixes ------------------------------------------------------------------------
+class TenantSpread(enum.Enum):
+    """How shared-prefix requests are spread over tenant namespaces."""
 
-    def __init__(self, requests: list[TraceRequest], rate: float = 0.0, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        times = _poisson_times(len(requests), rate, rng)
-        self._queue = _Queue()
-        for req, at in zip(requests, times, strict=True):
-            namespace = req.namespace or None
-            out = max(1, len(req.output_tokens))
-            self._queue.push(ServeRequest(req.id, list(req.tokens), out, namespace, at))
-
-    def due(self, now: float) -> list[ServeRequest]:
-        return self._queue.due(now)
-
-    def finished(self, request: ServeRequest, now: float) -> None:
-        return None
-
-    def next_arrival(self) -> float | None:
-        return self._queue.next_arrival()
+    BY_PREFIX = "by_prefix"  # prefix p belongs to tenant p: tenants never cache the same prefix
+    PER_REQUEST = "per_request"  # a random tenant per request: each caches its own copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,31 +242,92 @@ class SharedPrefixConfig:
 
     requests: int = 160
     prefixes: int = 8
-    prefix_tokens: int = 1024
-    question_tokens: int = 64
-    output_tokens: int = 2
+    prefix_tokens: TokenCount = 1024
+    question_tokens: TokenCount = 64
+    output_tokens: TokenCount = 2
     tenants: int = 1
+    spread: TenantSpread = TenantSpread.BY_PREFIX
     seed: int = 0
     vocab: int = 32000
 
     def __post_init__(self) -> None:
-        for name in ("requests", "prefixes", "prefix_tokens", "question_tokens", "tenants"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgumentError(f"{name} must be positive")
+        _check_ints(self, ("requests", "prefixes", "tenants"), 1)
+        _check_counts(self, ("prefix_tokens", "question_tokens"), 1)
+        _check_counts(self, ("output_tokens",), 0)
+        _check_vocab(self.vocab)
+        if not isinstance(self.spread, TenantSpread):
+            raise InvalidArgumentError(f"spread must be a TenantSpread, got {self.spread!r}")
 
 
 def shared_prefix_trace(config: SharedPrefixConfig) -> list[TraceRequest]:
     """Requests that each pick a shared prefix at random and add a question (deterministic)."""
-    rng = np.random.default_rng(config.seed)
-
-    def draw(n: int) -> list[int]:
-        return [int(t) for t in rng.integers(0, config.vocab, size=n)]
-
-    prefixes = [draw(config.prefix_tokens) for _ in range(config.prefixes)]
-    out = []
+    draw = _TokenDraw(config.seed, config.vocab)
+    prefixes = [draw.tokens(config.prefix_tokens) for _ in range(config.prefixes)]
+    out: list[TraceRequest] = []
     for i in range(config.requests):
-        which = int(rng.integers(0, config.prefixes))
-        tenant = f"tenant-{which % config.tenants}" if config.tenants > 1 else ""
-        prompt = prefixes[which] + draw(config.question_tokens)
-        out.append(TraceRequest(f"p{which}-q{i}", tenant, prompt, draw(config.output_tokens)))
+        which = draw.index(config.prefixes)
+        if config.spread is TenantSpread.PER_REQUEST:
+            tenant = tenant_name(draw.index(config.tenants), config.tenants)
+        else:
+            tenant = tenant_name(which, config.tenants)
+        prompt = prefixes[which] + draw.tokens(config.question_tokens)
+        out.append(
+            TraceRequest(f"p{which}-q{i}", tenant, prompt, draw.tokens(config.output_tokens))
+        )
     return out
+
+
+# ----- the presets of ``hicache bench radix`` -------------------------------------------------
+class WorkloadKind(enum.Enum):
+    MULTITURN = "multiturn"  # 4 system prompts of 250-350 tokens, turns of 50-200, answers 100-300
+    FEWSHOT = "fewshot"  # clients // 16 templates of 1000-3000 tokens, questions of 20-100
+    LONGDOC = "longdoc"  # clients // 8 documents of 4000-8000 tokens, questions of 20-100
+
+
+# Shared-prefix presets: (clients per prefix, prefix tokens, answer tokens).
+_SHARED_PRESETS: dict[WorkloadKind, tuple[int, TokenCount, TokenCount]] = {
+    WorkloadKind.FEWSHOT: (16, (1000, 3000), (10, 100)),
+    WorkloadKind.LONGDOC: (8, (4000, 8000), (50, 200)),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    """A preset trace of ``clients x rounds`` requests over ``namespaces`` tenants."""
+
+    kind: WorkloadKind = WorkloadKind.MULTITURN
+    clients: int = 64
+    rounds: int = 5
+    seed: int = 0
+    namespaces: int = 2
+    vocab: int = 32000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, WorkloadKind):
+            raise InvalidArgumentError("kind must be a WorkloadKind")
+        _check_ints(self, ("clients", "rounds", "namespaces"), 1)
+        _check_vocab(self.vocab)
+
+    def generator_config(self) -> ChatConfig | SharedPrefixConfig:
+        """The generator's config this preset stands for."""
+        if self.kind is WorkloadKind.MULTITURN:
+            return ChatConfig(
+                clients=self.clients, rounds=self.rounds, system_tokens=(250, 350),
+                system_prompts=4, turn_tokens=(50, 200), output_tokens=(100, 300),
+                tenants=self.namespaces, seed=self.seed, vocab=self.vocab,
+            )  # fmt: skip
+        per_prefix, prefix_tokens, output_tokens = _SHARED_PRESETS[self.kind]
+        return SharedPrefixConfig(
+            requests=self.clients * self.rounds, prefixes=max(1, self.clients // per_prefix),
+            prefix_tokens=prefix_tokens, question_tokens=(20, 100), output_tokens=output_tokens,
+            tenants=self.namespaces, spread=TenantSpread.PER_REQUEST, seed=self.seed,
+            vocab=self.vocab,
+        )  # fmt: skip
+
+
+def generate_trace(config: WorkloadConfig) -> list[TraceRequest]:
+    """The preset trace of ``config.clients * config.rounds`` requests."""
+    generator = config.generator_config()
+    if isinstance(generator, ChatConfig):
+        return multiturn_trace(generator)
+    return shared_prefix_trace(generator)

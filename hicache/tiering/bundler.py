@@ -1,5 +1,10 @@
 """A page of every pool, stored and loaded as one bundle: one object per page per pool.
 
+A page's identity is its chained hash (:class:`PageHasher`): a node's page hashes continue the
+chain of its parent, the first page of a namespace seeded by the namespace digest, so the keys
+of a prefix are the same whichever node boundaries the tree happens to have, in this process or
+the next one. Hashes are computed once per node and cut with it when the tree splits it.
+
 A model with several kinds of cached state (KV plus a DSA indexer, SWA, Mamba state) stores,
 for each token page, one object per pool that holds data there, under keys that differ only in
 their format digest (the pool name is part of it). They are written in one ``put`` batch and read
@@ -7,9 +12,12 @@ in one ``get_into`` batch; a page counts as loaded only when every object it nee
 decoded, and loading stops at the first page that did not: an L3 hit is a prefix.
 
 Payloads move between storage and host memory without a staging copy when the host pool's
-layout keeps a page contiguous (the page_first family): the codec's header goes to a small
-buffer and the payload straight into, or out of, the host page. A ``layer_first`` page is
-copied through one contiguous buffer, in its stored order (that of ``page_first_direct``).
+layout keeps a page contiguous (the page_first family): an object is two segments, its codec
+header in a header arena (one 160-byte slot per host page, so the slot is as private to a
+transfer as the page is) and its payload in the host page itself. Both lie in memory the
+bundler can name (:meth:`PageBundler.registrable_memory`), so a backend that moves data by
+address registers them once and moves pages without staging. A ``layer_first`` page is copied
+through one contiguous buffer, in its stored order (that of ``page_first_direct``).
 """
 
 from __future__ import annotations
@@ -23,11 +31,19 @@ import torch
 from hicache.backends.base import StorageBackend
 from hicache.codec import HEADER_SIZE, NO_PARENT, PageMeta, check_into, encode_page, meta_at
 from hicache.errors import CodecError, InvalidArgumentError
-from hicache.keys import StorageFormat, storage_key
+from hicache.keys import (
+    RadixKey,
+    StorageFormat,
+    chain_packed_hashes,
+    chain_page_hashes,
+    namespace_digest,
+    storage_key,
+)
 from hicache.layouts import Layout, page_shape, storage_layout
 from hicache.pools.host import HostPool
+from hicache.radix.node import TreeNode
 
-__all__ = ["BundlePage", "PageBundler"]
+__all__ = ["BundlePage", "Namespace", "PageBundler", "PageHasher"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +59,73 @@ class BundlePage:
     host_pages: Mapping[str, int]
     page_index: int = 0
     parent_hash: bytes = NO_PARENT
+
+
+Namespace = tuple[str | None, bool]  # (extra_key, is_bigram): one subtree of the tree
+
+
+class PageHasher:
+    """Page hashes and bundle pages of nodes, for one model (``model_id``) and page size."""
+
+    def __init__(self, model_id: str, page_size: int, pool_names: list[str]) -> None:
+        self.model_id = model_id
+        self.page_size = page_size
+        self.pool_names = list(pool_names)
+        self._seeds: dict[Namespace, bytes] = {}
+
+    def namespace_seed(self, namespace: Namespace) -> bytes:
+        seed = self._seeds.get(namespace)
+        if seed is None:
+            seed = self._seeds[namespace] = namespace_digest(self.model_id, *namespace)
+        return seed
+
+    def node_hashes(self, node: TreeNode) -> list[bytes]:
+        """The chained page hashes of ``node`` (computed once, kept through splits)."""
+        missing: list[TreeNode] = []
+        walk: TreeNode | None = node
+        while walk is not None and walk.parent is not None and walk.hash_value is None:
+            missing.append(walk)
+            walk = walk.parent
+        for n in reversed(missing):
+            assert n.parent is not None
+            seed = self.last_hash(n.parent, n.namespace)
+            page_bytes = self.page_size * (8 if n.namespace[1] else 4)
+            n.hash_value = chain_packed_hashes(n.key, page_bytes, seed)
+        assert node.hash_value is not None
+        return node.hash_value
+
+    def last_hash(self, node: TreeNode, namespace: Namespace) -> bytes:
+        """The hash the chain continues from below ``node`` (the seed below a root)."""
+        if node.parent is None:
+            return self.namespace_seed(namespace)
+        return self.node_hashes(node)[-1]
+
+    def node_bundle(self, node: TreeNode, host_pages: list[int]) -> list[BundlePage]:
+        """``node``'s pages as bundle pages held in ``host_pages`` (every pool of the group)."""
+        hashes = self.node_hashes(node)
+        assert node.parent is not None
+        first = _depth_units(node) // self.page_size
+        previous = self.last_hash(node.parent, node.namespace) if first else NO_PARENT
+        seed = self.namespace_seed(node.namespace)
+        parents = [previous, *hashes[:-1]]
+        return [
+            BundlePage(seed, h, dict.fromkeys(self.pool_names, page), first + i, parent)
+            for i, (page, h, parent) in enumerate(zip(host_pages, hashes, parents, strict=True))
+        ]
+
+    def candidates(self, key: RadixKey, start: int, end: int, below: TreeNode) -> list[BundlePage]:
+        """Bundle pages of ``key[start:end]`` (page-aligned), continuing the chain of ``below``;
+        their host pages are -1 until a prefetch takes some."""
+        namespace = (key.extra_key, key.is_bigram)
+        seed = self.last_hash(below, namespace)
+        hashes = chain_page_hashes(key.slice(start, end), self.page_size, seed)
+        first = start // self.page_size
+        parents = [seed if first else NO_PARENT, *hashes[:-1]]
+        ns_seed = self.namespace_seed(namespace)
+        return [
+            BundlePage(ns_seed, h, dict.fromkeys(self.pool_names, -1), first + i, parent)
+            for i, (h, parent) in enumerate(zip(hashes, parents, strict=True))
+        ]
 
 
 class PageBundler:
@@ -62,6 +145,7 @@ class PageBundler:
         self.formats: dict[str, StorageFormat] = {}
         self._templates: dict[str, PageMeta] = {}
         self._page_bytes: dict[str, np.ndarray | None] = {}
+        self._headers: dict[str, np.ndarray | None] = {}  # header slot per host page
         self._num_pages = {name: pool.num_pages for name, pool in self.host_pools.items()}
         for name, pool in self.host_pools.items():
             spec = pool.spec
@@ -83,7 +167,15 @@ class PageBundler:
             contiguous = pool.layout is not Layout.LAYER_FIRST
             rows = pool.buffer.view(pool.num_pages, -1) if contiguous else None
             self._page_bytes[name] = rows.view(torch.uint8).numpy() if rows is not None else None
+            arena = np.zeros((pool.num_pages, HEADER_SIZE), np.uint8) if contiguous else None
+            self._headers[name] = arena
         self.counters = {"pages_written": 0, "pages_loaded": 0, "missing": 0, "corrupt": 0}
+
+    def registrable_memory(self) -> list[np.ndarray]:
+        """The host memory that pages move from and to without a copy: each contiguous pool's
+        pages and its header arena (for backends that take registered memory)."""
+        buffers = [*self._page_bytes.values(), *self._headers.values()]
+        return [b for b in buffers if b is not None]
 
     def keys(self, page: BundlePage) -> dict[str, str]:
         """The storage key of each object of ``page``, by pool."""
@@ -110,10 +202,15 @@ class PageBundler:
         for i, page in enumerate(pages):
             place = (page.page_index, page.parent_hash)
             for name, key in (keys_of[i] if keys_of else self.keys(page)).items():
-                payload = self._payload(name, page.host_pages[name])
+                host_page = page.host_pages[name]
+                payload = self._payload(name, host_page)
                 keys.append(key)
-                meta = self._templates[name]
-                values.append(encode_page(key, payload, meta, self.compress, place))
+                segments = encode_page(key, payload, self._templates[name], self.compress, place)
+                arena = self._headers[name]
+                if arena is not None and len(segments) == 2:  # uncompressed: header, payload
+                    arena[host_page] = np.frombuffer(segments[0], np.uint8)
+                    segments[0] = memoryview(arena[host_page])
+                values.append(segments)
                 owners.append(i)
         stored = await backend.put(keys, values) if keys else []
         ok = [True] * len(pages)
@@ -138,10 +235,11 @@ class PageBundler:
         """
         keys_of = keys_of or [self.keys(p) for p in pages]
         plan = [(i, name, key) for i, ks in enumerate(keys_of) for name, key in ks.items()]
-        headers = [bytearray(HEADER_SIZE) for _ in plan]
 
         def host_page(i: int, name: str) -> int:
             return into[i] if into is not None else pages[i].host_pages[name]
+
+        headers = [self._header_slot(name, host_page(i, name)) for i, name, _ in plan]
 
         targets = [self._target(name, host_page(i, name)) for i, name, _ in plan]
         got = await backend.get_into(
@@ -159,7 +257,15 @@ class PageBundler:
         self.counters["pages_loaded"] += bad_page
         return bad_page
 
-    def _decode(self, key: str, header: bytearray, target: object, n: int, meta: PageMeta) -> bool:
+    def _header_slot(self, name: str, host_page: int) -> np.ndarray | bytearray:
+        arena = self._headers[name]
+        if arena is None:
+            return bytearray(HEADER_SIZE)
+        return arena[self._checked_page(name, host_page)]  # type: ignore[no-any-return]
+
+    def _decode(
+        self, key: str, header: np.ndarray | bytearray, target: object, n: int, meta: PageMeta
+    ) -> bool:
         if n < 0:
             self.counters["missing"] += 1
             return False
@@ -195,3 +301,12 @@ class PageBundler:
             raise InvalidArgumentError(f"no host pool named {sorted(unknown)} in this bundle")
         if not page.host_pages:
             raise InvalidArgumentError("a bundle page names no pool")
+
+
+def _depth_units(node: TreeNode) -> int:
+    """Units (tokens, or bigram pairs) between the namespace root and ``node``'s first one."""
+    units, walk = 0, node.parent
+    while walk is not None:
+        units += walk.length
+        walk = walk.parent
+    return units

@@ -1,13 +1,14 @@
 """HiRadixCache: the radix tree over three tiers (device, host, L3).
 
 A node is on the device when ``value`` holds its slots, on host when ``host_value`` holds its
-host slots (one per token: page ``p`` holds slots ``p * page_size ...``, so splits cut it like
-``value``), and known to be in L3 when ``in_storage`` (set from write acknowledgements). Nodes on
-the device form the top of the tree: a device node's ancestors are all on the device. A node
-on neither device nor host is removed.
+host pages (one per token page; a split cuts it at the same page boundary as ``value``), and
+known to be in L3 when ``in_storage`` (set from write acknowledgements). Nodes on the device
+form the top of the tree: a device node's ancestors are all on the device. A node on neither
+device nor host is removed.
 
-Hits: ``hit_count`` counts the requests whose ``match_prefix`` reached a node (the tree's own
-re-match inside ``cache_unfinished_req`` is not a hit). Write policies read it:
+Hits: ``hit_count`` counts the requests whose ``match_prefix`` reached a node (a match with
+``count_hits=False``, such as the tree's own re-match inside ``cache_unfinished_req``, is not a
+hit). Write policies read it:
 
 * ``write_through``: every node is backed up to host when it is inserted;
 * ``write_through_selective``: a node is backed up once its hit count reaches the threshold;
@@ -15,37 +16,49 @@ re-match inside ``cache_unfinished_req`` is not a hit). Write policies read it:
 
 Backed-up nodes form the top of the tree too (a node is backed up only after its parent), so a
 host hit is a prefix. Device eviction keeps a backed-up node on host and drops one that is not
-(write_back backs it up first). Host eviction removes leaves that are on host only, unlocked,
-not protected by an L3 write in flight and not anchoring a prefetch.
+(write_back backs it up first). Host eviction (``HostEvictor``) removes leaves that are on
+host only, unlocked, not protected by an L3 write in flight and not anchoring a prefetch.
 
-Everything here runs on the scheduler's thread; :meth:`check_events` applies, once per scheduler
-step, what the controller finished meanwhile.
+The cache owns its parts: the controller (device <-> host copies, the storage tier), the
+:class:`~hicache.tiering.l3_writer.L3Writer` and the :class:`~hicache.tiering.prefetcher.
+Prefetcher`. Everything here runs on the scheduler's thread; :meth:`check_events` applies, once
+per scheduler step, what the controller finished meanwhile.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
+from hicache.pools.device import DevicePool
+from hicache.pools.host import HostPool
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.node import TreeNode
-from hicache.radix.tree import MatchResult, RadixCacheConfig
+from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
+from hicache.tiering.bundler import BundlePage, PageHasher
+from hicache.tiering.config import HiCacheConfig
 from hicache.tiering.controller import GroupTransfer, HiCacheController
-from hicache.tiering.l3_tree import L3TreeBase
-from hicache.tiering.policies import WritePolicy, backup_on_hit
+from hicache.tiering.host_eviction import HostEvictor
+from hicache.tiering.l3_writer import L3Writer
+from hicache.tiering.metrics import HiCacheMetrics
+from hicache.tiering.policies import TerminationReason, WritePolicy, backup_on_hit
+from hicache.tiering.prefetcher import Prefetcher
 
 __all__ = ["HiRadixCache"]
 
 
-class HiRadixCache(L3TreeBase):
-    """A :class:`RadixCache` whose nodes move between device, host and L3."""
+class HiRadixCache(RadixCache):
+    """A :class:`~hicache.radix.RadixCache` whose nodes move between device, host and L3.
+
+    Build one with :meth:`open` (pools and a config; it connects L3) and end it with
+    :meth:`close`; :meth:`quiesce` waits until every queued write and running prefetch settled.
+    """
 
     def __init__(
         self,
@@ -61,23 +74,79 @@ class HiRadixCache(L3TreeBase):
         self.controller = controller
         self.tiers = controller.config.tiers
         self.host = controller.anchor_host
-        self.metrics = controller.metrics
+        self.device = controller.anchor_device  # the tree's allocator, typed
+        self.metrics: HiCacheMetrics = controller.metrics
+        self.storage = controller.storage
+        hasher = PageHasher(
+            controller.config.storage.model_id, self.page_size, list(controller.host_pools)
+        )
+        self.writer = L3Writer(self.storage, self.host, hasher, controller.config.storage)
+        # Node id -> prefetches and load-backs hanging from it: host eviction leaves it alone.
+        anchors: Counter[int] = Counter()
+        self.host_evictor = HostEvictor(self, self.host, anchors, self.metrics)
+        self.prefetcher = Prefetcher(
+            self, self.host_evictor, self.storage, hasher, controller.config.prefetch, clock
+        )
+        self.prefetcher.anchors = anchors
         self._pending_writes: list[tuple[GroupTransfer, TreeNode]] = []
         self._pending_loads: list[GroupTransfer] = []
-        self._anchors: Counter[int] = Counter()  # node id -> prefetches hanging from it
-        self._quiet = False  # the tree matching for itself: no hits, no policy
         self._kept: list[TreeNode] = []  # leaves an eviction kept (see evict)
-        self._init_l3()
+
+    # ----- lifecycle ------------------------------------------------------------------------
+    @classmethod
+    async def open(
+        cls,
+        config: HiCacheConfig,
+        device_pools: Mapping[str, DevicePool],
+        host_pools: Mapping[str, HostPool],
+        radix: RadixCacheConfig | None = None,
+    ) -> HiRadixCache:
+        """A tiered cache over ``device_pools`` and ``host_pools`` (one pool group), with its L3
+        connected when ``config.storage.url`` is set (see :meth:`HiCacheController.open`)."""
+        controller = await HiCacheController.open(config, device_pools, host_pools)
+        return cls(controller, radix)
+
+    async def close(self, drain_s: float = 0.0) -> None:
+        """Apply finished work, give queued L3 writes up to ``drain_s`` to land, close L3."""
+        self.check_events()
+        await self.controller.close(drain_s)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no copy to host, L3 write or prefetch unsettled."""
+        return not (self._pending_writes or self.prefetcher.running or self.storage.busy)
+
+    async def quiesce(self, timeout_s: float = 60.0) -> None:
+        """Wait until every queued write and running prefetch has settled, applying results.
+
+        Running prefetches are waited for whatever their stop policy (nothing schedules them
+        here). Raises TimeoutError after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_events()
+            if self.idle:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the tiered cache did not settle in {timeout_s} s")
+            # Device-to-host copies complete on their own stream (no asyncio wake-up): poll
+            # them briefly; everything else wakes this wait when it finishes.
+            await self.storage.wait_for_activity(min(left, 0.001) if self._pending_writes else left)
 
     # ----- matching -------------------------------------------------------------------------
-    def match_prefix(self, key: RadixKey) -> MatchResult:
-        """The device hit, then the host hit after it (``last_host_node``, ``host_hit_length``)."""
+    def match_prefix(self, key: RadixKey, count_hits: bool = True) -> MatchResult:
+        """The device hit, then the host hit after it (``last_host_node``, ``host_hit_length``).
+
+        ``count_hits=False`` counts no hit and triggers no write policy: for deciding about a
+        request before it is scheduled, and for the tree's own re-matches.
+        """
         data, unit = self._pack(key)
         root = self._roots.get((key.extra_key, key.is_bigram))
         if root is None:
             root = self._make_root(key)
             return MatchResult(0, root, self._concat([]), root, 0)
-        _, _, path = self._walk(root, data, unit, hit=not self._quiet)
+        _, _, path = self._walk(root, data, unit, hit=count_hits)
         n_device = 0
         while n_device < len(path) and path[n_device].value is not None:
             n_device += 1
@@ -87,29 +156,16 @@ class HiRadixCache(L3TreeBase):
         result.device_indices = self._concat([n.value for n in device])
         result.last_host_node = host[-1] if host else last_device
         result.host_hit_length = sum(n.length for n in host)
-        if not self._quiet:
+        if count_hits:
             self.metrics.add("device_hit_tokens", result.prefix_len)
-            self._on_hits(path)
-        return result
-
-    def peek_match(self, key: RadixKey) -> MatchResult:
-        """:meth:`match_prefix` that counts no hit and triggers no write policy: for deciding
-        about a request before it is scheduled (whether to prefetch it)."""
-        quiet, self._quiet = self._quiet, True
-        try:
-            return self.match_prefix(key)
-        finally:
-            self._quiet = quiet
-
-    def _on_hits(self, path: list[TreeNode]) -> None:
-        policy, threshold = self.tiers.write_policy, self.tiers.write_threshold
-        if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-            for node in path:
+            policy, threshold = self.tiers.write_policy, self.tiers.write_threshold
+            for node in path if policy is WritePolicy.WRITE_THROUGH_SELECTIVE else ():
                 if node.value is None or node.host_value is not None:
                     continue
                 if not backup_on_hit(policy, node.hit_count, threshold) or not self._backup(node):
-                    break
-        self._admit_path(path)
+                    break  # backed-up nodes stay a prefix of the tree
+            self.writer.admit_hits(path)
+        return result
 
     # ----- inserting ------------------------------------------------------------------------
     def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
@@ -151,19 +207,42 @@ class HiRadixCache(L3TreeBase):
                     break
         return on_device
 
-    def cache_unfinished_req(self, req: CachedRequest) -> None:
-        self._quiet = True
-        try:
-            super().cache_unfinished_req(req)
-        finally:
-            self._quiet = False
+    def insert_prefetched(
+        self, key: RadixKey, start: int, pages: list[int], candidates: list[BundlePage]
+    ) -> int:
+        """Hang prefetched pages under the tree as host-only nodes; free any duplicates.
+
+        Returns how many pages were inserted (the rest was there already, or had no parent).
+        """
+        end = start + len(pages) * self.page_size
+        data, unit = self._pack(key.slice(0, end))
+        namespace = (key.extra_key, key.is_bigram)
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = self._make_root(key)
+        node, pos, _ = self._walk(root, data, unit, hit=False)
+        have = pos // unit
+        if have < start:  # the prefix it continued is gone: nothing to hang the pages from
+            self.host.free(torch.tensor(pages, dtype=torch.int64))
+            return 0
+        dup = (have - start) // self.page_size
+        if dup:
+            self.host.free(torch.tensor(pages[:dup], dtype=torch.int64))
+        if pos == len(data):
+            return 0
+        leaf = self._new_node(node, data[pos:], unit, *namespace)
+        leaf.host_value = torch.tensor(pages[dup:], dtype=torch.int64)
+        leaf.hash_value = [c.page_hash for c in candidates[dup:]]
+        leaf.in_storage = True
+        return len(pages) - dup
 
     # ----- device -> host -------------------------------------------------------------------
     def _backup(self, node: TreeNode, evicting: bool = False) -> bool:
         """Start copying ``node`` to host; whether it is there or on its way.
 
         Outside eviction a node is backed up only after its parent, so what is on host is a
-        prefix of the tree; an evicted node is backed up whatever its parent (write_back).
+        prefix of the tree; an evicted node is backed up whatever its parent (write_back), and
+        then synchronously: its device slots are freed right after.
         """
         if node.host_value is not None:
             return True
@@ -172,12 +251,17 @@ class HiRadixCache(L3TreeBase):
             return False
         if not evicting and parent.parent is not None and parent.host_value is None:
             return False
-        pages = self._alloc_host(node.length // self.page_size)
+        pages = self.host_evictor.alloc(node.length // self.page_size)
         if pages is None:
             return False
-        node.host_value = self._host_slots(pages)
-        self.inc_lock_ref(node)  # the device slots are read until the copy is done
-        self._pending_writes.append((self.controller.write(node.value, pages), node))
+        node.host_value = pages
+        transfer = self.controller.write(node.value, pages)
+        if evicting:
+            transfer.synchronize()
+            self.writer.after_backup(node)
+        else:
+            self.inc_lock_ref(node)  # the device slots are read until the copy is done
+            self._pending_writes.append((transfer, node))
         return True
 
     # ----- host -> device -------------------------------------------------------------------
@@ -200,19 +284,19 @@ class HiRadixCache(L3TreeBase):
         if mem_quota is not None and tokens > mem_quota:
             return none, ancestor
         self.inc_lock_ref(ancestor)  # keep the device prefix while making room below it
-        self._anchors[node.id] += 1  # and the host chain, which a write_back eviction might take
+        self.prefetcher.anchors[node.id] += 1  # and the host chain, which eviction might take
         try:
-            slots = self.allocator.alloc(tokens)
+            slots = self.device.alloc(tokens)
             if slots is None:
                 self.evict(tokens)
-                slots = self.allocator.alloc(tokens)
+                slots = self.device.alloc(tokens)
         finally:
-            self._anchors[node.id] -= 1
+            self.prefetcher.anchors[node.id] -= 1
             self.dec_lock_ref(ancestor)
         if slots is None:
             return none, ancestor
         chain.reverse()
-        pages = torch.cat([self.host_pages(n) for n in chain])
+        pages = torch.cat([_host_pages(n) for n in chain])
         self._pending_loads.append(self.controller.load(pages, slots))
         offset = 0
         for n in chain:
@@ -257,94 +341,39 @@ class HiRadixCache(L3TreeBase):
             or bool(node.children)
             or backup_on_hit(policy, node.hit_count, threshold)
         )
-        if needs_backup and not self._backup_now(node) and node.children:
+        if needs_backup and not self._backup(node, evicting=True) and node.children:
             self._kept.append(node)  # its host-only children would lose their parent: not now
             return 0
-        freed = super()._evict_leaf(node) if node.host_value is None else self._demote(node)
-        self.metrics.add("device_evicted_tokens", freed)
-        return freed
-
-    def _backup_now(self, node: TreeNode) -> bool:
-        if not self.tiers.host_enabled or not self._backup(node, evicting=True):
-            return False
-        transfer, locked = self._pending_writes.pop()
-        transfer.synchronize()  # write_back: the slots are freed right after this
-        self.dec_lock_ref(locked)
-        self._after_backup(locked)
-        return True
-
-    def _demote(self, node: TreeNode) -> int:
-        """Free the device slots of a backed-up node; it stays in the tree, on host."""
-        parent = node.parent
-        assert parent is not None
-        self.allocator.free(node.value)
+        self.metrics.add("device_evicted_tokens", node.length)
+        if node.host_value is None:
+            return super()._evict_leaf(node)
+        # Backed up: free the device slots only; the node stays in the tree, on host.
+        assert node.value is not None  # an evictable leaf holds device slots
+        self.device.free(node.value)
         node.value = None
         self.evictable_size -= node.length
         if node.protected:
             self._unprotect(node)
+        parent = node.parent
+        assert parent is not None
         if parent.parent is not None and self._is_evictable_leaf(parent):
             self._push(parent)
         return node.length
 
-    # ----- host eviction --------------------------------------------------------------------
-    def _host_evictable(self, node: TreeNode) -> bool:
-        if node.value is not None or node.host_value is None or node.children:
-            return False
-        if node.lock_ref > 0 or self._anchors[node.id] > 0:
-            return False
-        return not bool(self.host.is_protected(self.host_pages(node)).any())
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host tokens, by the tree's policy: host-only leaves
-        first, then host copies that are redundant (the node is on the device and in L3)."""
-        nodes = self.all_nodes()
-        heap = [(self._key_fn(n), n.id, n) for n in nodes if self._host_evictable(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            assert parent is not None
-            freed += self._drop_host(node)
-            if parent.parent is not None and self._host_evictable(parent):
-                heapq.heappush(heap, (self._key_fn(parent), parent.id, parent))
-        if freed < num_tokens:
-            freed += self._drop_redundant_copies(nodes, num_tokens - freed)
-        self.metrics.add("host_evicted_tokens", freed)
-        return freed
-
-    def _drop_redundant_copies(self, nodes: list[TreeNode], num_tokens: int) -> int:
-        """Free host copies of nodes that stay on the device and are in L3: no data is lost,
-        and a later device eviction backs them up again or drops them (write policy)."""
-        redundant = [
-            n
-            for n in nodes
-            if n.value is not None
-            and n.host_value is not None
-            and n.in_storage
-            and not bool(self.host.is_protected(self.host_pages(n)).any())
-        ]
-        redundant.sort(key=self._key_fn)
-        freed = 0
-        for node in redundant:
-            if freed >= num_tokens:
-                break
-            self.host.free(self.host_pages(node))
-            node.host_value = None
-            freed += node.length
-        return freed
-
-    def _drop_host(self, node: TreeNode) -> int:
-        parent = node.parent
-        assert parent is not None
-        self.host.free(self.host_pages(node))
-        node.host_value = None
-        del parent.children[node.key[: self.page_size * (8 if node.namespace[1] else 4)]]
-        node.parent = None
-        self.total_nodes -= 1
-        if parent.parent is None and not parent.children:
-            del self._roots[parent.namespace]
-        return node.length
+    # ----- requests -------------------------------------------------------------------------
+    def release_request(self, req: CachedRequest) -> None:
+        """An aborted request: stop its prefetch, free its own slots and row, drop its lock."""
+        self.prefetcher.terminate(req.rid, TerminationReason.ABORTED)
+        if self.req_to_token is not None and req.allocated:
+            row = self.req_to_token.table[req.req_pool_idx]
+            own = row[len(req.prefix_indices) : req.allocated].clone()
+            if len(own):
+                self.device.free(own)
+            self.req_to_token.free(req.req_pool_idx)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.last_node = None
+        req.allocated = 0
 
     # ----- events ---------------------------------------------------------------------------
     def check_events(self) -> None:
@@ -353,11 +382,18 @@ class HiRadixCache(L3TreeBase):
         for transfer, node in self._pending_writes:
             if transfer.done():
                 self.dec_lock_ref(node)
-                self._after_backup(node)
+                self.writer.after_backup(node)
             else:
                 still.append((transfer, node))
         self._pending_writes = still
-        self._drain_l3()
+        self.writer.apply_acks()
+        self.prefetcher.apply_finished()
 
     def reset(self) -> None:
         raise InvalidArgumentError("a HiRadixCache is not reset in place; build a new one")
+
+
+def _host_pages(node: TreeNode) -> torch.Tensor:
+    if node.host_value is None:
+        raise AssertionError(f"node {node.id} is not on host")
+    return node.host_value

@@ -121,7 +121,7 @@ class HiCacheController:
     async def _connect(self, url: str) -> StorageBackend | None:
         try:
             if self.config.storage.backend_in_thread:
-                from hicache.backends.threaded import ThreadedBackend
+                from hicache.backends.wrappers import ThreadedBackend
 
                 return await ThreadedBackend.open_url(url)
             from hicache.backends.registry import open_backend

@@ -27,6 +27,7 @@ from hicache.tiering.bundler import BundlePage, PageBundler
 from hicache.tiering.config import PrefetchConfig, StorageConfig
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.policies import TerminationReason
+from hicache.tiering.registration import register_buffers, unregister_buffers
 from hicache.tiering.supervisor import TaskSupervisor
 
 __all__ = ["PrefetchOp", "StorageTier", "WriteJob"]
@@ -86,11 +87,15 @@ class StorageTier:
         self._queue: deque[WriteJob] = deque()
         self._queued_pages = 0
         self._writing = 0  # jobs a worker is writing now
-        self._wakeup = asyncio.Event()
+        self._wakeup = asyncio.Event()  # a write was queued
+        # Set whenever something finishes (a write acknowledged, a prefetch's reads returned):
+        # the scheduler and quiesce() wait on it instead of polling.
+        self._activity = asyncio.Event()
         self.write_acks: deque[WriteJob] = deque()
         self.finished_prefetches: deque[PrefetchOp] = deque()
         self._supervisor = TaskSupervisor(lambda *_: metrics.add("task_restarts"))
         self._prefetch_tasks: set[asyncio.Task[None]] = set()
+        self._registered: list[Any] = []  # host buffers registered with the backend
         self.read_bytes_per_s: float | None = None  # measured on prefetch reads, smoothed
         metrics.gauge("l3_write_queue_pages", lambda: self._queued_pages)
 
@@ -102,8 +107,38 @@ class StorageTier:
     def queued_pages(self) -> int:
         return self._queued_pages
 
+    @property
+    def prefetches_running(self) -> int:
+        return len(self._prefetch_tasks)
+
+    @property
+    def busy(self) -> bool:
+        """Writes queued or running, prefetches running, or results not yet applied."""
+        return bool(
+            self._queue
+            or self._writing
+            or self._prefetch_tasks
+            or self.write_acks
+            or self.finished_prefetches
+        )
+
+    async def wait_for_activity(self, timeout_s: float) -> None:
+        """Return once something finished since the last wait, or after ``timeout_s``."""
+        if not self._activity.is_set():
+            try:
+                await asyncio.wait_for(self._activity.wait(), timeout_s)
+            except TimeoutError:
+                return
+        self._activity.clear()
+
+    def _finished(self) -> None:
+        self._activity.set()
+
     def start(self, backend: StorageBackend) -> None:
+        """Write and prefetch through ``backend``; host memory is registered with it when it
+        moves data by address, so pages travel without a staging copy."""
         self.backend = backend
+        self._registered = register_buffers(backend, self.bundler.registrable_memory())
         for i in range(self.config.workers):
             self._supervisor.start(f"l3-writer-{i}", self._write_worker)
 
@@ -111,9 +146,10 @@ class StorageTier:
         """Wait up to ``timeout_s`` for queued and running writes to finish; whether they did."""
         deadline = time.monotonic() + timeout_s
         while self._queue or self._writing:
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            await asyncio.sleep(0.002)
+            await self.wait_for_activity(left)
         return True
 
     async def stop(self) -> None:
@@ -122,6 +158,9 @@ class StorageTier:
             task.cancel()
         if self._prefetch_tasks:
             await asyncio.gather(*self._prefetch_tasks, return_exceptions=True)
+        if self.backend is not None and not self.backend.closed:
+            unregister_buffers(self.backend, self._registered)
+        self._registered = []
         self.backend = None
 
     # ----- writes ---------------------------------------------------------------------------
@@ -130,6 +169,7 @@ class StorageTier:
         if not job.pages:
             job.ok = []
             self.write_acks.append(job)
+            self._finished()
             return
         excess = self._queued_pages + len(job.pages) - self.config.write_queue_pages
         if excess > 0:
@@ -160,6 +200,7 @@ class StorageTier:
         job.ok = [False] * len(job.pages)
         self.metrics.add("dropped_writes", len(job.pages))
         self.write_acks.append(job)
+        self._finished()
 
     async def _write_worker(self) -> None:
         while True:
@@ -176,6 +217,7 @@ class StorageTier:
                 if job.ok is None:
                     job.ok = [False] * len(job.pages)
                 self.write_acks.append(job)
+                self._finished()
 
     async def _write_job(self, job: WriteJob) -> list[bool]:
         assert self.backend is not None
@@ -216,8 +258,12 @@ class StorageTier:
         task = asyncio.get_running_loop().create_task(self._prefetch(op), name=f"prefetch:{op.rid}")
         op.task = task
         self._prefetch_tasks.add(task)
-        task.add_done_callback(self._prefetch_tasks.discard)
+        task.add_done_callback(self._prefetch_done)
         self.metrics.add("prefetch_started")
+
+    def _prefetch_done(self, task: asyncio.Task[None]) -> None:
+        self._prefetch_tasks.discard(task)
+        self._finished()
 
     async def _prefetch(self, op: PrefetchOp) -> None:
         try:
@@ -229,6 +275,7 @@ class StorageTier:
         finally:
             op.reads_finished = True
             self.finished_prefetches.append(op)
+            self._finished()
 
     async def _prefetch_steps(self, op: PrefetchOp) -> None:
         assert self.backend is not None

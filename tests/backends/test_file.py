@@ -30,6 +30,18 @@ class TestFileConformance(BackendConformanceTests):
     async def open_backend(self, location: pathlib.Path) -> StorageBackend:
         return await FileBackend.open(FileConfig(root=str(location)))
 
+    async def read_raw(self, backend: StorageBackend, key: str) -> bytes | None:
+        path = object_path(pathlib.Path(backend.config.root), key)  # type: ignore[attr-defined]
+        return path.read_bytes() if path.exists() else None
+
+    async def write_raw(self, backend: StorageBackend, key: str, data: bytes) -> None:
+        # As another process's writer would: a whole file, published by a rename.
+        path = object_path(pathlib.Path(backend.config.root), key)  # type: ignore[attr-defined]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{key}.raw.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
 
 async def open_file(root: pathlib.Path, **options: Any) -> FileBackend:
     return await FileBackend.open(FileConfig(root=str(root), **options))
@@ -73,6 +85,9 @@ def test_config_from_url() -> None:
     for bad in ("file://otherhost/x", "file://", "file:///x?max_bytes=0", "file:///x?io_threads=0"):
         with pytest.raises(ConfigError):
             FileBackend.config_from_url(bad, {})
+    with pytest.raises(ConfigError, match="names a local path"):  # a host other than localhost
+        FileBackend.config_from_url("file://nas.example/srv/cache", {})
+    assert FileBackend.config_from_url("file://localhost/srv/c", {}).root == "/srv/c"
 
 
 async def test_open_refuses_unusable_roots(

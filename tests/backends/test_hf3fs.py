@@ -15,10 +15,10 @@ from typing import Any
 import fake_hf3fs_usrbio
 import pytest
 
-from hicache.backends import _hf3fs_slots
-from hicache.backends._hf3fs_index import RECORD
 from hicache.backends.base import MISS, StorageBackend
 from hicache.backends.hf3fs import Hf3fsBackend, Hf3fsConfig, Hf3fsMode
+from hicache.backends.hf3fs import slots as hf3fs_slots
+from hicache.backends.hf3fs.index import RECORD
 from hicache.backends.registry import open_backend
 from hicache.backends.testing import BackendConformanceTests
 from hicache.errors import BackendUnavailableError, ConfigError
@@ -45,15 +45,12 @@ def fake_usrbio(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 class TestHf3fsPosixConformance(BackendConformanceTests):
-    large_object_bytes = SLOT  # the documented cap: one object per slot
-
+    # No size override: capabilities.max_object_bytes (one slot) caps the suite's objects.
     async def open_backend(self, location: pathlib.Path) -> StorageBackend:
         return await open_posix(location)
 
 
 class TestHf3fsUsrbioConformance(BackendConformanceTests):
-    large_object_bytes = SLOT
-
     @pytest.fixture(autouse=True)
     def _usrbio(self, fake_usrbio: ModuleType) -> None:
         """Every test of this class runs with the stand-in client importable."""
@@ -326,7 +323,7 @@ async def test_full_store_evicts_least_recently_used(tmp_path: pathlib.Path) -> 
 async def test_compaction_keeps_the_latest_values(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_hf3fs_slots, "_COMPACT_MIN", 8)
+    monkeypatch.setattr(hf3fs_slots, "_COMPACT_MIN", 8)
     backend = await open_posix(tmp_path, fsync=True)
     for i in range(40):
         assert await backend.put(["hot", f"c{i % 3}"], [f"{i}".encode(), b"c"]) == [True, True]

@@ -1,13 +1,19 @@
-"""The memory backend: the conformance suite plus its LRU bound and byte accounting."""
+"""The memory backend: the conformance suite plus its LRU bound and byte accounting.
+
+A variant that cannot list runs the suite too, so its ``listable=False`` branches are checked.
+"""
 
 from __future__ import annotations
 
 import pathlib
+from collections.abc import AsyncIterator
 
 import pytest
+from memory_raw import read_memory_raw, write_memory_raw
 
-from hicache.backends.base import StorageBackend
+from hicache.backends.base import Capabilities, ObjectInfo, StorageBackend
 from hicache.backends.memory import MemoryBackend, MemoryConfig
+from hicache.backends.registry import open_backend
 from hicache.backends.testing import BackendConformanceTests
 from hicache.errors import ConfigError
 
@@ -19,6 +25,29 @@ class TestMemoryConformance(BackendConformanceTests):
     async def open_backend(self, location: pathlib.Path) -> StorageBackend:
         # 256 MiB: room for the 64 MiB object and everything else, so nothing is evicted.
         return await MemoryBackend.open(MemoryConfig(capacity_bytes=256 << 20))
+
+    async def read_raw(self, backend: StorageBackend, key: str) -> bytes | None:
+        return read_memory_raw(backend, key)
+
+    async def write_raw(self, backend: StorageBackend, key: str, data: bytes) -> None:
+        write_memory_raw(backend, key, data)
+
+
+class _UnlistedMemory(MemoryBackend):
+    """A store that cannot list, as Mooncake without its admin server: scan raises."""
+
+    capabilities = Capabilities(listable=False)
+
+    async def _scan(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        raise ConfigError("this store cannot list its keys")
+        yield  # an async generator, like a real one: the error comes at iteration
+
+
+class TestUnlistedMemoryConformance(TestMemoryConformance):
+    state_machine_examples = 25
+
+    async def open_backend(self, location: pathlib.Path) -> StorageBackend:
+        return _UnlistedMemory(MemoryConfig(capacity_bytes=256 << 20))
 
 
 async def test_lru_evicts_least_recently_used() -> None:
@@ -77,3 +106,14 @@ def test_config_from_url_parses_sizes() -> None:
     assert config == MemoryConfig(capacity_bytes=512 << 20)
     with pytest.raises(ConfigError, match="capacity_bytes"):
         MemoryBackend.config_from_url("memory://?capacity_bytes=lots", {})
+
+
+def test_capacity_is_the_object_cap() -> None:
+    assert MemoryBackend(MemoryConfig(capacity_bytes=1000)).capabilities.max_object_bytes == 1000
+    assert MemoryBackend.capabilities.max_object_bytes is None  # per instance, from the config
+
+
+async def test_url_takes_no_location() -> None:
+    for url in ("memory://cache-a", "memory:///cache-a", "memory://h/p?capacity_bytes=1M"):
+        with pytest.raises(ConfigError, match="memory:// URLs take no"):
+            await open_backend(url)

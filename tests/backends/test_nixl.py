@@ -34,8 +34,8 @@ def _nixl_api() -> Any:
 
 _API = _nixl_api()
 
-from hicache.backends._nixl_agent import NixlPluginError, create_plugin  # noqa: E402
 from hicache.backends.nixl import NixlBackend, NixlConfig, NixlPlugin, PosixQueue  # noqa: E402
+from hicache.backends.nixl.agent import NixlPluginError, create_plugin  # noqa: E402
 
 
 def _obj_plugin_loads() -> bool:
@@ -112,6 +112,21 @@ class TestNixlPosixConformance(BackendConformanceTests):
     async def open_backend(self, location: pathlib.Path) -> StorageBackend:
         return await open_posix(location)
 
+    # Raw hooks: one file per key, directly in the store's directory.
+    async def read_raw(self, backend: StorageBackend, key: str) -> bytes | None:
+        path = pathlib.Path(backend.config.path, key)  # type: ignore[attr-defined]
+        return path.read_bytes() if path.exists() else None
+
+    async def write_raw(self, backend: StorageBackend, key: str, data: bytes) -> None:
+        path = pathlib.Path(backend.config.path, key)  # type: ignore[attr-defined]
+        tmp = path.with_name(f".{key}.raw.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # published whole, as the backend's own writer does
+
+    @pytest.mark.slow  # every step moves data through NIXL's agent and a worker thread
+    def test_matches_reference_model(self, tmp_path: pathlib.Path) -> None:
+        super().test_matches_reference_model(tmp_path)
+
 
 class TestNixlObjConformance(BackendConformanceTests):
     # moto moves ~100 MiB/s: 8 MiB still crosses the 4 MiB staging region below (an
@@ -131,6 +146,30 @@ class TestNixlObjConformance(BackendConformanceTests):
         if bucket is None:
             bucket = self.buckets[location] = await asyncio.to_thread(new_bucket, self.moto)
         return await NixlBackend.open(obj_config(self.moto, bucket, staging_bytes=4 << 20))
+
+    # Raw hooks: the S3 objects, through a botocore client of the test's own.
+    async def read_raw(self, backend: StorageBackend, key: str) -> bytes | None:
+        cfg = backend.config  # type: ignore[attr-defined]
+        client = s3_client(self.moto)
+        try:
+            body = client.get_object(Bucket=cfg.bucket, Key=f"{cfg.prefix}/{key}")["Body"]
+            return bytes(body.read())
+        except client.exceptions.NoSuchKey:
+            return None
+        finally:
+            client.close()
+
+    async def write_raw(self, backend: StorageBackend, key: str, data: bytes) -> None:
+        cfg = backend.config  # type: ignore[attr-defined]
+        client = s3_client(self.moto)
+        try:
+            client.put_object(Bucket=cfg.bucket, Key=f"{cfg.prefix}/{key}", Body=data)
+        finally:
+            client.close()
+
+    @pytest.mark.slow  # a few hundred requests to the moto server
+    def test_matches_reference_model(self, tmp_path: pathlib.Path) -> None:
+        super().test_matches_reference_model(tmp_path)
 
 
 # ----- configuration, loading and errors ----------------------------------------------------
@@ -349,7 +388,7 @@ async def test_obj_object_deleted_elsewhere_reads_as_miss(moto: MotoServer) -> N
 
 # ----- polling pace -----------------------------------------------------------------------------
 def test_pacer_sleeps_most_of_the_expected_time_and_learns_rates_asymmetrically() -> None:
-    from hicache.backends._nixl_agent import TransferPacer
+    from hicache.backends.nixl.agent import TransferPacer
 
     pacer = TransferPacer()
     mib64 = 64 << 20

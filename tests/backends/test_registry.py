@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import pathlib
 import sys
 import types
 
@@ -17,6 +19,31 @@ from hicache.errors import (
     ConfigError,
     InvalidArgumentError,
 )
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_builtins_are_listed_once_and_pyproject_repeats_them() -> None:
+    # The registry's table is the list; pyproject.toml's entry points must name the same targets.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["entry-points"]["hicache.backends"]
+    assert declared == {name: known.target for name, known in registry_module._KNOWN.items()}
+    # A built-in's scheme resolves to the built-in: no install hint may repeat it.
+    schemes = {s for known in registry_module._KNOWN.values() for s in known.schemes}
+    assert schemes.isdisjoint(registry_module._INSTALL_HINTS)
+
+
+def test_installed_metadata_matches_the_builtins() -> None:
+    # A stale install (entry points of moved modules) would be a conflict at run time.
+    installed = {
+        ep.name: ep.value
+        for ep in importlib.metadata.entry_points(group="hicache.backends")
+        if ep.dist is not None and ep.dist.name == "hicache"
+    }
+    if not installed:
+        pytest.skip("hicache is not installed (a source tree on sys.path)")
+    assert installed == {name: known.target for name, known in registry_module._KNOWN.items()}
 
 
 def test_builtins_are_registered_and_not_imported_until_used() -> None:

@@ -24,14 +24,14 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-import hicache.backends.shm as shm_module
-import hicache.backends.shm_layout as shm_layout
+import hicache.backends.shm.backend as shm_module
+import hicache.backends.shm.layout as shm_layout
 from hicache.backends.base import MISS, StorageBackend
 from hicache.backends.registry import open_backend
 from hicache.backends.shm import SharedMemoryBackend, SharedMemoryConfig
-from hicache.backends.shm_copy import split_batch
-from hicache.backends.shm_index import key_hash
-from hicache.backends.shm_layout import Hdr
+from hicache.backends.shm.copies import split_batch
+from hicache.backends.shm.index import key_hash
+from hicache.backends.shm.layout import Hdr
 from hicache.backends.testing import BackendConformanceTests
 from hicache.errors import BackendUnavailableError, ConfigError
 
@@ -56,6 +56,30 @@ class TestShmConformance(BackendConformanceTests):
 
     async def cleanup_backend(self, location: pathlib.Path) -> None:
         SharedMemoryBackend.unlink_segment(_name_for(location), SHM_DIR)
+
+    # Raw hooks: the segment's index says where a key's blocks are; the bytes are read from and
+    # written to the shared data area directly, as another process attached to it would.
+    async def read_raw(self, backend: StorageBackend, key: str) -> bytes | None:
+        assert isinstance(backend, SharedMemoryBackend)
+        index, raw = backend._index, key.encode()
+        with index.locked():
+            ticket = index.open_read(raw, key_hash(raw))
+            if ticket is None:
+                return None
+            return b"".join(bytes(backend._data[off : off + n]) for off, n in ticket.extents)
+
+    async def write_raw(self, backend: StorageBackend, key: str, data: bytes) -> None:
+        assert isinstance(backend, SharedMemoryBackend)
+        index, raw, source = backend._index, key.encode(), np.frombuffer(data, np.uint8)
+        with index.locked():
+            ticket = index.reserve(raw, key_hash(raw), len(data))
+        assert ticket is not None
+        done = 0
+        for off, n in ticket.extents:
+            backend._data[off : off + n] = source[done : done + n]
+            done += n
+        with index.locked():
+            assert index.publish(ticket)
 
 
 # ----- helpers ------------------------------------------------------------------------------------

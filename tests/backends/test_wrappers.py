@@ -1,14 +1,16 @@
-"""Wrapper backends: transparency (the conformance suite), fault injection and latency."""
+"""Wrapper backends: transparency (the conformance suite), fault injection, latency, threads."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import pathlib
+import threading
 import time
 from dataclasses import dataclass
 
 import pytest
+from memory_raw import read_memory_raw, write_memory_raw
 
 from hicache.backends.base import MISS, Capabilities, StorageBackend
 from hicache.backends.memory import MemoryBackend, MemoryConfig
@@ -20,6 +22,7 @@ from hicache.backends.wrappers import (
     LatencyBackend,
     LatencyConfig,
     Operation,
+    ThreadedBackend,
     WrapperBackend,
 )
 from hicache.errors import BackendUnavailableError, ConfigError, InvalidArgumentError
@@ -58,14 +61,58 @@ def keys_of(n: int) -> list[str]:
 
 
 # ----- transparency ---------------------------------------------------------------------------
-class TestLatencyWrapperConformance(BackendConformanceTests):
+class _OverMemory(BackendConformanceTests):
+    """A wrapper over a memory backend: the raw hooks reach the memory backend's dict."""
+
+    async def read_raw(self, backend: StorageBackend, key: str) -> bytes | None:
+        return read_memory_raw(backend, key)
+
+    async def write_raw(self, backend: StorageBackend, key: str, data: bytes) -> None:
+        write_memory_raw(backend, key, data)
+
+
+class TestLatencyWrapperConformance(_OverMemory):
     async def open_backend(self, location: pathlib.Path) -> StorageBackend:
         return LatencyBackend(memory(), LatencyConfig())
 
 
-class TestFaultWrapperConformance(BackendConformanceTests):
+class TestFaultWrapperConformance(_OverMemory):
     async def open_backend(self, location: pathlib.Path) -> StorageBackend:
         return FaultInjectionBackend(memory(), FaultConfig())
+
+
+class TestThreadedWrapperConformance(_OverMemory):
+    async def open_backend(self, location: pathlib.Path) -> StorageBackend:
+        return await ThreadedBackend.open_url("memory://?capacity_bytes=256M")
+
+
+async def test_threaded_backend_runs_calls_on_its_own_thread() -> None:
+    backend = await ThreadedBackend.open_url("memory://", capacity_bytes=1 << 20)
+    caller = threading.get_ident()
+    seen: list[int] = []
+    real_put = backend.inner._put
+
+    async def recording_put(keys: list[str], values: list[list[memoryview]]) -> list[bool]:
+        seen.append(threading.get_ident())
+        return await real_put(keys, values)
+
+    backend.inner._put = recording_put  # type: ignore[method-assign]
+    try:
+        assert isinstance(backend, WrapperBackend) and backend.capabilities.max_object_bytes
+        assert await backend.put(["k"], [b"v"]) == [True]
+        assert seen and seen[0] != caller  # the inner backend ran on the wrapper's thread
+        stats = await backend.stats()
+        assert stats["objects"] == 1 and "inner.objects" not in stats  # flat, as unwrapped
+    finally:
+        await backend.close()
+    assert backend.inner.closed and not backend._thread._thread.is_alive()
+
+
+async def test_threaded_backend_that_fails_to_open_stops_its_thread() -> None:
+    before = threading.active_count()
+    with pytest.raises(ConfigError):
+        await ThreadedBackend.open_url("memory://?capacity_bytes=0")
+    assert threading.active_count() == before
 
 
 async def test_stats_are_prefixed_and_close_reaches_inner() -> None:

@@ -15,13 +15,20 @@ from hicache.errors import InvalidArgumentError, TraceFormatError
 from hicache.radix import EvictionPolicy
 from hicache.serving.traces import (
     TraceRequest,
-    WorkloadConfig,
-    WorkloadKind,
     dump_trace,
     format_trace,
-    generate_trace,
     load_trace,
     parse_trace,
+)
+from hicache.serving.workloads import (
+    ChatConfig,
+    SharedPrefixConfig,
+    TenantSpread,
+    WorkloadConfig,
+    WorkloadKind,
+    generate_trace,
+    multiturn_trace,
+    shared_prefix_trace,
 )
 from hicache.tools.bench_radix import (
     RadixBenchConfig,
@@ -126,6 +133,26 @@ def test_generation_is_seeded() -> None:
     assert generate_trace(config) == generate_trace(config)
     other = WorkloadConfig(WorkloadKind.FEWSHOT, clients=16, rounds=1, seed=8)
     assert generate_trace(config) != generate_trace(other)
+
+
+def test_presets_are_the_shared_generators(
+    traces: dict[WorkloadKind, list[TraceRequest]],
+) -> None:
+    for kind, preset in SMALL.items():
+        generator = preset.generator_config()
+        if kind is WorkloadKind.MULTITURN:
+            assert isinstance(generator, ChatConfig)
+            assert traces[kind] == multiturn_trace(generator)
+        else:
+            assert isinstance(generator, SharedPrefixConfig)
+            assert traces[kind] == shared_prefix_trace(generator)
+            assert generator.spread is TenantSpread.PER_REQUEST
+    # Per-request tenants: a few-shot template is cached once per namespace that asks for it.
+    namespaces_of: dict[tuple[int, ...], set[str]] = {}
+    for r in traces[WorkloadKind.FEWSHOT]:
+        namespaces_of.setdefault(tuple(r.tokens[:1000]), set()).add(r.namespace)
+    assert len(namespaces_of) == SMALL[WorkloadKind.FEWSHOT].clients // 16
+    assert any(len(n) == 2 for n in namespaces_of.values())
 
 
 @pytest.mark.parametrize("field", ["clients", "rounds", "namespaces", "vocab"])

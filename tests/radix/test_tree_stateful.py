@@ -257,4 +257,8 @@ RadixMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestRadixTreeStateful = RadixMachine.TestCase
+
+
+@pytest.mark.slow
+class TestRadixTreeStateful(RadixMachine.TestCase):
+    """The machine's runs, as one unittest case."""

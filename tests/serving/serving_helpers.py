@@ -21,13 +21,14 @@ from typing import Any
 import torch
 
 from hicache.keys import StorageFormat
+from hicache.serving.arrivals import TraceReplay
 from hicache.serving.engine import CacheMode, EngineConfig, RequestSource
 from hicache.serving.model import TinyTransformer
 from hicache.serving.presets import ModelConfig, ModelPreset
 from hicache.serving.request import RequestRecord, ServeRequest
 from hicache.serving.setup import ServingSetup, open_engine
 from hicache.serving.traces import TraceRequest
-from hicache.serving.workloads import ChatConfig, MultiTurnChat, TraceReplay
+from hicache.serving.workloads import ChatConfig, MultiTurnChat
 from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
 from hicache.tiering.policies import PrefetchStopPolicy, WritePolicy
 

@@ -38,6 +38,7 @@ from hicache.tiering.policies import PrefetchStopPolicy, WritePolicy
 PRESET_IDS = [p.value for p in ALL_PRESETS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ALL_PRESETS, ids=PRESET_IDS)
 async def test_chat_outputs_identical_across_cache_modes(
     preset: ModelPreset, tmp_path: pathlib.Path
@@ -111,6 +112,7 @@ def _policy_cases() -> list[tuple[ModelPreset, WritePolicy, PrefetchStopPolicy]]
 POLICY_CASES = _policy_cases()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("preset", "write", "stop"),
     POLICY_CASES,

@@ -52,6 +52,7 @@ def s3_url(moto_s3: MotoServer, tmp_path: pathlib.Path) -> str:
     )
 
 
+@pytest.mark.slow
 def test_serve_with_s3_l3_hits_and_keeps_outputs(
     s3_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -85,6 +86,7 @@ def mooncake_url(tmp_path: pathlib.Path) -> Iterator[str]:
         master.stop()
 
 
+@pytest.mark.slow
 def test_serve_with_mooncake_l3_hits_and_keeps_outputs(
     mooncake_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from hicache.errors import InvalidArgumentError
+from hicache.serving.arrivals import TraceReplay
 from hicache.serving.request import ServeRequest
 from hicache.serving.workloads import (
     ChatConfig,
     MultiTurnChat,
     SharedPrefixConfig,
-    TraceReplay,
+    TenantSpread,
+    multiturn_trace,
     shared_prefix_trace,
 )
 from hicache.tools.cli import main
@@ -68,6 +71,51 @@ def test_a_failed_turn_ends_its_chat_and_still_releases_the_round() -> None:
     assert [r.rid for r in chat.due(1.0)] == ["c1-r1"]
 
 
+def test_the_trace_and_the_closed_loop_build_the_same_chat() -> None:
+    config = ChatConfig(clients=3, rounds=2, system_tokens=8, turn_tokens=(2, 5),
+                        output_tokens=3, tenants=2, vocab=50)  # fmt: skip
+    trace = multiturn_trace(config)
+    opening = MultiTurnChat(config).due(0.0)
+    assert [r.rid for r in opening] == [r.id for r in trace[:3]] == ["c0-r0", "c1-r0", "c2-r0"]
+    # One prompt builder: the same system prompt per client and the same tenants. The user
+    # turns differ: the trace draws from one stream, each closed-loop client from its own.
+    for live, recorded in zip(opening, trace, strict=False):
+        assert live.prompt[:8] == recorded.tokens[:8]
+        assert live.namespace == recorded.namespace
+    assert opening[0].prompt[:8] == opening[2].prompt[:8] != opening[1].prompt[:8]
+    assert [r.namespace for r in opening] == ["tenant-0", "tenant-1", "tenant-0"]
+
+
+def test_token_counts_are_fixed_or_drawn_from_a_range() -> None:
+    config = ChatConfig(clients=4, rounds=3, system_tokens=0, turn_tokens=(1, 4),
+                        output_tokens=(2, 3), vocab=10)  # fmt: skip
+    trace = multiturn_trace(config)
+    assert all(1 <= len(r.tokens) <= 4 for r in trace[:4])
+    assert all(2 <= len(r.output_tokens) <= 3 for r in trace)
+    for prev, nxt in zip(trace, trace[4:], strict=False):  # the same client, one round later
+        history = prev.tokens + prev.output_tokens
+        assert nxt.tokens[: len(history)] == history
+        assert 1 <= len(nxt.tokens) - len(history) <= 4
+    assert {r.max_new_tokens for r in MultiTurnChat(config).due(0.0)} <= {2, 3}
+    assert {len(r.tokens) for r in trace} != {len(trace[0].tokens)}  # the range was drawn
+
+
+@pytest.mark.parametrize("bad", [0, (0, 3), (4, 2), (1, 2, 3), (1.0, 2), True, "4"])
+def test_a_token_count_must_be_a_positive_int_or_range(bad: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="turn_tokens"):
+        ChatConfig(turn_tokens=bad)
+
+
+def test_chat_config_refuses_bad_sizes() -> None:
+    for field in ("clients", "rounds", "system_prompts", "tenants", "vocab"):
+        with pytest.raises(InvalidArgumentError, match=field):
+            ChatConfig(**{field: 0})
+    with pytest.raises(InvalidArgumentError, match="rate"):
+        ChatConfig(rate=-1.0)
+    with pytest.raises(InvalidArgumentError, match="vocab"):
+        ChatConfig(vocab=2**32 + 1)
+
+
 def test_shared_prefix_trace_is_deterministic_and_shares_prefixes() -> None:
     config = SharedPrefixConfig(requests=40, prefixes=3, prefix_tokens=32, question_tokens=5,
                                 output_tokens=2, tenants=2, vocab=1000)  # fmt: skip
@@ -82,6 +130,19 @@ def test_shared_prefix_trace_is_deterministic_and_shares_prefixes() -> None:
         assert tenant_of.setdefault(tuple(r.tokens[:32]), r.namespace) == r.namespace
     with pytest.raises(InvalidArgumentError):
         SharedPrefixConfig(prefixes=0)
+
+
+def test_shared_prefixes_spread_per_request_reach_every_tenant() -> None:
+    config = SharedPrefixConfig(requests=60, prefixes=2, prefix_tokens=8, question_tokens=2,
+                                tenants=3, spread=TenantSpread.PER_REQUEST, vocab=100)  # fmt: skip
+    tenants_of: dict[tuple[int, ...], set[str]] = {}
+    for r in shared_prefix_trace(config):
+        tenants_of.setdefault(tuple(r.tokens[:8]), set()).add(r.namespace)
+    # Each tenant caches its own copy of a prefix, unlike BY_PREFIX (see the test above).
+    assert len(tenants_of) == 2
+    assert all(t == {"tenant-0", "tenant-1", "tenant-2"} for t in tenants_of.values())
+    one = shared_prefix_trace(SharedPrefixConfig(requests=3, prefix_tokens=2, question_tokens=1))
+    assert {r.namespace for r in one} == {""}  # one tenant: the default namespace
 
 
 def test_trace_replay_arrives_by_poisson_times() -> None:

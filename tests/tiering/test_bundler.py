@@ -11,11 +11,12 @@ from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import FaultConfig, FaultInjectionBackend, Operation
 from hicache.codec import NO_PARENT
 from hicache.errors import InvalidArgumentError
-from hicache.keys import namespace_digest
+from hicache.keys import RadixKey, chain_page_hashes, namespace_digest
 from hicache.layouts import Layout
 from hicache.pools import HostPool
 from hicache.pools.pool_spec import PoolPreset, preset
-from hicache.tiering.bundler import BundlePage, PageBundler
+from hicache.radix.tree import RadixCache, RadixCacheConfig
+from hicache.tiering.bundler import BundlePage, PageBundler, PageHasher
 
 NS = namespace_digest("tiny-model")
 
@@ -121,3 +122,50 @@ def raw(page: torch.Tensor) -> bytes:
 
 async def _all_keys(backend: MemoryBackend) -> list[str]:
     return [info.key async for info in backend.scan()]
+
+
+# ----- page identity (PageHasher) -------------------------------------------------------------
+def _hasher_tree() -> tuple[PageHasher, RadixCache]:
+    return PageHasher("tiny-model", 4, ["kv"]), RadixCache(RadixCacheConfig(4, simulated=True))
+
+
+def test_node_hashes_do_not_depend_on_where_the_tree_splits() -> None:
+    hasher, tree = _hasher_tree()
+    tokens = list(range(40, 64))  # 6 pages
+    tree.insert(RadixKey(tokens))
+    whole = tree.match_prefix(RadixKey(tokens)).last_device_node
+    before = list(hasher.node_hashes(whole))
+    tree.insert(RadixKey(tokens[:8] + [999] * 4))  # splits the node after two pages
+    path = tree.match_prefix(RadixKey(tokens)).path
+    assert len(path) == 2
+    after = [h for node in path for h in hasher.node_hashes(node)]
+    expected = chain_page_hashes(RadixKey(tokens), 4, namespace_digest("tiny-model", None))
+    assert before == after == expected
+
+
+def test_node_bundle_chains_parents_and_continues_its_parent_node() -> None:
+    hasher, tree = _hasher_tree()
+    tokens = list(range(24))
+    tree.insert(RadixKey(tokens[:8]))
+    tree.insert(RadixKey(tokens))
+    lower = tree.match_prefix(RadixKey(tokens)).path[-1]
+    bundle = hasher.node_bundle(lower, [5, 6, 7, 8])
+    hashes = chain_page_hashes(RadixKey(tokens), 4, namespace_digest("tiny-model", None))
+    assert [p.page_hash for p in bundle] == hashes[2:]
+    assert [p.parent_hash for p in bundle] == hashes[1:-1]
+    assert [p.page_index for p in bundle] == [2, 3, 4, 5]
+    assert [dict(p.host_pages) for p in bundle] == [{"kv": h} for h in (5, 6, 7, 8)]
+
+
+def test_candidates_continue_the_chain_below_a_node() -> None:
+    hasher, tree = _hasher_tree()
+    tokens = list(range(24))
+    tree.insert(RadixKey(tokens[:8]))
+    below = tree.match_prefix(RadixKey(tokens)).last_device_node
+    candidates = hasher.candidates(RadixKey(tokens), 8, 24, below)
+    hashes = chain_page_hashes(RadixKey(tokens), 4, namespace_digest("tiny-model", None))
+    assert [c.page_hash for c in candidates] == hashes[2:]
+    assert candidates[0].parent_hash == hashes[1] and candidates[0].page_index == 2
+    assert all(dict(c.host_pages) == {"kv": -1} for c in candidates)
+    first = hasher.candidates(RadixKey(tokens), 0, 8, tree.namespace_root(None))
+    assert first[0].parent_hash == NO_PARENT and [c.page_hash for c in first] == hashes[:2]

@@ -54,8 +54,8 @@ def test_cuda_restart_reads_l3_into_pinned_host_and_device(tmp_path: pathlib.Pat
         h = await Harness.build(url=f"file://{tmp_path}", device_kind="cuda")
         try:
             key = RadixKey(tokens)
-            assert h.tree.prefetch_from_storage("b", key, h.tree.match_prefix(key))
-            await h.settle(lambda: h.tree.check_prefetch_progress("b"))
+            assert h.tree.prefetcher.start("b", key, h.tree.match_prefix(key))
+            await h.settle(lambda: h.tree.prefetcher.may_run("b"))
             assert h.run_request("b", tokens) == {"device": 0, "host": len(tokens), "computed": 0}
         finally:
             await h.close()

@@ -64,7 +64,7 @@ async def test_raising_reads_end_the_prefetch_and_the_request_recomputes(op: Ope
         backend.set_faults(only(op, fail_rate=1.0, fail_mode=FaultMode.RAISE))
         prefetch = start_prefetch(h, "r", SEQ)
         await until(lambda: prefetch.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert prefetch.reason is TerminationReason.ERROR
         assert h.controller.metrics.counts["errors"] == 1
         assert h.controller.metrics.counts["prefetch_error"] == 1
@@ -81,7 +81,7 @@ async def test_missing_objects_are_misses() -> None:
         backend.set_faults(only(Operation.GET, fail_rate=1.0))  # get_into answers MISS
         prefetch = start_prefetch(h, "r", SEQ)
         await until(lambda: prefetch.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert prefetch.completed_pages == 0 and h.controller.bundler.counters["missing"] >= 1
         assert h.controller.metrics.counts["missing_pages"] >= 1
         assert h.controller.metrics.counts["l3_hit_tokens"] == 0
@@ -98,7 +98,7 @@ async def test_corrupt_reads_are_misses_and_the_kv_stays_exact() -> None:
         backend.set_faults(only(Operation.GET, corrupt_rate=1.0))
         prefetch = start_prefetch(h, "r", SEQ)
         await until(lambda: prefetch.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert prefetch.completed_pages == 0
         assert h.controller.bundler.counters["corrupt"] >= 1
         assert h.controller.metrics.counts["corrupt_pages"] >= 1
@@ -132,11 +132,11 @@ async def test_a_page_corrupted_at_rest_cuts_the_hit_there() -> None:
         probe = start_prefetch(h, "probe", SEQ)  # for the page hashes; its pages are freed
         await quiesce(h)
         assert probe.completed_pages == 8
-        h.tree.evict_host(10**6)
+        h.tree.host_evictor.evict(10**6)
         _flip_stored_page(h, memory, probe, 3)
         prefetch = start_prefetch(h, "r", SEQ)
         await until(lambda: prefetch.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert prefetch.completed_pages == 3 and h.controller.bundler.counters["corrupt"] == 1
         assert h.controller.metrics.counts["corrupt_pages"] == 1
         # pages 0-2 come from L3 and must hold exactly the recomputed KV
@@ -170,12 +170,12 @@ async def test_a_read_past_its_deadline_ends_the_wait_but_keeps_its_pages(
         assert prefetch.reason is TerminationReason.ERROR and not prefetch.reads_finished
         # nothing more will arrive: whatever the policy, the request need not wait for the
         # hung call (the fake clock has not moved, so no prefetch timeout is involved)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert h.controller.metrics.counts["prefetch_error"] == 1
         assert h.run_request("r", SEQ)["computed"] == 32
         # ... but the late read may still land in its host pages: they stay reserved
         h.tree.check_events()
-        assert h.host["kv"].used_pages == 16 and h.tree.prefetch_pages_in_use == 8
+        assert h.host["kv"].used_pages == 16 and h.tree.prefetcher.pages_in_use == 8
         gate.open()
         await assert_clean(h)
         assert h.host["kv"].used_pages == 8  # the request's own backup only

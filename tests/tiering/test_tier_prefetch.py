@@ -66,7 +66,7 @@ async def test_fast_l3_completes_under_every_policy(policy: PrefetchStopPolicy) 
         await seed_l3(h, SEQ)
         op = start_prefetch(h, "r", SEQ)
         await until(lambda: op.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert op.reason is TerminationReason.COMPLETE and op.taken_pages == 8
         assert counts(h)["prefetch_complete"] == 1 and counts(h)["l3_hit_tokens"] == 32
         assert h.run_request("r", SEQ) == {"device": 0, "host": 32, "computed": 0}
@@ -108,7 +108,7 @@ async def test_slow_l3_within_the_timeout(policy: PrefetchStopPolicy) -> None:
         op = start_prefetch(h, "r", SEQ)
         await turns()
         assert op.hit_pages is None and not op.reads_finished
-        ready = h.tree.check_prefetch_progress("r")
+        ready = h.tree.prefetcher.may_run("r")
         if policy is BEST:  # at once, with what has arrived: nothing yet
             assert ready is True and op.taken_pages == 0
             assert counts(h)["prefetch_best_effort"] == 1 and counts(h)["l3_miss_tokens"] == 32
@@ -122,10 +122,10 @@ async def test_slow_l3_within_the_timeout(policy: PrefetchStopPolicy) -> None:
             h.clock.advance(0.4)  # L3 answered: 8 pages; the read is under way
             await until(lambda: op.hit_pages == 8)
             await turns()
-            assert h.tree.check_prefetch_progress("r") is False and op.completed_pages == 0
+            assert h.tree.prefetcher.may_run("r") is False and op.completed_pages == 0
             h.clock.advance(0.4)
             await until(lambda: op.reads_finished)
-            assert h.tree.check_prefetch_progress("r") is True
+            assert h.tree.prefetcher.may_run("r") is True
             assert op.reason is TerminationReason.COMPLETE
             assert h.run_request("r", SEQ) == {"device": 0, "host": 32, "computed": 0}
         await finish(h)
@@ -141,11 +141,11 @@ async def test_slow_l3_past_the_timeout() -> None:
         await turns()  # the exists call is made, and waits
         h.clock.advance(0.7)
         await until(lambda: op.hit_pages == 8)
-        assert h.tree.check_prefetch_progress("r") is False
+        assert h.tree.prefetcher.may_run("r") is False
         h.clock.advance(0.3)  # 1.0 s
-        assert h.tree.check_prefetch_progress("r") is False
+        assert h.tree.prefetcher.may_run("r") is False
         h.clock.advance(0.01)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert op.reason is TerminationReason.TIMEOUT and op.taken_pages == 0
         assert host_used(h) == 8  # the read still lands in them
         await turns()
@@ -175,12 +175,12 @@ async def test_best_effort_inserts_only_what_arrived_and_frees_the_rest_after_it
         await until(lambda: gate.waiting == 1)
         gate.release()  # the first batch of 2 pages arrives; the second waits
         await until(lambda: op.completed_pages == 2 and gate.waiting == 1)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert op.reason is TerminationReason.BEST_EFFORT and op.taken_pages == 2
         match = h.tree.match_prefix(RadixKey(SEQ))
         assert match.host_hit_length == 8
         # the 6 pages of the batches not taken are still reserved: a read may land in them
-        assert host_used(h) == 8 and h.tree.prefetch_pages_in_use == 6
+        assert host_used(h) == 8 and h.tree.prefetcher.pages_in_use == 6
         h.tree.check_events()
         assert host_used(h) == 8
         gate.open()
@@ -200,12 +200,12 @@ async def test_wait_complete_waits_however_long_the_reads_take() -> None:
         await until(lambda: gate.waiting == 1)
         for _ in range(3):
             h.clock.advance(1000.0)
-            assert h.tree.check_prefetch_progress("r") is False
+            assert h.tree.prefetcher.may_run("r") is False
             h.tree.check_events()
         assert op.taken_pages is None
         gate.open()
         await until(lambda: op.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert counts(h)["prefetch_complete"] == 1 and counts(h)["l3_hit_tokens"] == 32
         assert h.run_request("r", SEQ)["host"] == 32
         await finish(h)
@@ -222,12 +222,12 @@ async def test_timeout_uses_the_hit_tokens_of_the_formula() -> None:
         await until(lambda: gate.waiting == 1)
         assert op.hit_pages == 8
         h.clock.advance(2.99)
-        assert h.tree.check_prefetch_progress("r") is False
+        assert h.tree.prefetcher.may_run("r") is False
         h.clock.advance(0.01)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert op.reason is TerminationReason.TIMEOUT and op.taken_pages == 0
         assert counts(h)["prefetch_timeout"] == 1
-        assert h.tree.prefetch_pages_in_use == 8 and host_used(h) == 8  # still being read
+        assert h.tree.prefetcher.pages_in_use == 8 and host_used(h) == 8  # still being read
         gate.open()
         await finish(h)
         assert host_used(h) == 0
@@ -242,11 +242,9 @@ async def test_timeout_is_capped_by_its_max() -> None:
         op = start_prefetch(h, "r", SEQ)
         await until(lambda: gate.waiting == 1)
         h.clock.advance(3.9)
-        assert h.tree.check_prefetch_progress("r") is False
+        assert h.tree.prefetcher.may_run("r") is False
         h.clock.advance(0.1)
-        assert (
-            h.tree.check_prefetch_progress("r") is True and op.reason is TerminationReason.TIMEOUT
-        )
+        assert h.tree.prefetcher.may_run("r") is True and op.reason is TerminationReason.TIMEOUT
         gate.open()
         await finish(h)
     finally:
@@ -261,7 +259,7 @@ async def test_timeout_keeps_the_batches_that_arrived() -> None:
         gate.release(3)
         await until(lambda: op.completed_pages == 3 and gate.waiting == 1)
         h.clock.advance(100.0)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert op.taken_pages == 3
         gate.open()
         await finish(h)
@@ -279,12 +277,12 @@ async def test_each_batch_is_acknowledged_on_its_own() -> None:
         for i in range(8):
             await until(lambda i=i: gate.waiting == 1 and gate.passed == i)  # type: ignore[misc]
             seen.append(op.completed_pages)
-            assert h.tree.check_prefetch_progress("r") is False
+            assert h.tree.prefetcher.may_run("r") is False
             gate.release()
         await until(lambda: op.reads_finished)
         assert seen == list(range(8)) and op.completed_pages == 8
         assert gate.passed == 8  # one backend call per page
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert h.run_request("r", SEQ)["host"] == 32
         await finish(h)
     finally:
@@ -298,12 +296,12 @@ async def test_a_candidate_under_the_threshold_is_not_started() -> None:
         await seed_l3(h, SEQ)
         short = [*SEQ[:12], 9999]  # 3 whole pages (12 tokens) < 16
         key = RadixKey(short)
-        assert h.tree.prefetch_from_storage("s", key, h.tree.match_prefix(key)) is False
+        assert h.tree.prefetcher.start("s", key, h.tree.match_prefix(key)) is False
         assert counts(h)["prefetch_skipped_small"] == 1 and counts(h)["prefetch_started"] == 0
-        assert h.tree.check_prefetch_progress("s") is True  # nothing to wait for
+        assert h.tree.prefetcher.may_run("s") is True  # nothing to wait for
         # a long enough one starts
         key = RadixKey(SEQ)
-        assert h.tree.prefetch_from_storage("l", key, h.tree.match_prefix(key)) is True
+        assert h.tree.prefetcher.start("l", key, h.tree.match_prefix(key)) is True
         await finish(h)
     finally:
         await h.close()
@@ -316,7 +314,7 @@ async def test_l3_holding_less_than_the_threshold_is_not_read() -> None:
         op = start_prefetch(h, "r", SEQ)
         await until(lambda: op.reads_finished)
         assert op.hit_pages == 2 and op.host_pages == []
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert op.reason is TerminationReason.BELOW_THRESHOLD
         assert counts(h)["prefetch_below_threshold"] == 1 and counts(h)["l3_hit_tokens"] == 0
         assert counts(h)["bytes_l3_to_host"] == 0
@@ -337,13 +335,13 @@ async def test_the_capacity_share_cuts_and_then_refuses() -> None:
         second = start_prefetch(h, "b", tokens(1000, 8))
         await until(lambda: second.reads_finished)
         assert second.host_pages == [] and gate.waiting == 1
-        assert h.tree.check_prefetch_progress("b") is True
+        assert h.tree.prefetcher.may_run("b") is True
         assert second.reason is TerminationReason.NO_HOST_MEMORY
         assert counts(h)["prefetch_skipped_capacity"] == 2
         assert counts(h)["prefetch_no_host_memory"] == 1
         gate.open()
         await until(lambda: first.reads_finished)
-        assert h.tree.check_prefetch_progress("a") is True
+        assert h.tree.prefetcher.may_run("a") is True
         assert first.reason is TerminationReason.COMPLETE and first.taken_pages == 4
         assert h.run_request("a", SEQ) == {"device": 0, "host": 16, "computed": 16}
         await finish(h)
@@ -362,11 +360,11 @@ async def test_prefetch_starts_after_the_device_and_host_hits() -> None:
         key = RadixKey(SEQ)
         match = h.tree.match_prefix(key)
         assert (match.prefix_len, match.host_hit_length) == (4, 4)
-        assert h.tree.prefetch_from_storage("r", key, match)
-        op = h.tree._prefetches["r"]
+        assert h.tree.prefetcher.start("r", key, match)
+        op = h.tree.prefetcher.running["r"]
         assert len(op.candidates) == 6 and op.candidates[0].page_index == 2
         await until(lambda: op.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         assert h.run_request("r", SEQ) == {"device": 4, "host": 28, "computed": 0}
         await finish(h)
     finally:
@@ -377,7 +375,7 @@ async def test_prefetch_is_off_when_disabled_or_without_l3() -> None:
     h = await Harness.build(prefetch=PrefetchConfig(threshold_tokens=PAGE))  # no L3
     try:
         key = RadixKey(SEQ)
-        assert h.tree.prefetch_from_storage("r", key, h.tree.match_prefix(key)) is False
+        assert h.tree.prefetcher.start("r", key, h.tree.match_prefix(key)) is False
     finally:
         await h.close()
     h = await Harness.build(
@@ -388,7 +386,7 @@ async def test_prefetch_is_off_when_disabled_or_without_l3() -> None:
     try:
         await seed_l3(h, SEQ)
         key = RadixKey(SEQ)
-        assert h.tree.prefetch_from_storage("r", key, h.tree.match_prefix(key)) is False
+        assert h.tree.prefetcher.start("r", key, h.tree.match_prefix(key)) is False
         assert counts(h)["prefetch_started"] == 0
     finally:
         await h.close()

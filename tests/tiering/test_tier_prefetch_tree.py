@@ -49,15 +49,14 @@ async def test_pages_cached_meanwhile_are_freed_not_doubled(cached: int) -> None
         h.tree.check_events()
         gate.open()
         await until(lambda: op.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         await assert_clean(h)
         assert h.host["kv"].used_pages == 8  # each page once: the backup, or the prefetched copy
         assert h.controller.metrics.counts["l3_hit_tokens"] == 32 - cached  # inserted ones only
         want = {"device": cached, "host": 32 - cached, "computed": 0}
         assert h.run_request("r", SEQ) == want  # the prefetched pages hang at the right place
         assert (
-            h.tree.prefetch_from_storage("x", RadixKey(SEQ), h.tree.match_prefix(RadixKey(SEQ)))
-            is False
+            h.tree.prefetcher.start("x", RadixKey(SEQ), h.tree.match_prefix(RadixKey(SEQ))) is False
         )
     finally:
         gate.open()
@@ -87,7 +86,7 @@ async def test_prefetched_pages_whose_prefix_was_evicted_are_freed(tmp_path: pat
         assert h.tree.evict(10**6) == 8  # the prefix is gone: it was on the device only
         await until(lambda: op.reads_finished)
         assert op.completed_pages == 6
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         await assert_clean(h)
         assert h.host["kv"].used_pages == 0 and not h.tree.all_nodes()
         assert h.run_request("r", SEQ)["computed"] == 32
@@ -101,7 +100,7 @@ async def test_pages_not_inserted_are_not_counted_as_l3_hits(tmp_path: pathlib.P
         op = start_prefetch(h, "r", SEQ)
         h.tree.evict(10**6)
         await until(lambda: op.reads_finished)
-        h.tree.check_prefetch_progress("r")
+        h.tree.prefetcher.may_run("r")
         assert h.controller.metrics.counts["l3_hit_tokens"] == 0
     finally:
         await h.close()
@@ -116,14 +115,14 @@ async def test_the_anchor_of_a_running_prefetch_survives_host_eviction() -> None
         op = start_prefetch(h, "r", SEQ)
         assert op.candidates[0].page_index == 2
         await until(lambda: gate.waiting == 1)
-        assert h.tree.evict_host(10**6) == 0  # the anchor is the only host leaf: kept
+        assert h.tree.host_evictor.evict(10**6) == 0  # the anchor is the only host leaf: kept
         gate.open()
         await until(lambda: op.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.may_run("r") is True
         await assert_clean(h)
         assert h.run_request("r", SEQ) == {"device": 0, "host": 32, "computed": 0}
         h.tree.evict(10**6)
-        assert h.tree.evict_host(10**6) == 32  # once taken, nothing holds the anchor
+        assert h.tree.host_evictor.evict(10**6) == 32  # once taken, nothing holds the anchor
     finally:
         gate.open()
         await h.close()
@@ -136,7 +135,7 @@ async def test_every_pool_of_the_group_is_prefetched_exactly(pool_preset: PoolPr
         await seed_l3(h, SEQ)
         op = start_prefetch(h, "r", SEQ)
         await until(lambda: op.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True and op.completed_pages == 8
+        assert h.tree.prefetcher.may_run("r") is True and op.completed_pages == 8
         assert h.run_request("r", SEQ) == {"device": 0, "host": 32, "computed": 0}
         await assert_clean(h)
     finally:
@@ -155,7 +154,7 @@ async def test_closing_with_reads_and_writes_in_flight_does_not_hang() -> None:
     await until(lambda: reads.waiting == 1 and writes.waiting == 1)
     await asyncio.wait_for(h.close(), timeout=5.0)
     assert backend.closed and op.reads_finished
-    assert not h.controller.storage._prefetch_tasks and not h.controller.storage.enabled
+    assert h.controller.storage.prefetches_running == 0 and not h.controller.storage.enabled
 
 
 WRITE_PATHS = {
@@ -184,11 +183,11 @@ async def test_each_write_path_reaches_l3_and_reads_back_exactly(path: str) -> N
         h.tree.evict(10**6)
         await quiesce(h)
         assert h.controller.metrics.counts["pages_written_l3"] == 8
-        h.tree.evict_host(10**6)
+        h.tree.host_evictor.evict(10**6)
         assert not h.tree.all_nodes()
         op = start_prefetch(h, "r", SEQ)
         await until(lambda: op.reads_finished)
-        assert h.tree.check_prefetch_progress("r") is True and op.completed_pages == 8
+        assert h.tree.prefetcher.may_run("r") is True and op.completed_pages == 8
         assert h.run_request("r", SEQ) == {"device": 0, "host": 32, "computed": 0}
         await assert_clean(h)
     finally:

@@ -47,7 +47,7 @@ async def fetch(h: Harness, rid: str, seq: list[int]) -> int:
     """Prefetch ``seq`` to its end; the pages that arrived."""
     op = start_prefetch(h, rid, seq)
     await until(lambda: op.reads_finished)
-    assert h.tree.check_prefetch_progress(rid) is True
+    assert h.tree.prefetcher.may_run(rid) is True
     return op.completed_pages
 
 
@@ -77,7 +77,7 @@ async def test_a_restart_finds_what_was_written_before(
         other = SEQ[:16] + tokens(9000, 4)
         assert await fetch(second, "s", other) == 0  # pages 0-3 are cached now: not asked
         second.tree.evict(10**6)
-        second.tree.evict_host(10**6)
+        second.tree.host_evictor.evict(10**6)
         assert await fetch(second, "t", other) == 4
         assert second.run_request("t", other) == {"device": 0, "host": 16, "computed": 16}
         await assert_clean(second)
@@ -162,8 +162,8 @@ async def client(h: Harness, name: str, requests: list[list[int]], done: list[st
     for i, seq in enumerate(requests):
         rid = f"{name}-{i}"
         key = RadixKey(seq)
-        h.tree.prefetch_from_storage(rid, key, h.tree.match_prefix(key))
-        while not h.tree.check_prefetch_progress(rid):
+        h.tree.prefetcher.start(rid, key, h.tree.match_prefix(key))
+        while not h.tree.prefetcher.may_run(rid):
             h.tree.check_events()
             await asyncio.sleep(0)
         h.run_request(rid, seq)  # checks every reused slot's KV
@@ -181,7 +181,7 @@ async def churn(h: Harness, reads: Gate, stop: asyncio.Event) -> None:
     while not stop.is_set():
         step += 1
         h.tree.evict(16)
-        h.tree.evict_host(8)
+        h.tree.host_evictor.evict(8)
         h.clock.advance(0.05)  # a prefetch still reading after 10 steps times out
         if reads.waiting and step % 3 == 0:  # no passes banked for later reads
             reads.release()
@@ -274,8 +274,8 @@ async def test_an_aborted_request_releases_its_lock_slots_and_prefetch() -> None
         assert h.controller.metrics.counts["prefetch_aborted"] == 1
         assert h.kv.used_size == device_before and not h.usage()["locked_nodes"]
         assert h.tree.req_to_token.available_size == 16
-        assert h.tree.prefetch_pages_in_use == 4  # still being read: freed once the reads end
-        assert h.tree.check_prefetch_progress("r") is True
+        assert h.tree.prefetcher.pages_in_use == 4  # still being read: freed once the reads end
+        assert h.tree.prefetcher.may_run("r") is True
         gate.open()
         await assert_clean(h)
         # what arrived before the abort was kept, and is exact
@@ -294,9 +294,9 @@ async def test_terminate_before_l3_answered_takes_nothing() -> None:
         exists.shut()
         op = start_prefetch(h, "r", SEQ)
         await until(lambda: exists.waiting == 1)
-        h.tree.terminate_prefetch("r")
+        h.tree.prefetcher.terminate("r")
         assert op.taken_pages == 0 and op.reason is TerminationReason.ABORTED
-        h.tree.terminate_prefetch("r")  # a second call changes nothing
+        h.tree.prefetcher.terminate("r")  # a second call changes nothing
         assert h.controller.metrics.counts["prefetch_aborted"] == 1
         exists.open()
         await assert_clean(h)

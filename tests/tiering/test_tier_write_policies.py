@@ -135,7 +135,7 @@ async def test_host_eviction_drops_copies_that_are_on_device_and_in_l3(tmp_path)
         node = next(n for n in h.tree.all_nodes() if n.value is not None)
         assert node.in_storage and node.host_value is not None
         used = h.host["kv"].used_pages
-        freed = h.tree.evict_host(used * PAGE)
+        freed = h.tree.host_evictor.evict(used * PAGE)
         assert freed == used * PAGE and h.host["kv"].used_pages == 0
         assert all(n.value is not None and n.host_value is None for n in h.tree.all_nodes())
         # Still served from the device; evicting the device backs the pages up again.

@@ -96,23 +96,9 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.001)
 
 
-def idle(h: Harness) -> bool:
-    """No background work left: ``Harness.settle`` alone misses a write job a worker is running
-    (it has left the queue), so this also asks that no host page is protected by an L3 write."""
-    storage, tree = h.controller.storage, h.tree
-    return not (
-        storage.queued_pages
-        or storage._prefetch_tasks
-        or storage.write_acks
-        or storage.finished_prefetches
-        or tree._pending_writes
-        or h.host[h.controller.anchor].protected_pages
-    )
-
-
 async def quiesce(h: Harness) -> None:
     """Run background work to its end and apply its results."""
-    await h.settle(until=lambda: idle(h))
+    await h.tree.quiesce(5.0)
 
 
 BASELINE = {
@@ -129,7 +115,7 @@ async def assert_clean(h: Harness) -> None:
     await quiesce(h)
     assert h.usage() == BASELINE
     nodes = h.tree.all_nodes()
-    on_host = sum(len(h.tree.host_pages(n)) for n in nodes if n.host_value is not None)
+    on_host = sum(len(n.host_value) for n in nodes if n.host_value is not None)
     assert h.host[h.controller.anchor].used_pages == on_host, "host pages leaked"
     assert h.kv.used_size == sum(n.length for n in nodes if n.value is not None), "slots leaked"
 
@@ -146,7 +132,7 @@ async def seed_l3(h: Harness, *sequences: list[int]) -> None:
     await quiesce(h)
     assert h.controller.metrics.counts["pages_written_l3"] > 0, "seeding wrote nothing to L3"
     h.tree.evict(10**6)
-    h.tree.evict_host(10**6)
+    h.tree.host_evictor.evict(10**6)
     assert h.host[h.controller.anchor].used_pages == 0 and h.kv.used_size == 0
     assert not h.tree.all_nodes()
 
@@ -155,5 +141,5 @@ def start_prefetch(h: Harness, rid: str, seq: list[int]) -> PrefetchOp:
     """Match ``seq`` and start its prefetch; the op (kept after the tree forgets it)."""
     key = RadixKey(seq)
     match = h.tree.match_prefix(key)
-    assert h.tree.prefetch_from_storage(rid, key, match), "prefetch was not started"
-    return h.tree._prefetches[rid]
+    assert h.tree.prefetcher.start(rid, key, match), "prefetch was not started"
+    return h.tree.prefetcher.running[rid]

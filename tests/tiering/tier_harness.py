@@ -154,30 +154,20 @@ class Harness:
         tree.check_events()
         return {"device": device_hit, "host": len(loaded), "computed": need}
 
-    async def settle(self, until: Callable[[], bool] | None = None, rounds: int = 200) -> None:
+    async def settle(self, until: Callable[[], bool] | None = None, timeout_s: float = 5.0) -> None:
         """Let background tasks run and apply their results, until ``until()`` or idle."""
-        for _ in range(rounds):
-            await asyncio.sleep(0.005)
+        if until is None:
+            await self.tree.quiesce(timeout_s)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
             self.tree.check_events()
-            storage = self.controller.storage
-            busy = (
-                storage.queued_pages
-                or storage._prefetch_tasks
-                or self.tree._pending_writes
-                or self.controller.anchor_host.protected_pages  # a write job still running
-            )
-            if until is not None and until():
+            if until():
                 return
-            if until is None and not busy and not storage.write_acks:
-                await asyncio.sleep(0.005)
-                self.tree.check_events()
-                if not (
-                    storage.queued_pages
-                    or storage._prefetch_tasks
-                    or self.controller.anchor_host.protected_pages
-                ):
-                    return
-        raise AssertionError("background work did not settle")
+            if loop.time() > deadline:
+                raise AssertionError("background work did not settle")
+            await self.tree.storage.wait_for_activity(0.005)
 
     def usage(self) -> dict[str, Any]:
         """What should return to baseline once idle."""
@@ -185,7 +175,7 @@ class Harness:
         return {
             "protected": tree.protected_size,
             "host_protected": self.host[self.controller.anchor].protected_pages,
-            "prefetch_pages": tree.prefetch_pages_in_use,
-            "prefetches": len(tree._prefetches),
+            "prefetch_pages": tree.prefetcher.pages_in_use,
+            "prefetches": len(tree.prefetcher.running),
             "locked_nodes": [n.id for n in tree.all_nodes() if n.lock_ref],
         }

@@ -38,7 +38,7 @@ async def test_small_run_reports_every_figure(name: str, tmp_path: pathlib.Path)
 
 
 async def test_nixl_baseline_runs_against_its_own_files(tmp_path: pathlib.Path) -> None:
-    from hicache.backends._nixl_agent import load_nixl_api
+    from hicache.backends.nixl.agent import load_nixl_api
     from hicache.errors import BackendUnavailableError
 
     try:

@@ -132,6 +132,7 @@ def test_bad_input_exits_2_and_changes_nothing(
     assert sorted(p.name for p in other.rglob("*")) == before and stale.exists()
 
 
+@pytest.mark.slow
 def test_bench_tools_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "tools", "--small-objects", "64", "--large-objects", "3"]
     code, out, _ = run_cli(capsys, *argv, "--large-bytes", "64K", "--repeats", "1", "--json")

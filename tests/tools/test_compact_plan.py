@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -75,6 +76,7 @@ def forests(draw: st.DrawFn) -> list[tuple[str, str | None, float, int]]:
     return nodes
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(forests(), st.integers(0, 20_000))
 def test_budget_eviction_is_lru_and_never_cuts_a_chain(

@@ -13,9 +13,9 @@ import xxhash
 from store_kit import StoreKit
 from test_verify import damage
 
-from hicache.backends._file_io import ReadBuffer
 from hicache.backends.bulk import BulkReader
 from hicache.backends.file import FileBackend
+from hicache.backends.file.io import ReadBuffer
 from hicache.backends.memory import MemoryBackend
 from hicache.codec import HEADER_SIZE, check_page, verify_page
 from hicache.errors import BadMagicError, CodecError

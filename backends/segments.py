@@ -1,0 +1,89 @@
+"""Buffers as backends see them: a value is one buffer or a list of them (scatter-gather segments).
+
+:func:`as_segments` turns what a caller passes into flat, C-contiguous byte views (the base class
+calls it once per value); the other helpers copy between such views and plain byte buffers.
+They are re-exported by :mod:`hicache.backends.base`, where backends import them from.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+from hicache.errors import InvalidArgumentError
+
+__all__ = [
+    "BufferLike",
+    "Segments",
+    "as_segments",
+    "copy_into_segments",
+    "fill_from_segments",
+    "join_segments",
+    "segments_nbytes",
+]
+
+BufferLike: TypeAlias = "bytes | bytearray | memoryview | Any"
+Segments: TypeAlias = "BufferLike | Sequence[BufferLike]"
+_FIELD_NAME_RE = re.compile(r":[^:]*:")
+
+
+def as_segments(value: Segments, writable: bool) -> list[memoryview]:
+    """``value`` as a list of flat byte views; raises :class:`InvalidArgumentError`."""
+    items = value if isinstance(value, (list, tuple)) else (value,)
+    out: list[memoryview] = []
+    for item in items:
+        try:
+            view = memoryview(item)
+        except (TypeError, ValueError):  # numpy raises ValueError for dtypes with no buffer
+            raise InvalidArgumentError(
+                f"a buffer must support the buffer protocol, not {type(item).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise InvalidArgumentError("buffers must be C-contiguous")
+        if writable and view.readonly:
+            raise InvalidArgumentError("get_into needs writable buffers")
+        if _holds_objects(view.format):
+            # Its bytes are object pointers: storing them is meaningless, reading into it unsafe.
+            raise InvalidArgumentError("a buffer of Python objects cannot be stored or filled")
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        out.append(view)
+    return out
+
+
+def _holds_objects(fmt: str) -> bool:
+    """Whether a PEP 3118 format has an object ('O') item; ``:name:`` field labels are skipped."""
+    return "O" in fmt and "O" in _FIELD_NAME_RE.sub("", fmt)
+
+
+def segments_nbytes(segments: Sequence[memoryview]) -> int:
+    if len(segments) == 1:  # the common case: one page, one view
+        return segments[0].nbytes
+    return sum(s.nbytes for s in segments)
+
+
+def join_segments(segments: Sequence[memoryview]) -> bytearray:
+    """One new buffer holding the segments back to back (one copy)."""
+    out = bytearray(segments_nbytes(segments))
+    fill_from_segments(segments, out)
+    return out
+
+
+def fill_from_segments(segments: Sequence[memoryview], target: bytearray) -> None:
+    """Copy ``segments`` back to back into ``target``, which holds exactly their bytes."""
+    view, offset = memoryview(target), 0
+    for seg in segments:
+        view[offset : offset + seg.nbytes] = seg
+        offset += seg.nbytes
+
+
+def copy_into_segments(source: memoryview, segments: Sequence[memoryview]) -> None:
+    """Copy ``source`` across ``segments`` in order; the caller checked it fits."""
+    offset, total = 0, source.nbytes
+    for seg in segments:
+        if offset >= total:
+            return
+        n = min(seg.nbytes, total - offset)
+        seg[:n] = source[offset : offset + n]
+        offset += n

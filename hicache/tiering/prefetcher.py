@@ -1,0 +1,178 @@
+"""L3 prefetch of requests: start, progress by stop policy, and what a stop leaves behind.
+
+``start`` reads the page-aligned part of a request after its device and host hit;
+``may_run`` tells the scheduler whether the request may run (the stop policy decides), and
+when a prefetch stops, the pages that arrived are handed to the tree at once, while host pages
+still being read are freed only once their reads have returned: a late read never lands in a
+page given to someone else.
+
+Host pages are granted to a prefetch the moment L3 has said how many leading pages it holds
+(:meth:`Prefetcher.grant`, called by the storage tier on the scheduler's event loop), within
+``capacity_share`` of the host pool, evicting host-only leaves if needed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from hicache.keys import RadixKey
+from hicache.radix.node import TreeNode
+from hicache.radix.tree import MatchResult
+from hicache.tiering.bundler import BundlePage, PageHasher
+from hicache.tiering.config import PrefetchConfig
+from hicache.tiering.host_eviction import HostEvictor
+from hicache.tiering.metrics import HiCacheMetrics
+from hicache.tiering.policies import TerminationReason, can_terminate, prefetch_timeout
+from hicache.tiering.storage_tier import PrefetchOp, StorageTier
+
+__all__ = ["PrefetchTarget", "Prefetcher"]
+
+
+class PrefetchTarget(Protocol):
+    """What the prefetcher needs of the tree it fills (the tiered cache)."""
+
+    def insert_prefetched(
+        self, key: RadixKey, start: int, pages: list[int], candidates: list[BundlePage]
+    ) -> int:
+        """Hang prefetched pages under the tree; how many were inserted (the rest is freed)."""
+
+
+class Prefetcher:
+    """The running prefetches of one tiered cache, by request id."""
+
+    def __init__(
+        self,
+        target: PrefetchTarget,
+        host: HostEvictor,
+        storage: StorageTier,
+        hasher: PageHasher,
+        config: PrefetchConfig,
+        clock: Callable[[], float],
+    ) -> None:
+        self._target = target
+        self._storage = storage
+        self._evictor = host
+        self._host = host.host
+        self._hasher = hasher
+        self.config = config
+        self._clock = clock
+        self.metrics: HiCacheMetrics = storage.metrics
+        self.page_size = hasher.page_size
+        self.running: dict[str, PrefetchOp] = {}
+        self.anchors: Counter[int] = Counter()  # node id -> prefetches hanging from it
+        self.pages_in_use = 0  # host pages held by prefetches not yet settled
+        self.inserted_tokens: dict[str, int] = {}  # rid -> tokens its prefetch inserted
+
+    # ----- starting -------------------------------------------------------------------------
+    def start(self, rid: str, key: RadixKey, match: MatchResult) -> bool:
+        """Read from L3 the page-aligned part of ``key`` after ``match``'s device and host hit.
+
+        Only when L3 is on, at least ``threshold_tokens`` are asked for and the request has no
+        prefetch yet; whether one started.
+        """
+        if not self._storage.enabled or not self.config.enabled or rid in self.running:
+            return False
+        start = match.prefix_len + match.host_hit_length
+        end = len(key) - len(key) % self.page_size
+        if end - start < self.config.threshold_tokens:
+            self.metrics.add("prefetch_skipped_small")
+            return False
+        last: TreeNode = match.last_host_node or match.last_device_node
+        candidates = self._hasher.candidates(key, start, end, last)
+        op = PrefetchOp(rid, candidates, self.grant, self._clock(), (last, key, start))
+        self.anchors[last.id] += 1
+        self.running[rid] = op
+        self._storage.start_prefetch(op)
+        return True
+
+    def grant(self, n_pages: int) -> list[int] | None:
+        """Host pages for a prefetch that found ``n_pages`` in L3: as many as the capacity
+        share and the host pool allow, or None."""
+        room = int(self.config.capacity_share * self._host.num_pages) - self.pages_in_use
+        if room < n_pages:
+            self.metrics.add("prefetch_skipped_capacity")
+            n_pages = max(room, 0)
+        if n_pages == 0:
+            return None
+        pages = self._evictor.alloc(n_pages)
+        if pages is None:
+            n_pages = min(n_pages, self._host.available_pages)
+            pages = self._host.alloc(n_pages) if n_pages else None
+        if pages is None:
+            return None
+        self.pages_in_use += len(pages)
+        return [int(p) for p in pages.tolist()]
+
+    # ----- stopping -------------------------------------------------------------------------
+    def may_run(self, rid: str) -> bool:
+        """Whether request ``rid`` may be scheduled now; stops its prefetch when it may."""
+        op = self.running.get(rid)
+        if op is None or op.taken_pages is not None:
+            return True
+        tokens = (op.hit_pages or 0) * self.page_size
+        cfg = self.config
+        timeout = prefetch_timeout(
+            cfg.timeout_base_s, cfg.timeout_per_1k_tokens_s, cfg.timeout_max_s, tokens
+        )
+        elapsed = self._clock() - op.start_s
+        # A failed call (an error, or one past its deadline that is still running) ends the
+        # wait: nothing more will arrive, whatever the policy.
+        finished = op.reads_finished or op.reason is not None
+        reason = can_terminate(cfg.stop_policy, finished, elapsed, timeout)
+        if reason is None:
+            return False
+        self._stop(op, (op.reason or reason) if finished else reason)
+        return True
+
+    def terminate(self, rid: str, reason: TerminationReason = TerminationReason.ABORTED) -> None:
+        """Stop ``rid``'s prefetch now, keeping what has arrived."""
+        op = self.running.get(rid)
+        if op is not None and op.taken_pages is None:
+            self._stop(op, reason)
+
+    def apply_finished(self) -> None:
+        """Settle prefetches whose reads have all returned (once per scheduler step)."""
+        finished = self._storage.finished_prefetches
+        while finished:
+            op = finished.popleft()
+            if op.taken_pages is None:
+                self._take(op, op.reason or TerminationReason.COMPLETE)
+            self._free_tail(op)
+
+    def _stop(self, op: PrefetchOp, reason: TerminationReason) -> None:
+        op.stop_requested = True
+        self._take(op, reason)
+        if op.reads_finished:
+            self._free_tail(op)
+
+    def _take(self, op: PrefetchOp, reason: TerminationReason) -> None:
+        """Insert the pages that arrived; the rest waits for its reads (``_free_tail``)."""
+        taken = op.completed_pages
+        op.taken_pages = taken
+        op.reason = reason
+        last, key, start = op.owner
+        self.anchors[last.id] -= 1
+        if self.anchors[last.id] <= 0:
+            del self.anchors[last.id]
+        inserted = 0
+        if taken:
+            pages, candidates = op.host_pages[:taken], op.candidates[:taken]
+            inserted = self._target.insert_prefetched(key, start, pages, candidates)
+        self.pages_in_use -= taken
+        self.metrics.add("l3_hit_tokens", inserted * self.page_size)
+        self.inserted_tokens[op.rid] = inserted * self.page_size
+        self.metrics.add("l3_miss_tokens", (len(op.candidates) - taken) * self.page_size)
+        self.metrics.add(f"prefetch_{reason.value}")
+
+    def _free_tail(self, op: PrefetchOp) -> None:
+        if op.taken_pages is None or self.running.get(op.rid) is not op:
+            return
+        tail = op.host_pages[op.taken_pages :]
+        if tail:
+            self._host.free(torch.tensor(tail, dtype=torch.int64))
+        self.pages_in_use -= len(tail)
+        del self.running[op.rid]
