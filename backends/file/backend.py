@@ -25,7 +25,6 @@ import logging
 import os
 import random
 import threading
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -42,22 +41,21 @@ from hicache.backends.base import (
     StorageBackend,
     TempFile,
 )
-from hicache.backends.file.bulk_read import picklable, read_in_processes, read_in_threads
+from hicache.backends.file.bulk_read import read_store
 from hicache.backends.file.io import (
-    ReadBuffer,
     aligned,
     fsync_dir,
-    is_fan_dir,
-    object_info,
     read_head,
     read_into,
-    read_tree,
     remove_if_stale,
+    scan_top,
     temp_files_in,
     temp_files_under,
+    top_dirs,
     unlink_quietly,
     write_all,
 )
+from hicache.backends.file.lru_index import LruIndex
 from hicache.errors import BackendError, BackendUnavailableError, ConfigError
 
 __all__ = ["FileBackend", "FileConfig"]
@@ -72,10 +70,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _READ_FLAGS = os.O_RDONLY | _CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
-_WIDE_READ_BYTES = 256 << 10  # read_all uses all its threads once objects average this size
-# Counters of this backend, on top of the base's; all kept under the backend's lock.
+# Counters of this backend, on top of the base's (evictions: the index's).
 _COUNTERS = (
-    "evictions",
     "enospc",
     "put_errors",
     "put_too_large",
@@ -134,11 +130,8 @@ class FileBackend(StorageBackend):
         super().__init__()
         self.config = config
         self._root = config.root
-        # Guards the index, pins and counters; every blocking call runs in worker threads.
-        self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recent first
-        self._used = 0
-        self._pins: dict[str, int] = {}  # keys this process is reading or publishing: no eviction
+        self._index = LruIndex(config.max_bytes, self._evict_locked)
+        self._count_lock = threading.Lock()  # the counters; blocking calls run in threads
         self._n = dict.fromkeys(_COUNTERS, 0)
         self._warned: set[str] = set()
         self._o_direct = config.o_direct and bool(_O_DIRECT)  # off once the filesystem refuses
@@ -174,12 +167,9 @@ class FileBackend(StorageBackend):
                 f"file backend root {root} is unusable ({what}): point root at a directory this "
                 "process can create and write (check the path, its permissions and its mount)"
             ) from None
-        found = [info for top in self._top_dirs() for info in self._scan_top(top, "")]
+        found = [info for top in top_dirs(self._root) for info in scan_top(self._root, top, "")]
         found.sort(key=lambda info: info.mtime)
-        with self._lock:
-            self._index = OrderedDict((info.key, info.size) for info in found)
-            self._used = sum(self._index.values())
-            self._make_room_locked(0, exclude="")  # the cap may have been lowered since last time
+        self._index.load((info.key, info.size) for info in found)
         if self.config.o_direct and not _O_DIRECT:
             logger.warning("o_direct asked for but this platform has no O_DIRECT; reads buffered")
 
@@ -198,8 +188,8 @@ class FileBackend(StorageBackend):
 
     async def _scan(self, prefix: str) -> AsyncIterator[ObjectInfo]:
         # One thread hop per first-level directory: bounded memory, and the loop stays free.
-        for top in await asyncio.to_thread(self._top_dirs):
-            for info in await asyncio.to_thread(self._scan_top, top, prefix):
+        for top in await asyncio.to_thread(top_dirs, self._root):
+            for info in await asyncio.to_thread(scan_top, self._root, top, prefix):
                 yield info
 
     async def _peek(self, keys: list[str], nbytes: int) -> list[bytes | None]:
@@ -224,16 +214,8 @@ class FileBackend(StorageBackend):
         to them (a module-level function) and the store is big enough to pay for starting them.
         """
         self._check_open()
-        names = await asyncio.to_thread(self._top_dirs)
-        buf = ReadBuffer(1 << 20)
-        first = await asyncio.to_thread(read_tree, self._root, names[:1], prefix, check, buf)
-        yield self._account(first)
-        rest = names[1:]
-        small = not first[0] or first[1] < len(first[0]) * _WIDE_READ_BYTES
-        if processes > 1 and small and len(rest) >= 16 * processes and picklable(check):
-            outcomes = read_in_processes(self._root, rest, prefix, check, processes)
-        else:
-            outcomes = read_in_threads(self._root, rest, prefix, check, threads, wide=not small)
+        names = await asyncio.to_thread(top_dirs, self._root)
+        outcomes = read_store(self._root, names, prefix, check, threads, processes)
         async with contextlib.aclosing(outcomes) as batches:
             async for outcome in batches:
                 yield self._account(outcome)
@@ -245,7 +227,7 @@ class FileBackend(StorageBackend):
         return results
 
     def _count_read_errors(self, failed: int) -> None:
-        with self._lock:
+        with self._count_lock:
             self._n["read_errors"] += failed
         self._warn_once("read", f"{failed} objects could not be read")
 
@@ -255,7 +237,7 @@ class FileBackend(StorageBackend):
         self._check_open()
         for info in await asyncio.to_thread(temp_files_in, self._root, ""):  # open()'s probe
             yield info
-        for top in await asyncio.to_thread(self._top_dirs):
+        for top in await asyncio.to_thread(top_dirs, self._root):
             for info in await asyncio.to_thread(temp_files_under, self._root, top):
                 yield info
 
@@ -270,16 +252,16 @@ class FileBackend(StorageBackend):
         return removed
 
     async def _stats(self) -> dict[str, int | float]:
-        with self._lock:
+        with self._count_lock:
             out: dict[str, int | float] = dict(self._n)
-            out.update(objects=len(self._index), used_bytes=self._used)
+        with self._index.lock:
+            out.update(objects=len(self._index), used_bytes=self._index.used)
+            out["evictions"] = self._index.evictions
         out["max_bytes"] = self.config.max_bytes or 0
         return out
 
     async def _close(self) -> None:
-        with self._lock:
-            self._index.clear()
-            self._used = 0
+        self._index.clear()
 
     async def _in_threads(
         self, fn: Callable[[str, Any], T], keys: list[str], items: Sequence[Any]
@@ -307,8 +289,8 @@ class FileBackend(StorageBackend):
 
     def _delete_one(self, key: str, _: object) -> bool:
         path = f"{self._dir_of(key)}/{key}"
-        # Under the lock so that an eviction cannot interleave with it.
-        with self._lock:
+        # Under the index lock so that an eviction cannot interleave with it.
+        with self._index.lock:
             try:
                 os.unlink(path)
                 found = True
@@ -316,7 +298,7 @@ class FileBackend(StorageBackend):
                 found = False
             except OSError as exc:
                 raise BackendError(f"cannot delete {path}: {exc.strerror}") from exc
-            self._drop_locked(key)
+            self._index.drop_locked(key)
         return found
 
     def _peek_one(self, key: str, nbytes: int) -> bytes | None:
@@ -338,7 +320,7 @@ class FileBackend(StorageBackend):
         tmp = ""
         try:
             tmp = self._write_temp(directory, key, segs, size)
-            if not self._admit(key, size):
+            if not self._index.admit(key, size):
                 unlink_quietly(tmp)
                 self._bump("put_no_room")
                 return False
@@ -346,7 +328,7 @@ class FileBackend(StorageBackend):
                 os.replace(tmp, f"{directory}/{key}")
                 tmp = ""
             finally:
-                self._settle(key, None, present=not tmp)
+                self._index.settle(key, None, present=not tmp)
             if self.config.fsync:  # on failure the object is visible, but maybe not durable
                 fsync_dir(directory)
             return True
@@ -382,29 +364,16 @@ class FileBackend(StorageBackend):
             fsync_dir(os.path.dirname(directory))
             fsync_dir(self._root)
 
-    def _admit(self, key: str, size: int) -> bool:
-        """Account ``size`` bytes for ``key`` (evicting if needed) and pin it until published."""
-        with self._lock:
-            old = self._index.get(key, 0)
-            if not self._make_room_locked(size - old, exclude=key):
-                return False
-            self._index.pop(key, None)
-            self._index[key] = size
-            self._used += size - old
-            self._pins[key] = self._pins.get(key, 0) + 1
-        return True
-
     def _put_failed(self, key: str, exc: OSError) -> None:
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        with self._lock:
+        with self._count_lock:
             self._n["put_errors"] += 1
             self._n["enospc"] += full
         self._warn_once("enospc" if full else "put", f"put of {key!r} failed: {exc}")
 
     # ----- get ------------------------------------------------------------------------------
     def _get_one(self, key: str, segs: list[memoryview]) -> int:
-        with self._lock:
-            self._pins[key] = self._pins.get(key, 0) + 1
+        self._index.pin(key)
         size, present = MISS, True
         try:
             size = self._read(f"{self._dir_of(key)}/{key}", segs)
@@ -414,7 +383,7 @@ class FileBackend(StorageBackend):
             self._bump("read_errors")
             self._warn_once("read", f"read of {key!r} failed: {exc}")
         finally:
-            self._settle(key, size if size >= 0 else None, present)
+            self._index.settle(key, size if size >= 0 else None, present)
         return size
 
     def _read(self, path: str, segs: list[memoryview]) -> int:
@@ -459,51 +428,17 @@ class FileBackend(StorageBackend):
         self._o_direct = False  # for good: this filesystem will refuse every time
         self._warn_once("o_direct", f"{self._root} refuses O_DIRECT; reads are buffered")
 
-    # ----- index (the caller holds the lock only for names ending in _locked) -----------------
-    def _settle(self, key: str, size: int | None, present: bool) -> None:
-        """Unpin ``key`` after a read or publish; note its size, or drop it when it is gone."""
-        with self._lock:
-            left = self._pins[key] - 1
-            if left:
-                self._pins[key] = left
-            else:
-                del self._pins[key]
-            if size is not None:
-                old = self._index.pop(key, 0)  # another process may have replaced or written it
-                self._index[key] = size
-                self._used += size - old
-            elif not present:
-                self._drop_locked(key)
-
-    def _drop_locked(self, key: str) -> None:
-        self._used -= self._index.pop(key, 0)
-
-    def _make_room_locked(self, extra: int, exclude: str) -> bool:
-        """Evict least recently used, unpinned objects until ``extra`` more bytes fit."""
-        cap = self.config.max_bytes
-        need = 0 if cap is None else self._used + extra - cap
-        victims: list[str] = []
-        for key, size in self._index.items():
-            if need <= 0:
-                break
-            if key != exclude and key not in self._pins:
-                victims.append(key)
-                need -= size
-        if need > 0:
-            return False
-        for key in victims:
-            self._used -= self._index.pop(key)
-            self._n["evictions"] += 1
-            try:
-                os.unlink(f"{self._dir_of(key)}/{key}")
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._warn_once("evict", f"cannot evict {key!r}: {exc}")
-        return True
+    # ----- eviction (called by the index, under its lock) ----------------------------------
+    def _evict_locked(self, key: str) -> None:
+        try:
+            os.unlink(f"{self._dir_of(key)}/{key}")
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._warn_once("evict", f"cannot evict {key!r}: {exc}")
 
     def _bump(self, counter: str) -> None:
-        with self._lock:
+        with self._count_lock:
             self._n[counter] += 1
 
     def _warn_once(self, kind: str, message: str) -> None:
@@ -512,32 +447,3 @@ class FileBackend(StorageBackend):
         first = kind not in self._warned
         self._warned.add(kind)
         logger.log(logging.WARNING if first else logging.DEBUG, "%s (root %s)", message, self._root)
-
-    # ----- scanning (worker threads) ------------------------------------------------------
-    def _top_dirs(self) -> list[str]:
-        try:
-            with os.scandir(self._root) as it:
-                return [e.name for e in it if is_fan_dir(e)]
-        except FileNotFoundError:
-            return []
-
-    def _scan_top(self, top: str, prefix: str) -> list[ObjectInfo]:
-        out: list[ObjectInfo] = []
-        base = f"{self._root}/{top}"
-        try:
-            with os.scandir(base) as it:
-                subs = [e.name for e in it if is_fan_dir(e)]
-        except FileNotFoundError:
-            return out
-        for sub in subs:
-            try:
-                with os.scandir(f"{base}/{sub}") as it:
-                    for entry in it:
-                        name = entry.name
-                        if name[0] != "." and name.startswith(prefix):
-                            info = object_info(entry, top + sub)
-                            if info is not None:
-                                out.append(info)
-            except FileNotFoundError:
-                continue
-        return out

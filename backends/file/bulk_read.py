@@ -9,6 +9,7 @@ processes; large ones stay in threads, whose copies and checksums run outside th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import pickle
 from collections.abc import AsyncGenerator, Callable
@@ -17,7 +18,9 @@ from typing import TypeVar
 
 from hicache.backends.file.io import ReadBuffer, read_groups, read_tree
 
-__all__ = ["picklable", "read_in_processes", "read_in_threads"]
+__all__ = ["picklable", "read_in_processes", "read_in_threads", "read_store"]
+
+_WIDE_READ_BYTES = 256 << 10  # all threads are used once objects average this size
 
 T = TypeVar("T")
 
@@ -84,3 +87,31 @@ def picklable(fn: object) -> bool:
     except (pickle.PicklingError, AttributeError, TypeError):
         return False
     return True
+
+
+async def read_store(
+    root: str,
+    names: list[str],
+    prefix: str,
+    check: Callable[[str, memoryview], T],
+    threads: int,
+    processes: int,
+) -> AsyncGenerator[tuple[list[T], int, int], None]:
+    """``(results, bytes, failures)`` per group of the top-level directories ``names``.
+
+    One thread reads the first directory; it tells how large objects are. Small objects cost
+    mostly Python, so a large store of them goes to ``processes`` worker processes when
+    ``check`` can be sent there; large objects go to ``threads`` threads, all of them busy.
+    """
+    buf = ReadBuffer(1 << 20)
+    first = await asyncio.to_thread(read_tree, root, names[:1], prefix, check, buf)
+    yield first
+    rest = names[1:]
+    small = not first[0] or first[1] < len(first[0]) * _WIDE_READ_BYTES
+    if processes > 1 and small and len(rest) >= 16 * processes and picklable(check):
+        outcomes = read_in_processes(root, rest, prefix, check, processes)
+    else:
+        outcomes = read_in_threads(root, rest, prefix, check, threads, wide=not small)
+    async with contextlib.aclosing(outcomes) as batches:
+        async for outcome in batches:
+            yield outcome

@@ -27,6 +27,8 @@ __all__ = [
     "aligned",
     "fsync_dir",
     "is_fan_dir",
+    "scan_top",
+    "top_dirs",
     "object_info",
     "read_head",
     "read_groups",
@@ -289,3 +291,35 @@ def _fan_dirs(base: str, top: str) -> list[tuple[str, str]]:
             return [(f"{base}/{e.name}", top + e.name) for e in it if is_fan_dir(e)]
     except FileNotFoundError:
         return []
+
+
+def top_dirs(root: str) -> list[str]:
+    """The store's first-level fan-out directories."""
+    try:
+        with os.scandir(root) as it:
+            return [e.name for e in it if is_fan_dir(e)]
+    except FileNotFoundError:
+        return []
+
+
+def scan_top(root: str, top: str, prefix: str) -> list[ObjectInfo]:
+    """Every object under ``root/top`` whose key starts with ``prefix``."""
+    out: list[ObjectInfo] = []
+    base = f"{root}/{top}"
+    try:
+        with os.scandir(base) as it:
+            subs = [e.name for e in it if is_fan_dir(e)]
+    except FileNotFoundError:
+        return out
+    for sub in subs:
+        try:
+            with os.scandir(f"{base}/{sub}") as it:
+                for entry in it:
+                    name = entry.name
+                    if name[0] != "." and name.startswith(prefix):
+                        info = object_info(entry, top + sub)
+                        if info is not None:
+                            out.append(info)
+        except FileNotFoundError:
+            continue
+    return out

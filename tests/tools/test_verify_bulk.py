@@ -15,7 +15,7 @@ from test_verify import damage
 
 from hicache.backends.bulk import BulkReader
 from hicache.backends.file import FileBackend
-from hicache.backends.file.io import ReadBuffer
+from hicache.backends.file.io import ReadBuffer, top_dirs
 from hicache.backends.memory import MemoryBackend
 from hicache.codec import HEADER_SIZE, check_page, verify_page
 from hicache.errors import BadMagicError, CodecError
@@ -133,7 +133,7 @@ async def test_worker_processes_report_the_same_as_one_thread(file_kit: StoreKit
         chains.append(await file_kit.chain(8))
     backend = file_kit.backend
     assert isinstance(backend, FileBackend)
-    tops = len(await asyncio.to_thread(backend._top_dirs))
+    tops = len(await asyncio.to_thread(top_dirs, backend.config.root))
     assert tops > 1 + 16 * 2  # so the process path is taken, not the thread path
     spawned = await verify_store(backend, VerifyOptions(processes=2))
     threaded = await verify_store(backend, VerifyOptions(processes=1))
