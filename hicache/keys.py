@@ -35,6 +35,7 @@ __all__ = [
     "PageKeyScheme",
     "RadixKey",
     "StorageFormat",
+    "ValidKey",
     "chain_packed_hashes",
     "chain_page_hashes",
     "namespace_digest",
@@ -55,8 +56,19 @@ _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]*\Z")
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
 
 
-def validate_key(key: object) -> str:
-    """Return ``key`` if it is a valid storage key, else raise :class:`InvalidKeyError`."""
+class ValidKey(str):
+    """A string known to be a valid storage key: :func:`storage_key` makes them (valid by
+    construction) and :func:`validate_key` returns them, so checking one again, in a backend or
+    in each wrapper around it, is a type check instead of a regex."""
+
+    __slots__ = ()
+
+
+def validate_key(key: object) -> ValidKey:
+    """Return ``key`` as a :class:`ValidKey` if it is a valid storage key, else raise
+    :class:`InvalidKeyError`."""
+    if type(key) is ValidKey:
+        return key
     if not isinstance(key, str):
         raise InvalidKeyError(f"a key must be a str, not {type(key).__name__}")
     if not key or len(key) > KEY_MAX_LEN:
@@ -66,7 +78,7 @@ def validate_key(key: object) -> str:
             f"invalid key {key!r}: use ASCII letters, digits, '.', '_' and '-', "
             "start with a letter, digit or '_', and never '..'"
         )
-    return key
+    return ValidKey(key)
 
 
 def validate_key_prefix(prefix: object) -> str:
@@ -288,11 +300,12 @@ class StorageFormat:
         object.__setattr__(self, "digest", hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
-def storage_key(namespace: bytes, fmt: StorageFormat, page_hash: bytes) -> str:
-    """The backend key of one page: namespace tag, format digest, page hash."""
+def storage_key(namespace: bytes, fmt: StorageFormat, page_hash: bytes) -> ValidKey:
+    """The backend key of one page: namespace tag, format digest, page hash (hex digits and
+    dashes only, 98 characters: valid by construction)."""
     if len(page_hash) != HASH_BYTES or len(namespace) != HASH_BYTES:
         raise InvalidArgumentError("namespace and page hash must be 32-byte digests")
-    return f"{namespace[:8].hex()}-{fmt.digest}-{page_hash.hex()}"
+    return ValidKey(f"{namespace[:8].hex()}-{fmt.digest}-{page_hash.hex()}")
 
 
 class PageKeyScheme:

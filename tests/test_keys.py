@@ -16,6 +16,7 @@ from hicache.keys import (
     PageKeyScheme,
     RadixKey,
     StorageFormat,
+    ValidKey,
     chain_page_hashes,
     namespace_digest,
     storage_key,
@@ -217,3 +218,14 @@ def test_valid_keys_and_prefixes() -> None:
     for bad in ("/", "..", ".a", "-a", "é"):
         with pytest.raises(InvalidKeyError):
             validate_key_prefix(bad)
+
+
+def test_valid_keys_are_checked_once() -> None:
+    fmt = StorageFormat("m", DType.BFLOAT16, Layout.PAGE_FIRST, 4)
+    made = storage_key(bytes(32), fmt, bytes(range(32)))
+    assert type(made) is ValidKey and validate_key(made) is made  # no second regex
+    checked = validate_key("plain-key_1.x")
+    assert type(checked) is ValidKey and checked == "plain-key_1.x"
+    assert validate_key(checked) is checked
+    with pytest.raises(InvalidKeyError):
+        validate_key("../escape")

@@ -170,7 +170,10 @@ async def _run_one(
     if not args.quiet and not args.json:
         print(file=sys.stderr)
     metrics = setup.controller.metrics.as_dict() if setup.controller else {}
-    metrics["bytes_staged"] = float(l3.get("bytes_staged", 0))
+    # A wrapped L3 (--l3-bandwidth) reports its inner backend's counters as "inner.<name>".
+    metrics["bytes_staged"] = float(
+        sum(v for k, v in l3.items() if k.rsplit(".", 1)[-1] == "bytes_staged")
+    )
     row = summarize(mode.value, records, wall, metrics)
     row["rounds_ttft_ms"] = _ttft_by_round(records)
     return row, outputs, prompts

@@ -42,6 +42,7 @@ from hicache.keys import (
 from hicache.layouts import Layout, page_shape, storage_layout
 from hicache.pools.host import HostPool
 from hicache.radix.node import TreeNode
+from hicache.tiering.metrics import HiCacheMetrics
 
 __all__ = ["BundlePage", "Namespace", "PageBundler", "PageHasher"]
 
@@ -137,6 +138,7 @@ class PageBundler:
         host_pools: Mapping[str, HostPool],
         shard: str = "tp0of1",
         compress: bool = False,
+        metrics: HiCacheMetrics | None = None,
     ) -> None:
         if not host_pools:
             raise InvalidArgumentError("a bundle needs at least one host pool")
@@ -169,7 +171,8 @@ class PageBundler:
             self._page_bytes[name] = rows.view(torch.uint8).numpy() if rows is not None else None
             arena = np.zeros((pool.num_pages, HEADER_SIZE), np.uint8) if contiguous else None
             self._headers[name] = arena
-        self.counters = {"pages_written": 0, "pages_loaded": 0, "missing": 0, "corrupt": 0}
+        # Pages that were missing or failed their checks on read, counted where they are seen.
+        self.metrics = metrics or HiCacheMetrics()
 
     def registrable_memory(self) -> list[np.ndarray]:
         """The host memory that pages move from and to without a copy: each contiguous pool's
@@ -216,7 +219,6 @@ class PageBundler:
         ok = [True] * len(pages)
         for i, landed in zip(owners, stored, strict=True):
             ok[i] = ok[i] and landed
-        self.counters["pages_written"] += sum(ok)
         return ok
 
     async def read(
@@ -254,7 +256,6 @@ class PageBundler:
                 continue
             if self.host_pools[name].layout is Layout.LAYER_FIRST:
                 self.host_pools[name].write_page(host_page(i, name), torch.from_numpy(target))
-        self.counters["pages_loaded"] += bad_page
         return bad_page
 
     def _header_slot(self, name: str, host_page: int) -> np.ndarray | bytearray:
@@ -267,12 +268,12 @@ class PageBundler:
         self, key: str, header: np.ndarray | bytearray, target: object, n: int, meta: PageMeta
     ) -> bool:
         if n < 0:
-            self.counters["missing"] += 1
+            self.metrics.add("missing_pages")
             return False
         try:
             check_into(key, header, target, n, meta)
         except (CodecError, InvalidArgumentError):
-            self.counters["corrupt"] += 1
+            self.metrics.add("corrupt_pages")
             return False
         return True
 

@@ -82,8 +82,9 @@ class HiCacheController:
         self._d2h = TransferStream(device)
         self._h2d = TransferStream(device)
         self.page_bytes = sum(p.spec.page_bytes for p in self.host_pools.values())
+        storage = config.storage
         self.bundler = PageBundler(
-            config.storage.model_id, self.host_pools, config.storage.shard, config.storage.compress
+            storage.model_id, self.host_pools, storage.shard, storage.compress, self.metrics
         )
         self.storage = StorageTier(config.storage, config.prefetch, self.bundler, self.metrics)
         self.metrics.gauge("l3_enabled", lambda: float(self.storage.enabled))

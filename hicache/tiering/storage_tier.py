@@ -301,14 +301,11 @@ class StorageTier:
                 return
             into = pages[lo : lo + step]
             batch = op.candidates[lo : lo + len(into)]
-            before = dict(self.bundler.counters)
             started = time.perf_counter()
             loaded = await self._bounded(
                 self.bundler.read(backend, batch, keys[lo : lo + len(into)], into), op
             )
             self._observe_read(len(into) * self.page_bytes, time.perf_counter() - started)
-            for name, metric in (("corrupt", "corrupt_pages"), ("missing", "missing_pages")):
-                self.metrics.add(metric, self.bundler.counters[name] - before[name])
             if loaded is None:
                 return
             if not op.stop_requested:

@@ -72,7 +72,7 @@ async def test_a_page_missing_one_pool_ends_the_hit() -> None:
     await bundler.write(backend, pages)
     await backend.delete([bundler.keys(pages[2])["indexer"]])  # the latent of page 2 is still there
     assert await bundler.read(backend, pages) == 2
-    assert bundler.counters["missing"] == 1
+    assert bundler.metrics.counts["missing_pages"] == 1
 
 
 async def test_corrupt_objects_are_misses_never_loaded() -> None:
@@ -85,7 +85,7 @@ async def test_corrupt_objects_are_misses_never_loaded() -> None:
     )
     reader = PageBundler("tiny-model", host_pools(PoolPreset.DENSE, Layout.PAGE_FIRST, None))
     assert await reader.read(flaky, pages) == 0
-    assert reader.counters["corrupt"] >= 1
+    assert reader.metrics.counts["corrupt_pages"] >= 1
 
 
 async def test_another_model_or_layout_never_hits() -> None:

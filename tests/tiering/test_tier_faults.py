@@ -82,7 +82,7 @@ async def test_missing_objects_are_misses() -> None:
         prefetch = start_prefetch(h, "r", SEQ)
         await until(lambda: prefetch.reads_finished)
         assert h.tree.prefetcher.may_run("r") is True
-        assert prefetch.completed_pages == 0 and h.controller.bundler.counters["missing"] >= 1
+        assert prefetch.completed_pages == 0 and h.controller.metrics.counts["missing_pages"] >= 1
         assert h.controller.metrics.counts["missing_pages"] >= 1
         assert h.controller.metrics.counts["l3_hit_tokens"] == 0
         assert h.run_request("r", SEQ)["computed"] == 32
@@ -100,7 +100,7 @@ async def test_corrupt_reads_are_misses_and_the_kv_stays_exact() -> None:
         await until(lambda: prefetch.reads_finished)
         assert h.tree.prefetcher.may_run("r") is True
         assert prefetch.completed_pages == 0
-        assert h.controller.bundler.counters["corrupt"] >= 1
+        assert h.controller.metrics.counts["corrupt_pages"] >= 1
         assert h.controller.metrics.counts["corrupt_pages"] >= 1
         assert (await backend.stats())["injected_corruptions"] >= 1
         assert h.run_request("r", SEQ) == {"device": 0, "host": 0, "computed": 32}
@@ -137,7 +137,7 @@ async def test_a_page_corrupted_at_rest_cuts_the_hit_there() -> None:
         prefetch = start_prefetch(h, "r", SEQ)
         await until(lambda: prefetch.reads_finished)
         assert h.tree.prefetcher.may_run("r") is True
-        assert prefetch.completed_pages == 3 and h.controller.bundler.counters["corrupt"] == 1
+        assert prefetch.completed_pages == 3 and h.controller.metrics.counts["corrupt_pages"] == 1
         assert h.controller.metrics.counts["corrupt_pages"] == 1
         # pages 0-2 come from L3 and must hold exactly the recomputed KV
         assert h.run_request("r", SEQ) == {"device": 0, "host": 12, "computed": 20}
