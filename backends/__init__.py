@@ -6,3 +6,23 @@ module; a backend of several modules is a subpackage whose ``__init__`` exports 
 its config: ``file``, ``shm``, ``fsspec``, ``mooncake``, ``nixl``, ``hf3fs``. Wrappers (faults,
 latency, a thread of its own) are in :mod:`.wrappers`.
 """
+
+from hicache.backends.base import Capabilities, ObjectInfo, StorageBackend
+from hicache.backends.registered_memory import MemoryRegistrar
+from hicache.backends.registry import (
+    get_backend_class,
+    list_backends,
+    open_backend,
+    register_backend,
+)
+
+__all__ = [
+    "Capabilities",
+    "MemoryRegistrar",
+    "ObjectInfo",
+    "StorageBackend",
+    "get_backend_class",
+    "list_backends",
+    "open_backend",
+    "register_backend",
+]
