@@ -2,12 +2,14 @@
 
 from hicache.radix.eviction import EvictionPolicy
 from hicache.radix.node import TreeNode
+from hicache.radix.pool_ledger import PoolLedger
 from hicache.radix.shadow import ShadowInsertResult, ShadowMatchResult, ShadowRadixCache
 from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
 
 __all__ = [
     "EvictionPolicy",
     "MatchResult",
+    "PoolLedger",
     "RadixCache",
     "RadixCacheConfig",
     "ShadowInsertResult",

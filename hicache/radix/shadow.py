@@ -18,16 +18,19 @@ A match is usable up to the longest prefix for which every pool's hit rule holds
 hybrid prefix ends at a node end with a snapshot. The match splits a node when that end falls
 inside it, counts hits only on the usable part, and returns each pool's slots.
 
-Two counters lock: the tree lock (``inc_lock_ref``) keeps nodes and anchor data; a pool lock
-(``inc_pool_lock``) keeps one pool's data on the nodes of a path that the pool needs (an SWA
-window's nodes, a state's end node, the whole path otherwise). ``evict_pool`` frees a pool's data
-on nodes that pool has not locked, whatever the tree lock says; ``evict`` never removes a node
-that any pool has locked. A pool lock is recorded by where it starts on the path, so a later
-split hands the upper half exactly the locks that reach it and ``dec_pool_lock`` stays exact.
+The tree keeps the structure (match, insert, split, evict); the extra pools' data, their locks
+and every pool's sizes are kept by its :class:`~hicache.radix.pool_ledger.PoolLedger`
+(``tree.ledger``), which the tree calls when a node gains, loses or splits data.
 
-Sizes per pool (``pool_size``, ``pool_evictable``, ``pool_protected``) count slots (tokens for a
-per-token pool, snapshots for a per-sequence one) and are kept exact; "protected" means the pool
-has locked the data. ``evict_pool`` scans the tree (LRU, shallow nodes first on ties): it is
+Two counters lock: the tree lock (``inc_lock_ref``) keeps nodes and anchor data; a pool lock
+(``tree.ledger.lock``) keeps one pool's data on the nodes of a path that the pool needs (an SWA
+window's nodes, a state's end node, the whole path otherwise). ``evict_pool`` frees a pool's
+data on nodes that pool has not locked, whatever the tree lock says; ``evict`` never removes a
+node that any pool has locked.
+
+Sizes per pool (``tree.ledger.size``, ``evictable``, ``protected``) count slots (tokens for a
+per-token pool, snapshots for a per-sequence one) and are kept exact; "protected" means a lock
+holds the data. ``evict_pool`` scans the tree (LRU, shallow nodes first on ties): it is
 O(nodes log nodes), unlike the anchor's lazy heap.
 """
 
@@ -44,9 +47,9 @@ from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.pools.pool_spec import ModelPools, common_usable_prefix
 from hicache.radix.node import TreeNode
+from hicache.radix.pool_ledger import PoolLedger
 from hicache.radix.shadow_rules import (
     check_pool_values,
-    lock_start,
     path_presence,
     peek_path,
     pool_indices,
@@ -81,7 +84,8 @@ class ShadowInsertResult:
 
 
 class ShadowRadixCache(RadixCache):
-    """A radix tree whose nodes map onto every pool of ``pools``."""
+    """A radix tree whose nodes map onto every pool of ``pools``; ``ledger`` holds the extra
+    pools' per-node data and locks, and every pool's sizes."""
 
     def __init__(
         self,
@@ -103,24 +107,7 @@ class ShadowRadixCache(RadixCache):
         self.pools = pools
         self.roles = roles
         self.allocators = dict(allocators)
-        self._held = dict.fromkeys(roles.extra, 0)
-        self._locked = dict.fromkeys(roles.extra, 0)
-
-    # ----- sizes ----------------------------------------------------------------------------
-    def pool_size(self, name: str) -> int:
-        """Slots of pool ``name`` the tree holds (a sidecar: its owner's)."""
-        owner = self.roles.owner(name)
-        return self.total_size if owner == self.roles.anchor else self._held[owner]
-
-    def pool_protected(self, name: str) -> int:
-        owner = self.roles.owner(name)
-        return self.protected_size if owner == self.roles.anchor else self._locked[owner]
-
-    def pool_evictable(self, name: str) -> int:
-        owner = self.roles.owner(name)
-        if owner == self.roles.anchor:
-            return self.evictable_size
-        return self._held[owner] - self._locked[owner]
+        self.ledger = PoolLedger(roles, allocators, self.page_size, self, self._requeue)
 
     # ----- matching -------------------------------------------------------------------------
     def match_prefix(self, key: RadixKey, count_hits: bool = True) -> ShadowMatchResult:
@@ -242,56 +229,27 @@ class ShadowRadixCache(RadixCache):
         given: dict[str, torch.Tensor],
         unused: dict[str, list[torch.Tensor]],
     ) -> None:
-        depth = 0
+        """Give each node of ``path`` (the inserted key's) the caller's slots of every pool
+        that holds nothing there; slots a node does not take go to ``unused``."""
+        ledger, depth = self.ledger, 0
         for node in path:
             for name in self.roles.token_pools:
                 if name not in given:
                     continue
                 piece = given[name][depth : depth + node.length]
-                if self._data(node, name) is None and bool((piece >= 0).all()):
-                    self._set_data(node, name, piece.clone())
+                if ledger.data(node, name) is None and bool((piece >= 0).all()):
+                    ledger.put(node, name, piece.clone())
                 else:
                     unused[name].append(piece[piece >= 0])
             depth += node.length
         for name in self.roles.state_pools:
             if name in given:
-                if self._data(path[-1], name) is None:
-                    self._set_data(path[-1], name, given[name].clone())
+                if ledger.data(path[-1], name) is None:
+                    ledger.put(path[-1], name, given[name].clone())
                 else:
                     unused[name].append(given[name])
 
-    # ----- pool locks and pool eviction -----------------------------------------------------
-    def inc_pool_lock(self, node: TreeNode, pool: str, pages: int | None = None) -> None:
-        """Keep ``pool``'s data on the nodes of ``node``'s path that it needs from evict_pool
-        and evict: the last ``pages`` pages (default: an SWA pool's window, a state pool's end
-        node, every page otherwise). A sidecar name locks its owner."""
-        name, start, targets = self._lock_targets(node, pool, pages)
-        for n in targets:
-            locks = self._locks(n, name, create=True)
-            if not locks and self._data(n, name) is not None:
-                self._locked[name] += self._amount(n, name)
-            locks[start] = locks.get(start, 0) + 1
-
-    def dec_pool_lock(self, node: TreeNode, pool: str, pages: int | None = None) -> None:
-        """Undo one :meth:`inc_pool_lock` with the same arguments; raises, changing nothing,
-        if that lock is not held."""
-        name, start, targets = self._lock_targets(node, pool, pages)
-        if any(self._locks(n, name).get(start, 0) <= 0 for n in targets):
-            raise InvalidArgumentError(f"dec_pool_lock below zero on {node!r} for pool {name!r}")
-        for n in targets:
-            locks = self._locks(n, name)
-            locks[start] -= 1
-            if not locks[start]:
-                del locks[start]
-            if not locks and self._data(n, name) is not None:
-                self._locked[name] -= self._amount(n, name)
-            if self._is_evictable_leaf(n):
-                self._push(n)
-
-    def pool_lock_ref(self, node: TreeNode, pool: str) -> int:
-        """How many locks of ``pool`` (a sidecar: its owner) hold ``node``."""
-        return sum(self._locks(node, self.roles.extra_owner(pool)).values())
-
+    # ----- pool eviction --------------------------------------------------------------------
     def evict_pool(self, pool: str, num_slots: int) -> int:
         """Free at least ``num_slots`` of ``pool``'s slots, least recently used nodes first,
         from nodes that pool has not locked; no node is removed and no other pool is touched.
@@ -299,123 +257,44 @@ class ShadowRadixCache(RadixCache):
         name = self.roles.extra_owner(pool)
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
             raise InvalidArgumentError(f"evict_pool needs a non-negative int, got {num_slots!r}")
+        ledger = self.ledger
         candidates = [
             n
             for n in self.all_nodes()
-            if self._data(n, name) is not None and not self._locks(n, name)
+            if ledger.data(n, name) is not None and not ledger.lock_ref(n, name)
         ]
         candidates.sort(key=lambda n: (n.last_access_time, n.access_tick, len(n.path_to_root())))
         freed = 0
         for node in candidates:
             if freed >= num_slots:
                 break
-            freed += self._drop_data(node, name)
+            freed += ledger.drop(node, name)
         return freed
-
-    def _lock_targets(
-        self, node: TreeNode, pool: str, pages: int | None
-    ) -> tuple[str, int, list[TreeNode]]:
-        name = self.roles.extra_owner(pool)
-        if not isinstance(node, TreeNode):
-            raise InvalidArgumentError(f"expected a TreeNode, got {type(node).__name__}")
-        path = node.path_to_root()
-        end = sum(n.length for n in path)
-        start = lock_start(self.roles, name, end, self.page_size, pages)
-        targets, node_end = [], end
-        for n in path:  # nearest first: a node is held when it ends after ``start``
-            if node_end <= start:
-                break
-            targets.append(n)
-            node_end -= n.length
-        return name, start, targets
-
-    # ----- per-node data --------------------------------------------------------------------
-    @staticmethod
-    def _data(node: TreeNode, name: str) -> torch.Tensor | None:
-        return None if node.pool_values is None else node.pool_values.get(name)
-
-    @staticmethod
-    def _locks(node: TreeNode, name: str, create: bool = False) -> dict[int, int]:
-        if node.pool_locks is None:
-            if not create:
-                return {}
-            node.pool_locks = {}
-        if create:
-            return node.pool_locks.setdefault(name, {})
-        return node.pool_locks.get(name, {})
-
-    def _amount(self, node: TreeNode, name: str) -> int:
-        data = self._data(node, name)
-        return 0 if data is None else len(data)
-
-    def _set_data(self, node: TreeNode, name: str, data: torch.Tensor) -> None:
-        if node.pool_values is None:
-            node.pool_values = {}
-        node.pool_values[name] = data
-        self._held[name] += len(data)
-        if self._locks(node, name):
-            self._locked[name] += len(data)
-
-    def _drop_data(self, node: TreeNode, name: str) -> int:
-        data = self._data(node, name)
-        if data is None or not len(data):
-            return 0
-        amount = len(data)
-        self.allocators[name].free(data)
-        self._held[name] -= amount
-        if self._locks(node, name):
-            self._locked[name] -= amount
-        assert node.pool_values is not None
-        node.pool_values[name] = None
-        return amount
-
-    def _account(self, node: TreeNode, sign: int) -> None:
-        for name in self.roles.extra:
-            amount = self._amount(node, name) * sign
-            self._held[name] += amount
-            if self._locks(node, name):
-                self._locked[name] += amount
 
     # ----- hooks into RadixCache ------------------------------------------------------------
     def _split(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
-        """Split as RadixCache does, cutting per-token pool data too; a snapshot stays with the
-        lower half (it is at its end) and the upper half keeps the locks that reach it."""
-        self._account(child, -1)
+        """Split as RadixCache does; the ledger cuts the pools' data and locks the same way."""
         upper = super()._split(child, nbytes, unit)
-        cut = upper.length
-        if child.pool_values:
-            upper.pool_values = {}
-            for name in self.roles.token_pools:
-                data = child.pool_values.get(name)
-                if data is not None:
-                    upper.pool_values[name], child.pool_values[name] = data[:cut], data[cut:]
-        if child.pool_locks:
-            upper_end = sum(n.length for n in upper.path_to_root())
-            upper.pool_locks = {
-                name: {s: c for s, c in locks.items() if s < upper_end}
-                for name, locks in child.pool_locks.items()
-            }
-        self._account(upper, 1)
-        self._account(child, 1)
+        self.ledger.split(child, upper)
         return upper
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
-        if not super()._is_evictable_leaf(node):
-            return False
-        return not node.pool_locks or not any(node.pool_locks.values())
+        return super()._is_evictable_leaf(node) and not self.ledger.is_locked(node)
 
     def _evict_leaf(self, node: TreeNode) -> int:
-        for name in self.roles.extra:
-            self._drop_data(node, name)
+        self.ledger.drop_all(node)
         return super()._evict_leaf(node)
 
+    def _requeue(self, node: TreeNode) -> None:
+        """The ledger's ``released`` hook: a leaf a pool lock let go of may be evictable now."""
+        if self._is_evictable_leaf(node):
+            self._push(node)
+
     def reset(self) -> None:
-        for node in self.all_nodes():
-            for name in self.roles.extra:
-                self._drop_data(node, name)
+        nodes = self.all_nodes()
+        self.ledger.clear(nodes)  # frees the extra pools' slots
+        for node in nodes:
             if node.value is not None:
                 self.allocators[self.roles.anchor].free(node.value)  # the tree's own allocator
                 node.value = None
         RadixCache.__init__(self, self.config, self.allocator, self.req_to_token, self._clock)
-        self._held = dict.fromkeys(self.roles.extra, 0)
-        self._locked = dict.fromkeys(self.roles.extra, 0)

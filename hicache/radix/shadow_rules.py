@@ -1,7 +1,8 @@
-"""Pure helpers of :class:`~hicache.radix.shadow.ShadowRadixCache`: pool roles, input checks,
-per-page presence along a path, and the token range a pool lock covers.
+"""Pure helpers of :class:`~hicache.radix.shadow.ShadowRadixCache` and its
+:class:`~hicache.radix.pool_ledger.PoolLedger`: pool roles, input checks, per-page presence along
+a path, and the token range a pool lock covers.
 
-Representations (shared with the tree):
+Representations (shared with the tree and its ledger):
 
 * a *token pool* (an extra per-token owner pool: SWA K/V) holds, per node, a 1-D int64 tensor of
   the span's slots, or ``None`` once dropped. A caller passes (and a match returns) one tensor of

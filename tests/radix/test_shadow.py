@@ -49,18 +49,18 @@ def free_slots(tree: ShadowRadixCache, pool: str) -> int:
 
 def check_sizes(tree: ShadowRadixCache) -> None:
     """Every pool's sizes equal a recount over the nodes, and match its allocator."""
-    nodes = tree.all_nodes()
+    nodes, ledger = tree.all_nodes(), tree.ledger
     for name in tree.roles.extra:
-        held = [n for n in nodes if tree._data(n, name) is not None]
-        total = sum(len(tree._data(n, name)) for n in held)
-        locked = sum(len(tree._data(n, name)) for n in held if tree.pool_lock_ref(n, name))
-        assert (tree.pool_size(name), tree.pool_protected(name)) == (total, locked)
-        assert tree.pool_evictable(name) == total - locked
+        held = [n for n in nodes if ledger.data(n, name) is not None]
+        total = sum(len(ledger.data(n, name)) for n in held)
+        locked = sum(len(ledger.data(n, name)) for n in held if ledger.lock_ref(n, name))
+        assert (ledger.size(name), ledger.protected(name)) == (total, locked)
+        assert ledger.evictable(name) == total - locked
         alloc_ = tree.allocators[name]
         assert alloc_.size - alloc_.available_size == total
     anchor = tree.roles.anchor
-    assert tree.pool_size(anchor) == sum(n.length for n in nodes)
-    assert tree.pool_protected(anchor) == sum(n.length for n in nodes if n.lock_ref)
+    assert ledger.size(anchor) == sum(n.length for n in nodes)
+    assert ledger.protected(anchor) == sum(n.length for n in nodes if n.lock_ref)
 
 
 def key(n: int, start: int = 0) -> RadixKey:
@@ -134,18 +134,18 @@ def test_swa_window_lock_is_exact_across_splits() -> None:
     tree.insert_bundle(key(24), alloc(tree, "kv", 24), {"swa": swa_slots(tree, 24, 6)})
     node = tree.match_prefix(key(24)).last_device_node
     tree.inc_lock_ref(node)
-    tree.inc_pool_lock(node, "swa")  # the window: the last 2 pages
-    assert tree.pool_protected("swa") == 24  # one node: locked whole
+    tree.ledger.lock(node, "swa")  # the window: the last 2 pages
+    assert tree.ledger.protected("swa") == 24  # one node: locked whole
     tree.match_prefix(key(8))  # splits the node at 8 tokens: the upper half is outside the window
     upper = tree.match_prefix(key(8)).last_device_node
-    assert tree.pool_lock_ref(upper, "swa") == 0 and tree.pool_lock_ref(node, "swa") == 1
-    assert tree.pool_protected("swa") == 16
+    assert tree.ledger.lock_ref(upper, "swa") == 0 and tree.ledger.lock_ref(node, "swa") == 1
+    assert tree.ledger.protected("swa") == 16
     # The tree lock does not keep a pool's data: the unlocked upper half loses it.
     assert tree.evict_pool("swa", 100) == 8
-    assert tree._data(node, "swa") is not None and tree.evict(100) == 0
-    tree.dec_pool_lock(node, "swa")
+    assert tree.ledger.data(node, "swa") is not None and tree.evict(100) == 0
+    tree.ledger.unlock(node, "swa")
     tree.dec_lock_ref(node)
-    assert tree.pool_protected("swa") == 0 and tree.pool_protected("kv") == 0
+    assert tree.ledger.protected("swa") == 0 and tree.ledger.protected("kv") == 0
     check_sizes(tree)
 
 
@@ -165,7 +165,7 @@ def test_hybrid_hit_ends_at_the_deepest_snapshot() -> None:
     assert res.already == 24 and res.unused["conv"].numel() == 0
     assert tree.match_prefix(key(24)).prefix_len == 24
     assert tree.match_prefix(key(20)).prefix_len == 8
-    assert tree.pool_size("conv") == tree.pool_size("ssm") == 2
+    assert tree.ledger.size("conv") == tree.ledger.size("ssm") == 2
     check_sizes(tree)
 
 
@@ -178,7 +178,7 @@ def test_duplicate_snapshot_is_returned_and_eviction_frees_states() -> None:
     assert torch.equal(res.unused["conv"], again)
     tree.allocators["conv"].free(again)
     assert tree.evict(8) == 8
-    assert tree.pool_size("conv") == 0 and free_slots(tree, "conv") == 256
+    assert tree.ledger.size("conv") == 0 and free_slots(tree, "conv") == 256
     assert tree.match_prefix(key(8)).prefix_len == 0
     check_sizes(tree)
 
@@ -187,11 +187,37 @@ def test_state_pool_lock_keeps_the_snapshot_from_evict_pool() -> None:
     tree = make(PoolPreset.HYBRID)
     tree.insert_bundle(key(8), alloc(tree, "kv", 8), {"conv": alloc(tree, "conv", 1)})
     node = tree.match_prefix(key(8)).last_device_node
-    tree.inc_pool_lock(node, "ssm")  # a sidecar locks its owner
+    tree.ledger.lock(node, "ssm")  # a sidecar locks its owner
     assert tree.evict_pool("conv", 1) == 0 and tree.evict(8) == 0  # pool-locked: kept whole
-    assert tree.pool_protected("conv") == 1
-    tree.dec_pool_lock(node, "conv")
+    assert tree.ledger.protected("conv") == 1
+    tree.ledger.unlock(node, "conv")
     assert tree.evict_pool("conv", 1) == 1 and tree.match_prefix(key(8)).prefix_len == 0
+    check_sizes(tree)
+
+
+def test_pool_unlock_lets_evict_remove_the_leaf() -> None:
+    tree = make(PoolPreset.HYBRID)
+    tree.insert_bundle(key(8), alloc(tree, "kv", 8), {"conv": alloc(tree, "conv", 1)})
+    node = tree.match_prefix(key(8)).last_device_node
+    tree.ledger.lock(node, "conv")
+    assert tree.evict(8) == 0  # the eviction heap drops the leaf's entry: it is pool-locked
+    tree.ledger.unlock(node, "conv")  # re-queues the leaf, so evict finds it again
+    assert tree.evict(8) == 8 and tree.total_nodes == 0
+    assert free_slots(tree, "conv") == 256
+    check_sizes(tree)
+
+
+def test_ledger_refuses_the_anchor_and_a_second_put() -> None:
+    tree = make(PoolPreset.SWA)
+    tree.insert_bundle(key(8), alloc(tree, "kv", 8), {"swa": swa_slots(tree, 8, 2)})
+    node = tree.match_prefix(key(8)).last_device_node
+    before = snapshot(tree)
+    with pytest.raises(InvalidArgumentError):
+        tree.ledger.data(node, "kv")  # the anchor's data is the node's value
+    with pytest.raises(InvalidArgumentError):
+        tree.ledger.put(node, "swa", torch.arange(8))  # it holds its own: drop that first
+    assert snapshot(tree) == before
+    assert tree.ledger.drop(node, "swa") == 8 and tree.ledger.drop(node, "swa") == 0
     check_sizes(tree)
 
 
@@ -203,9 +229,9 @@ def test_dsa_sidecar_is_freed_with_its_owner() -> None:
     tree.insert(key(8), slots)
     match = tree.match_prefix(key(8))
     assert torch.equal(match.pool_indices["indexer"], slots)
-    assert tree.pool_size("indexer") == tree.pool_size("latent") == 8
+    assert tree.ledger.size("indexer") == tree.ledger.size("latent") == 8
     assert tree.evict(8) == 8
-    assert tree.pool_size("indexer") == 0 and free_slots(tree, "latent") == 256
+    assert tree.ledger.size("indexer") == 0 and free_slots(tree, "latent") == 256
 
 
 def test_dense_preset_behaves_like_radix_cache() -> None:
@@ -228,8 +254,7 @@ def snapshot(tree: ShadowRadixCache) -> Any:
     return (
         tree.total_nodes,
         tree.evictable_size,
-        dict(tree._held),
-        dict(tree._locked),
+        {name: (tree.ledger.size(name), tree.ledger.protected(name)) for name in tree.roles.extra},
         {name: a.available_size for name, a in tree.allocators.items()},
     )
 
@@ -265,17 +290,17 @@ def test_bad_calls_raise_and_change_nothing() -> None:
     with pytest.raises(InvalidArgumentError):
         tree.insert_bundle(key(8, start=9), torch.arange(8), {"ssm": torch.tensor([3])})
     with pytest.raises(InvalidArgumentError):
-        tree.dec_pool_lock(node, "conv")  # below zero
+        tree.ledger.unlock(node, "conv")  # below zero
     with pytest.raises(InvalidArgumentError):
-        tree.inc_pool_lock(node, "kv")  # the anchor's lock is the tree lock
+        tree.ledger.lock(node, "kv")  # the anchor's lock is the tree lock
     with pytest.raises(InvalidArgumentError):
-        tree.inc_pool_lock(node, "conv", pages=2)  # a snapshot takes no pages
+        tree.ledger.lock(node, "conv", pages=2)  # a snapshot takes no pages
     with pytest.raises(InvalidArgumentError):
         tree.evict_pool("nope", 1)
     with pytest.raises(InvalidArgumentError):
         tree.evict_pool("conv", -1)
     with pytest.raises(InvalidArgumentError):
-        tree.pool_size("nope")
+        tree.ledger.size("nope")
     assert snapshot(tree) == before and tree.match_prefix(key(8)).prefix_len == 8
 
 
@@ -365,7 +390,7 @@ class ShadowMachine(RuleBasedStateMachine):
             self.locks.append((node, None))
         if pool_lock:
             name = self.tree.roles.extra[0]
-            self.tree.inc_pool_lock(node, name)
+            self.tree.ledger.lock(node, name)
             self.locks.append((node, name))
 
     @rule(i=st.integers(0, 100))
@@ -376,7 +401,7 @@ class ShadowMachine(RuleBasedStateMachine):
         if name is None:
             self.tree.dec_lock_ref(node)
         else:
-            self.tree.dec_pool_lock(node, name)
+            self.tree.ledger.unlock(node, name)
 
     @rule(n=st.integers(0, 40))
     def evict(self, n: int) -> None:
@@ -387,9 +412,9 @@ class ShadowMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 40))
     def evict_pool(self, n: int) -> None:
         name = self.tree.roles.extra[0]
-        before = self.tree.pool_evictable(name)
+        before = self.tree.ledger.evictable(name)
         freed = self.tree.evict_pool(name, n)
-        assert freed >= min(n, before) and self.tree.pool_evictable(name) == before - freed
+        assert freed >= min(n, before) and self.tree.ledger.evictable(name) == before - freed
 
     @invariant()
     def sizes_are_exact(self) -> None:
@@ -400,7 +425,7 @@ class ShadowMachine(RuleBasedStateMachine):
             if name is None:
                 self.tree.dec_lock_ref(node)
             else:
-                self.tree.dec_pool_lock(node, name)
+                self.tree.ledger.unlock(node, name)
         self.tree.reset()
         assert all(a.available_size == a.size for a in self.tree.allocators.values())
 
