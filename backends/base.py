@@ -133,6 +133,10 @@ class StorageBackend(abc.ABC):
                 "put_failures",
                 "bytes_written",
                 "deletes",
+                # Bytes copied through a buffer of the backend's own between the caller's
+                # memory and the store (not the store's own copy); a backend that stages
+                # counts them, one that never does reports 0 from here.
+                "bytes_staged",
             ),
             0,
         )
@@ -261,7 +265,10 @@ class StorageBackend(abc.ABC):
         return self._scan(validate_key_prefix(prefix))
 
     async def stats(self) -> dict[str, int | float]:
-        """Counters kept by the base plus the backend's own (sizes, evictions, errors)."""
+        """Counters kept by the base plus the backend's own (sizes, evictions, errors).
+
+        ``bytes_staged`` is always there: 0 unless the backend copies through staging.
+        """
         merged: dict[str, int | float] = dict(self._counters)
         if not self._closed:
             merged.update(await self._stats())

@@ -330,6 +330,17 @@ class BackendConformanceTests(StatefulConformanceTests):
         assert overridden == [], f"implement the '_' methods instead of overriding {overridden}"
 
     @pytest.mark.asyncio
+    async def test_stats_report_bytes_staged(self, backend: StorageBackend) -> None:
+        # Bytes copied through the backend's own buffers: 0 for one that never stages, and a
+        # count that only grows for one that does (``hicache serve --json`` reports it).
+        before = (await backend.stats())["bytes_staged"]
+        assert isinstance(before, int) and before >= 0
+        assert await backend.put(["staged"], [[b"head", b"payload"]]) == [True]
+        assert await backend.get(["staged"]) == [b"headpayload"]
+        after = (await backend.stats())["bytes_staged"]
+        assert isinstance(after, int) and after >= before
+
+    @pytest.mark.asyncio
     async def test_scan_follows_the_listable_capability(self, backend: StorageBackend) -> None:
         if backend.capabilities.listable:
             assert await scan_all(backend) == []  # a fresh store lists nothing

@@ -15,6 +15,9 @@ completion); file-like targets get a temporary ``.<key>....tmp`` beside the obje
 A put that fails (permission, bucket gone, endpoint down) is False and counted; a read that
 fails is a miss and counted (``errors`` and one counter per operation), never an exception.
 Credentials are never logged and never appear in the config's repr or in error messages.
+
+Copies: a put joins the value's segments into one ``bytes`` body, and a read gets the object as
+``bytes`` and copies it into the caller's segments; both count as ``bytes_staged``.
 """
 
 from __future__ import annotations
@@ -226,6 +229,7 @@ class FsspecBackend(StorageBackend):
             size, data = result
             if data is not None:  # copied here, not on the IO loop: a cancelled get never
                 copy_into_segments(memoryview(data), segs)  # writes the caller's buffers late
+                self._count("bytes_staged", len(data))
             out.append(size)
         return out
 
@@ -234,7 +238,10 @@ class FsspecBackend(StorageBackend):
         # buffers once we return or are cancelled; the request bodies need bytes anyway.
         items = [(key, _as_bytes(segs)) for key, segs in zip(keys, values)]
         results = await self._batch(self._ops.write, items)
-        return [self._ok(r, "put_errors", "put") for r in results]
+        stored = [self._ok(r, "put_errors", "put") for r in results]
+        staged = sum(len(body) for (_, body), ok in zip(items, stored, strict=True) if ok)
+        self._count("bytes_staged", staged)
+        return stored
 
     async def _delete(self, keys: list[str]) -> list[bool]:
         sizes = await self._batch(self._ops.size, [(k,) for k in keys])

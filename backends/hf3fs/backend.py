@@ -17,10 +17,11 @@ data and index with ``fsync=false``, a damaged record) reads as a miss, never as
 Full: the least recently used object not being read is evicted (its delete record is written
 before its slot is reused). An object larger than ``slot_bytes`` is refused (put returns False).
 
-Modes: ``usrbio`` moves data with 3FS's USRBIO rings through shared-memory staging buffers;
-``posix`` uses ``pwritev``/``preadv`` on the same file; ``auto`` picks USRBIO when
-``hf3fs_py_usrbio`` imports and root is on a 3FS mount. One process writes a rank: the data
-file is ``flock``-ed at open.
+Modes: ``usrbio`` moves data with 3FS's USRBIO rings through shared-memory staging buffers
+(the object bytes copied count as ``bytes_staged``); ``posix`` uses ``pwritev``/``preadv`` on
+the same file, straight from and into the caller's segments (``bytes_staged`` stays 0); ``auto``
+picks USRBIO when ``hf3fs_py_usrbio`` imports and root is on a 3FS mount. One process writes a
+rank: the data file is ``flock``-ed at open.
 """
 
 from __future__ import annotations
@@ -277,6 +278,7 @@ class Hf3fsBackend(StorageBackend):
             else:
                 lost.append(entry.slot)
                 self._table.count("put_errors", f"write of {key!r} failed ({got})")
+        self._staged(sum(entry.size for _, entry in done))
         if done and self.config.fsync and not self._sync_data():
             lost.extend(entry.slot for _, entry in done)
             done = []
@@ -346,7 +348,13 @@ class Hf3fsBackend(StorageBackend):
                 self._table.forget(keys[i], entry)
             else:
                 results[i] = entry.size
+                self._staged(got - SLOT_HEADER)  # a peek reads less than the object
         return results
+
+    def _staged(self, nbytes: int) -> None:
+        """Count object bytes that went through a USRBIO lane (POSIX mode copies none)."""
+        if self.mode is Hf3fsMode.USRBIO and nbytes:
+            self._table.add("bytes_staged", nbytes)
 
     def _delete_all(self, keys: list[str]) -> list[bool]:
         found, dead = self._table.delete(keys)

@@ -33,6 +33,7 @@ COUNTERS = (
     "index_corrupt_records",
     "index_torn_bytes",
     "compactions",
+    "bytes_staged",  # USRBIO: object bytes copied through a lane's shared-memory buffer
 )
 
 
@@ -91,6 +92,11 @@ class SlotTable:
         with self._lock:
             self.n[counter] += 1
         self.warn_once(counter, message)
+
+    def add(self, counter: str, amount: int) -> None:
+        """Add ``amount`` to a counter that is not an error (no warning)."""
+        with self._lock:
+            self.n[counter] += amount
 
     def warn_once(self, kind: str, message: str) -> None:
         # One warning per kind says it; the counters say how often. A race costs a duplicate.

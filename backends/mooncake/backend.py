@@ -11,10 +11,12 @@ room (``prefer_local_segment``: a memcpy instead of a transfer), else to any cli
 and live while that client and the master live. Nothing survives a master
 restart, and the objects in this client's segment go when it closes (``persistent`` is False).
 
-Memory: a host pool calls :meth:`MooncakeBackend.register_memory` once for its whole buffer;
-objects whose buffer lies inside registered memory move straight between it and the store
-(``zero_copy_bytes``). Other buffers, scatter-gather values among them, are copied through one
-staging buffer registered at open (``staged_bytes``), so every move is still one batched call.
+Memory: a host pool calls :meth:`MooncakeBackend.register_memory` once for its whole buffer
+(the tiered cache also registers the arena of its page headers); objects whose segments all lie
+inside registered memory move straight between them and the store (``zero_copy_bytes``), a
+header slot and its page in one object. Other buffers are copied through one staging buffer
+registered at open (``bytes_staged``); so are registered multi-segment values whose key already
+exists, since only the staged path replaces an object (see ``client``).
 
 Keys: object ``k`` is Mooncake key ``key_prefix + k``. Mooncake refuses empty values, so an
 empty object is a one-byte marker under ``key_prefix + k + "#empty"`` (``#`` is outside the key
@@ -25,7 +27,7 @@ Listing: Mooncake's client has none; the master's HTTP admin server (``--metrics
 listing time as ``mtime``, since Mooncake keeps no write times. Without it, scan raises.
 
 Clients: backends in one process opened with the same settings share one Mooncake client
-(see ``_mooncake_conn``); it closes, and its segment leaves the cluster, with the last of them.
+(see ``connection``); it closes, and its segment leaves the cluster, with the last of them.
 
 Failures: a full store is a False put (``put_full``); a master that cannot be reached makes
 calls fail fast as misses and False (``unavailable``) while the backend retries with backoff,
@@ -277,7 +279,7 @@ class MooncakeBackend(StorageBackend):
             return {}
         return {  # of the client, which backends with the same settings share
             "zero_copy_bytes": client.zero_copy_bytes,
-            "staged_bytes": client.staged_bytes,
+            "bytes_staged": client.bytes_staged,
             "oversize_moves": client.oversize_moves,
             "registered_bytes": client.regions.nbytes,
             "staging_bytes": client.staging.nbytes,

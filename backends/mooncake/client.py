@@ -4,26 +4,28 @@ Everything here is synchronous and runs on the backend's single worker thread (t
 not documented as thread-safe, and the staging buffer is shared by every call). Results are
 Mooncake's raw status codes; the backend turns them into hits, misses and counters.
 
-Data always moves with ``batch_upsert_from`` / ``batch_get_into`` between the store and
-registered memory: straight from or to the caller's buffer when it lies inside memory given to
-:meth:`MooncakeClient.register`, else through one staging buffer registered at setup. A batch
-whose staged bytes exceed the staging buffer moves in several calls; one object larger than the
-whole staging buffer gets a registered buffer of its own for that call.
+An object moves straight from or to the caller's memory when every segment of it lies inside
+memory given to :meth:`MooncakeClient.register` (``zero_copy_bytes``): one segment with
+``batch_upsert_from`` / ``batch_get_into``, several (a page's header slot and its payload) with
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``. Anything else is copied
+through one staging buffer registered at setup (``bytes_staged``). A batch whose staged bytes
+exceed the staging buffer moves in several rounds; one object larger than the whole staging
+buffer gets a registered buffer of its own for its round. A round makes one batched call per
+kind of move it holds (single-pointer, multi-pointer).
 """
 
 from __future__ import annotations
 
-import bisect
 import importlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from hicache.backends._buffers import address_of
 from hicache.backends.base import copy_into_segments, segments_nbytes
+from hicache.backends.mooncake.plan import Move, Plan, RegisteredRanges, Scatter, classify, trimmed
 from hicache.errors import BackendLoadError, BackendUnavailableError
 
 __all__ = [
@@ -40,8 +42,9 @@ INSTALL_HINT = "pip install 'hicache[mooncake]' and apt-get install libibverbs1"
 # Mooncake ErrorCode values this package reacts to (mooncake-store types.h).
 OK = 0
 NO_SPACE = -200  # NO_AVAILABLE_HANDLE: every segment is full
-INVALID_PARAMS = -600  # also what batch_get_into answers for a buffer too small
+INVALID_PARAMS = -600  # also what the reads answer for buffers too small
 NOT_FOUND = -704  # OBJECT_NOT_FOUND
+TRANSFER_FAIL = -800  # also what a multi-buffer read answers for buffers larger than the object
 RPC_FAIL = -900
 CONNECTION_CODES = frozenset({RPC_FAIL, -1010})  # -1010: the master is not serving (yet)
 
@@ -63,42 +66,6 @@ def load_store_class() -> Any:
 def lost_master(codes: Sequence[int]) -> bool:
     """Whether any status code says the master could not be reached."""
     return any(rc in CONNECTION_CODES for rc in codes)
-
-
-class RegisteredRanges:
-    """Sorted, non-overlapping address ranges; answers "does [a, a+n) lie inside one?"."""
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-
-    def contains(self, start: int, nbytes: int) -> bool:
-        i = bisect.bisect_right(self._starts, start) - 1
-        return i >= 0 and start + nbytes <= self._ends[i]
-
-    def add(self, start: int, nbytes: int) -> None:
-        i = bisect.bisect_right(self._starts, start)
-        self._starts.insert(i, start)
-        self._ends.insert(i, start + nbytes)
-
-    def remove(self, start: int) -> int | None:
-        """Forget the range starting at ``start``; its length, or None if there is none."""
-        i = bisect.bisect_left(self._starts, start)
-        if i == len(self._starts) or self._starts[i] != start:
-            return None
-        self._starts.pop(i)
-        return self._ends.pop(i) - start
-
-    def overlaps(self, start: int, nbytes: int) -> bool:
-        i = bisect.bisect_right(self._starts, start + nbytes - 1) - 1
-        return i >= 0 and self._ends[i] > start
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return ((s, e - s) for s, e in zip(self._starts, self._ends, strict=True))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +101,13 @@ def master_address(master: str) -> tuple[str, int]:
 
 
 @dataclass(slots=True)
-class _Move:
-    """One object of a batch: where it moves from or to, and how to finish a staged read."""
+class _Round:
+    """What one round moves: single-pointer moves (staged ones in ``buffer``) and scattered
+    objects."""
 
-    index: int
-    address: int
-    nbytes: int
-    segments: list[memoryview] | None = None  # staged: the caller's segments
-    staged_at: int = -1  # offset in the staging buffer (or 0 in an oversize buffer)
+    moves: list[Move]
+    scattered: list[Scatter]
+    buffer: np.ndarray  # the staging buffer, or an oversize object's own
 
 
 class MooncakeClient:
@@ -165,7 +131,7 @@ class MooncakeClient:
         self._check_register(self.staging_address, self.staging.nbytes)
         self.placement = _placement(self.store, params.prefer_local)
         self.zero_copy_bytes = 0
-        self.staged_bytes = 0
+        self.bytes_staged = 0
         self.oversize_moves = 0
 
     def register(self, address: int, nbytes: int) -> None:
@@ -186,28 +152,77 @@ class MooncakeClient:
     def close(self) -> None:
         self.store.close()
 
-    # ----- data -----------------------------------------------------------------------------
+    # ----- writes -----------------------------------------------------------------------------
     def put(self, mkeys: list[str], values: Sequence[list[memoryview]]) -> list[int]:
-        """Upsert each non-empty value; per key, Mooncake's status code."""
+        """Store each non-empty value, replacing what was there; per key, Mooncake's code."""
         codes = [RPC_FAIL] * len(mkeys)  # what a key not reached keeps
-        for moves, oversize in self._plan(values, staged_sizes=None):
-            target = self.staging if oversize is None else oversize
-            for m in moves:
-                if m.segments is not None:
-                    _fill(target, m.staged_at, m.segments)
-            out = self.store.batch_upsert_from(
-                [mkeys[m.index] for m in moves],
-                [m.address for m in moves],
-                [m.nbytes for m in moves],
-                self.placement,
-            )
-            for m, rc in zip(moves, out, strict=True):
-                codes[m.index] = rc
-                self._account(m, m.nbytes if rc == OK else 0)
-            if lost_master(out):  # every further call would wait out the same timeout
-                break
+        plan = classify(values, self.regions, segments_nbytes)
+        self._stage_overwrites(mkeys, values, plan)
+        for rnd in self._rounds(plan):
+            if not self._put_round(mkeys, rnd, codes):
+                break  # every further call would wait out the same timeout
         return codes
 
+    def _stage_overwrites(
+        self, mkeys: list[str], values: Sequence[list[memoryview]], plan: Plan
+    ) -> None:
+        """Move scattered values whose key may already exist to the staged (upsert) path.
+
+        ``batch_put_from_multi_buffers`` does not replace: for a key that exists it answers 0
+        and writes nothing (measured), and Mooncake has no multi-buffer upsert. So the keys are
+        checked first, in one call; those present, or that the check could not answer, are
+        upserted from staging. The tiered cache writes only pages L3 lacks, so this path is
+        idle there. A key another client writes between the check and the put keeps that
+        client's value, as if this put had come first.
+        """
+        if not plan.scattered:
+            return
+        found = self.store.batch_is_exist([mkeys[s.index] for s in plan.scattered])
+        fresh: list[Scatter] = []
+        for s, present in zip(plan.scattered, found, strict=True):
+            if present == 0:
+                fresh.append(s)
+            else:
+                plan.staged.append((s.index, values[s.index], s.nbytes))
+        plan.scattered = fresh
+
+    def _put_round(self, mkeys: list[str], rnd: _Round, codes: list[int]) -> bool:
+        """Run one round's puts into ``codes``; False once the master could not be reached."""
+        if rnd.moves:
+            for m in rnd.moves:
+                if m.segments is not None:
+                    _fill(rnd.buffer, m.staged_at, m.segments)
+            out = self.store.batch_upsert_from(
+                [mkeys[m.index] for m in rnd.moves],
+                [m.address for m in rnd.moves],
+                [m.nbytes for m in rnd.moves],
+                self.placement,
+            )
+            for m, rc in zip(rnd.moves, out, strict=True):
+                codes[m.index] = rc
+                self._account(m, m.nbytes if rc == OK else 0)
+            if lost_master(out):
+                return False
+        if rnd.scattered:
+            out = self.store.batch_put_from_multi_buffers(
+                [mkeys[s.index] for s in rnd.scattered],
+                [s.addresses for s in rnd.scattered],
+                [s.sizes for s in rnd.scattered],
+                self.placement,
+            )
+            for s, rc in zip(rnd.scattered, out, strict=True):
+                codes[s.index] = rc
+                self.zero_copy_bytes += s.nbytes if rc == OK else 0
+            return not lost_master(out)
+        return True
+
+    def put_marker(self, mkeys: list[str]) -> list[int]:
+        """Store a one-byte object under each key (the marker of an empty object)."""
+        n = len(mkeys)
+        addresses, sizes = [self.staging_address] * n, [1] * n
+        return list(self.store.batch_upsert_from(mkeys, addresses, sizes, self.placement))
+
+    # ----- reads ------------------------------------------------------------------------------
     def get_into(self, mkeys: list[str], buffers: Sequence[list[memoryview]]) -> list[int]:
         """Read each object into its buffer; per key, its size or Mooncake's status code.
 
@@ -215,7 +230,7 @@ class MooncakeClient:
         """
         codes = [RPC_FAIL] * len(mkeys)
         pending = list(range(len(mkeys)))
-        while pending:  # a key twice in one batch_get_into fills only one of its buffers
+        while pending:  # a key twice in one batched read fills only one of its buffers
             now: list[int] = []
             later: list[int] = []
             seen: set[str] = set()
@@ -232,84 +247,107 @@ class MooncakeClient:
 
     def _get_unique(self, mkeys: list[str], buffers: Sequence[list[memoryview]]) -> list[int]:
         codes = [RPC_FAIL] * len(mkeys)
-        for moves, oversize in self._plan(buffers, staged_sizes=segments_nbytes):
-            source = (self.staging if oversize is None else oversize).data
-            out = self.store.batch_get_into(
-                [mkeys[m.index] for m in moves],
-                [m.address for m in moves],
-                [m.nbytes for m in moves],
-            )
-            for m, rc in zip(moves, out, strict=True):
-                codes[m.index] = rc
-                if 0 <= rc <= m.nbytes and m.segments is not None:
-                    copy_into_segments(source[m.staged_at : m.staged_at + rc], m.segments)
-                self._account(m, rc if 0 <= rc <= m.nbytes else 0)
-            if lost_master(out):
+        plan = classify(buffers, self.regions, segments_nbytes)
+        for rnd in self._rounds(plan):
+            if not self._get_round(mkeys, rnd, codes):
                 break
-        for i, rc in enumerate(codes):
-            if rc == INVALID_PARAMS:  # the buffer may be too small: ask the real size
-                size = self.store.get_size(mkeys[i])
-                codes[i] = size if size > segments_nbytes(buffers[i]) else rc
+        self._resolve_sizes(mkeys, buffers, plan.scattered, codes)
         return codes
 
-    def put_marker(self, mkeys: list[str]) -> list[int]:
-        """Store a one-byte object under each key (the marker of an empty object)."""
-        n = len(mkeys)
-        addresses, sizes = [self.staging_address] * n, [1] * n
-        return list(self.store.batch_upsert_from(mkeys, addresses, sizes, self.placement))
+    def _get_round(self, mkeys: list[str], rnd: _Round, codes: list[int]) -> bool:
+        """Run one round's reads into ``codes``; False once the master could not be reached."""
+        if rnd.moves:
+            source = rnd.buffer.data
+            out = self.store.batch_get_into(
+                [mkeys[m.index] for m in rnd.moves],
+                [m.address for m in rnd.moves],
+                [m.nbytes for m in rnd.moves],
+            )
+            for m, rc in zip(rnd.moves, out, strict=True):
+                codes[m.index] = rc
+                fits = 0 <= rc <= m.nbytes
+                if fits and m.segments is not None:
+                    copy_into_segments(source[m.staged_at : m.staged_at + rc], m.segments)
+                self._account(m, rc if fits else 0)
+            if lost_master(out):
+                return False
+        return self._get_scattered(mkeys, rnd.scattered, codes) if rnd.scattered else True
 
-    # ----- planning -------------------------------------------------------------------------
-    def _plan(
+    def _get_scattered(self, mkeys: list[str], scattered: list[Scatter], codes: list[int]) -> bool:
+        out = self.store.batch_get_into_multi_buffers(
+            [mkeys[s.index] for s in scattered],
+            [s.addresses for s in scattered],
+            [s.sizes for s in scattered],
+            False,  # prefer_alloc_in_same_node: no effect on reads into registered memory
+        )
+        for s, rc in zip(scattered, out, strict=True):
+            codes[s.index] = rc
+            self.zero_copy_bytes += rc if 0 <= rc <= s.nbytes else 0
+        return not lost_master(out)
+
+    def _resolve_sizes(
         self,
-        items: Sequence[list[memoryview]],
-        staged_sizes: Callable[[list[memoryview]], int] | None,
-    ) -> Iterator[tuple[list[_Move], np.ndarray | None]]:
-        """Rounds of moves: direct ones with the first staged chunk, then further chunks.
+        mkeys: list[str],
+        buffers: Sequence[list[memoryview]],
+        scattered: list[Scatter],
+        codes: list[int],
+    ) -> None:
+        """Turn "buffer too small" into the object's size, and re-read scattered objects
+        smaller than their buffers over just the bytes they need.
 
-        ``staged_sizes`` gives a read's room in staging (the caller's capacity); a write
-        stages exactly its bytes. An oversize round is one object with its own buffer.
+        ``batch_get_into`` fills a larger buffer; the multi-buffer read refuses any total but
+        the object's size: -600 below it, -800 above it (measured), nothing read either way.
         """
-        direct: list[_Move] = []
-        staged: list[tuple[int, list[memoryview], int]] = []
-        for i, segs in enumerate(items):
-            nbytes = segments_nbytes(segs) if staged_sizes is None else staged_sizes(segs)
-            if len(segs) == 1 and nbytes > 0:
-                address = address_of(segs[0])
-                if self.regions.contains(address, nbytes):
-                    direct.append(_Move(i, address, nbytes))
-                    continue
-            staged.append((i, segs, nbytes))
-        round_: list[_Move] = direct
+        by_index = {s.index: s for s in scattered}
+        again: list[Scatter] = []
+        for i, rc in enumerate(codes):
+            if rc != INVALID_PARAMS and not (rc == TRANSFER_FAIL and i in by_index):
+                continue
+            size = self.store.get_size(mkeys[i])
+            room = segments_nbytes(buffers[i])
+            if size > room or size == NOT_FOUND:  # too small, or removed meanwhile
+                codes[i] = size
+            elif 0 < size < room and i in by_index:
+                again.append(trimmed(by_index[i], size))
+        if again:
+            self._get_scattered(mkeys, again, codes)
+
+    # ----- rounds -----------------------------------------------------------------------------
+    def _rounds(self, plan: Plan) -> Iterator[_Round]:
+        """Direct and scattered moves with the first staged chunk, then further chunks.
+
+        A staged read takes its buffer's room in staging; a write exactly its bytes. An
+        oversize round is one object with a buffer of its own.
+        """
+        round_ = _Round(list(plan.direct), list(plan.scattered), self.staging)
         offset, limit = 0, self.staging.nbytes
-        for i, segs, nbytes in staged:
+        for i, segs, nbytes in plan.staged:
             if nbytes > limit:
                 yield from self._oversize(i, segs, nbytes)
                 continue
             if offset + nbytes > limit:
-                yield round_, None
-                round_, offset = [], 0
-            round_.append(_Move(i, self.staging_address + offset, nbytes, segs, offset))
+                yield round_
+                round_, offset = _Round([], [], self.staging), 0
+            round_.moves.append(Move(i, self.staging_address + offset, nbytes, segs, offset))
             offset += nbytes
-        if round_:
-            yield round_, None
+        if round_.moves or round_.scattered:
+            yield round_
 
-    def _oversize(
-        self, index: int, segs: list[memoryview], nbytes: int
-    ) -> Iterator[tuple[list[_Move], np.ndarray]]:
+    def _oversize(self, index: int, segs: list[memoryview], nbytes: int) -> Iterator[_Round]:
         buffer = np.empty(nbytes, dtype=np.uint8)
         address = int(buffer.ctypes.data)
         self._check_register(address, nbytes)
         self.oversize_moves += 1
         try:
-            yield [_Move(index, address, nbytes, segs, 0)], buffer
+            yield _Round([Move(index, address, nbytes, segs, 0)], [], buffer)
         finally:
             self.store.unregister_buffer(address)
 
-    def _account(self, move: _Move, moved: int) -> None:
+    def _account(self, move: Move, moved: int) -> None:
         if move.segments is None:
             self.zero_copy_bytes += moved
         else:
-            self.staged_bytes += moved
+            self.bytes_staged += moved
 
     def _check_register(self, address: int, nbytes: int) -> None:
         rc = self.store.register_buffer(address, nbytes)

@@ -14,6 +14,7 @@ import importlib
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -88,12 +89,25 @@ class NixlPluginError(BackendUnavailableError):
 
 
 def load_nixl_api() -> Any:
-    """The ``nixl._api`` module of the installed build; raises with the install command."""
+    """The ``nixl._api`` module of the installed build; raises with the install command.
+
+    NIXL's Python logger writes INFO lines (two per agent) to stdout, which would corrupt
+    ``--json`` output: its level defaults to WARN here (``NIXL_LOG_LEVEL`` still wins), and its
+    stdout handler is moved to stderr.
+    """
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # read once, when the module is imported
     for name in _API_MODULES:
         try:
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError:
             continue
+        for handler in logging.getLogger("nixl").handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream in (
+                sys.stdout,
+                sys.__stdout__,
+            ):
+                handler.setStream(sys.stderr)
+        return module
     raise BackendUnavailableError(
         f"the nixl backend needs the NIXL Python package (nixl-cu12), which is not installed: "
         f"{INSTALL_HINT}"

@@ -12,10 +12,11 @@ or the new one, never a mix. OBJ: one S3 object per key under ``prefix/``; an S3
 Memory: NIXL moves data only from and to registered memory. A host pool calls
 :meth:`NixlBackend.register_memory` once for its whole buffer; a transfer whose segments lie
 inside registered memory then goes straight from or to them (counted as ``zero_copy_bytes``).
-Other segments are copied through a staging region registered once at open (``staged_bytes``).
+Other segments are copied through a staging region registered once at open (``bytes_staged``),
+and so are multi-segment values in OBJ mode, where an object moves as one descriptor.
 
 Transfers: a batch of up to ``batch_keys`` objects moves in one NIXL transfer, submitted and
-polled on a worker thread (see ``_nixl_agent``), so the event loop never waits on NIXL.
+polled on a worker thread (see ``agent``), so the event loop never waits on NIXL.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ _COUNTERS = (
     "transfers",
     "transfer_failures",
     "zero_copy_bytes",
-    "staged_bytes",
+    "bytes_staged",
     "oversize_transfers",
 )
 
@@ -77,8 +77,12 @@ class Mover:
     def run(self, op: str, jobs: list[Job], remote_mem: str, one_piece: bool) -> None:
         """Move every job (``op`` is WRITE or READ), setting ``job.ok``.
 
-        ``one_piece``: an object must move as one descriptor (OBJ writes are one PUT each), so
-        scattered segments are staged even when registered.
+        A job whose segments all lie in registered memory moves as one descriptor per segment
+        (POSIX: each at its offset in the file), so a header slot and its page move uncopied.
+        ``one_piece`` (OBJ): an object must move as one descriptor, so scattered segments are
+        staged even when registered. The OBJ plugin writes each descriptor as a whole-object
+        PUT and fails one with a non-zero offset; it could read pieces as ranged GETs, but
+        two requests per page (one for 160 header bytes) cost more than the copy.
         """
         for job in jobs:
             job.ok = job.target.size == 0  # nothing to move
@@ -142,19 +146,19 @@ class Mover:
         lock = staging.lock if rnd.staged else contextlib.nullcontext()
         with lock:
             view = staging.buffer.data
-            staged_bytes = 0
+            bytes_staged = 0
             for job, offset in rnd.staged:
                 size = job.target.size
                 if op == "WRITE":
                     _gather(job.segs, view[offset : offset + size])
                 local.append((staging.address + offset, size, 0))
                 remote.append((0, size, job.target.dev))
-                staged_bytes += size
+                bytes_staged += size
             ok = self.agent.transfer(op, local, remote, remote_mem)
             if ok and op == "READ":
                 for job, offset in rnd.staged:
                     _scatter(view[offset : offset + job.target.size], job.segs)
-        self._account(ok, zero_copy_bytes=direct_bytes, staged_bytes=staged_bytes)
+        self._account(ok, zero_copy_bytes=direct_bytes, bytes_staged=bytes_staged)
         return ok
 
     def _run_oversize(self, op: str, job: Job, remote_mem: str) -> bool:
@@ -167,7 +171,7 @@ class Mover:
             ok = self.agent.transfer(op, local, [(0, size, job.target.dev)], remote_mem)
             if ok and op == "READ":
                 _scatter(view, job.segs)
-        self._account(ok, staged_bytes=size, oversize_transfers=1)
+        self._account(ok, bytes_staged=size, oversize_transfers=1)
         return ok
 
     def _account(self, ok: bool, **amounts: int) -> None:

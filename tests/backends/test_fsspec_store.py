@@ -256,9 +256,11 @@ async def test_objects_live_under_the_prefix(s3: MotoServer, bucket: str) -> Non
     async with await open_backend(s3_url(s3, root)) as backend:
         assert await backend.put(["k1", "k2"], [b"one", [b"tw", b"o"]]) == [True, True]
         assert fs.cat_file(f"{root}/k1") == b"one" and fs.cat_file(f"{root}/k2") == b"two"
+        assert (await backend.stats())["bytes_staged"] == 6  # each body is joined into bytes
         fs.pipe_file(f"{root}/from-raw", b"raw!")
         fs.pipe_file(f"{root}/nested/deeper", b"another store's")  # not a key of this store
         assert await backend.get(["from-raw"]) == [b"raw!"]
+        assert (await backend.stats())["bytes_staged"] == 10  # and each read comes as bytes
         listed = sorted([i.key async for i in backend.scan()])
         assert listed == ["from-raw", "k1", "k2"]
         assert await backend.delete(["k1", "nested"]) == [True, False]

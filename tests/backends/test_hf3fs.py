@@ -156,7 +156,9 @@ async def test_auto_mode_picks_usrbio_on_a_mount(
         assert backend.mode is Hf3fsMode.USRBIO
         assert await backend.put(["k"], [b"via usrbio"]) == [True]
         assert await backend.get(["k"]) == [b"via usrbio"]
-        assert fake_usrbio.ios_done > before and (await backend.stats())["usrbio"] == 1
+        stats = await backend.stats()
+        assert fake_usrbio.ios_done > before and stats["usrbio"] == 1
+        assert stats["bytes_staged"] == 2 * len(b"via usrbio")  # through a lane both ways
     finally:
         await backend.close()
     assert glob.glob("/dev/shm/hicache-3fs-*") == []  # staging segments are never left behind
@@ -168,6 +170,9 @@ async def test_auto_mode_falls_back_to_posix(
     monkeypatch.setitem(sys.modules, "hf3fs_py_usrbio", None)  # not importable
     backend = await open_posix(make_mount(tmp_path), mode=Hf3fsMode.AUTO)
     assert backend.mode is Hf3fsMode.POSIX
+    assert await backend.put(["k"], [[b"head", b"page"]]) == [True]
+    assert await backend.get(["k"]) == [b"headpage"]
+    assert (await backend.stats())["bytes_staged"] == 0  # pwritev/preadv on the caller's views
     await backend.close()
     with pytest.raises(BackendUnavailableError, match="hf3fs_py_usrbio"):
         await open_posix(tmp_path, mode=Hf3fsMode.USRBIO)

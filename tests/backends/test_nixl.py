@@ -239,19 +239,19 @@ async def test_registered_memory_is_zero_copy(store: NixlBackend) -> None:
     keys = [f"page-{i}" for i in range(8)]
     assert await store.put(keys, pages) == [True] * 8
     before = await store.stats()
-    assert before["zero_copy_bytes"] == 8 * 65536 and before["staged_bytes"] == 0
+    assert before["zero_copy_bytes"] == 8 * 65536 and before["bytes_staged"] == 0
     expected = pool.copy()
     pool[:] = 0
     assert await store.get_into(keys[::-1], pages[::-1]) == [65536] * 8
     assert np.array_equal(pool, expected)
     after = await store.stats()
-    assert after["zero_copy_bytes"] == 16 * 65536 and after["staged_bytes"] == 0
+    assert after["zero_copy_bytes"] == 16 * 65536 and after["bytes_staged"] == 0
     assert after["registered_bytes"] == pool.nbytes
     # Outside the registered pool: staged, and still correct.
     outside = bytearray(65536)
     assert await store.get_into(["page-3"], [outside]) == [65536]
     assert bytes(outside) == expected[3 * 65536 : 4 * 65536].tobytes()
-    assert (await store.stats())["staged_bytes"] == 65536
+    assert (await store.stats())["bytes_staged"] == 65536
     assert store.unregister_memory(pool) is True and store.unregister_memory(pool) is False
     with pytest.raises(InvalidArgumentError):
         store.register_memory(np.zeros(4, np.uint8)[::2])
@@ -263,8 +263,32 @@ async def test_part_registered_segments_are_staged(store: NixlBackend) -> None:
     outside = np.frombuffer(os.urandom(100), np.uint8)
     pool[:50] = 7
     assert await store.put(["mix"], [[pool[:50], outside]]) == [True]
-    assert (await store.stats())["staged_bytes"] == 150
+    assert (await store.stats())["bytes_staged"] == 150
     assert await store.get(["mix"]) == [bytes(pool[:50]) + outside.tobytes()]
+
+
+async def test_header_and_page_in_registered_memory_move_zero_copy(store: NixlBackend) -> None:
+    size = 65536
+    pool = np.frombuffer(os.urandom(8 * size), np.uint8).copy()  # pages 0-3 written, 4-7 read
+    arena = np.frombuffer(os.urandom(8 * 160), np.uint8).copy()  # one header slot per page
+    assert store.register_memory(pool) and store.register_memory(arena)
+
+    def page(i: int) -> list[np.ndarray]:
+        return [arena[i * 160 : (i + 1) * 160], pool[i * size : (i + 1) * size]]
+
+    keys = [f"page-{i}" for i in range(4)]
+    assert await store.put(keys, [page(i) for i in range(4)]) == [True] * 4
+    assert await store.get_into(keys, [page(4 + i) for i in range(4)]) == [160 + size] * 4
+    assert np.array_equal(pool[4 * size :], pool[: 4 * size])
+    assert np.array_equal(arena[640:], arena[:640])
+    stats = await store.stats()
+    assert stats["bytes_staged"] == 0 and stats["zero_copy_bytes"] == 8 * (160 + size)
+    # The same two segments outside registered memory: staged both ways, and counted.
+    plain = [bytearray(arena[:160]), bytearray(pool[:size])]
+    assert await store.put(["plain"], [plain]) == [True]
+    out = [bytearray(160), bytearray(size)]
+    assert await store.get_into(["plain"], [out]) == [160 + size] and out == plain
+    assert (await store.stats())["bytes_staged"] == 2 * (160 + size)
 
 
 async def test_staging_rounds_and_oversize_objects(tmp_path: pathlib.Path) -> None:

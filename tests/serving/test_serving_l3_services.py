@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 from collections.abc import Iterator
@@ -95,3 +96,18 @@ def test_serve_with_mooncake_l3_hits_and_keeps_outputs(
     assert result["outputs_identical"] is True
     l3 = rows["device+host+l3"]
     assert l3["hit_tokens_l3"] > 0 and l3["errors"] == 0
+    # Host pools and their header arena are registered: every page moved without staging.
+    assert l3["bytes_host_to_l3"] > 0 and l3["bytes_staged"] == 0
+
+
+@pytest.mark.slow
+def test_serve_with_nixl_posix_l3_moves_pages_zero_copy(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not any(importlib.util.find_spec(name) for name in ("nixl_cu12", "nixl")):
+        pytest.skip("NIXL is not installed (pip install 'hicache[nixl]')")
+    result = serve(capsys, "--l3", f"nixl://{tmp_path}/kv", "--compare")
+    assert result["outputs_identical"] is True
+    l3 = by_name(result)["device+host+l3"]
+    assert l3["hit_tokens_l3"] > 0 and l3["errors"] == 0
+    assert l3["bytes_host_to_l3"] > 0 and l3["bytes_staged"] == 0
