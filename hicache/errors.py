@@ -131,6 +131,11 @@ class ForeignPageError(CodecError):
     """The page is intact but belongs to another key or another model/format."""
 
 
+class PageKindMismatchError(ForeignPageError):
+    """An intact page of this very key whose content (pool, dtype, shape, layout) is not what
+    the reader expects: written by a reader of another configuration, not damaged."""
+
+
 class TruncatedPageError(CodecError):
     """The object is shorter than its header says."""
 

@@ -41,6 +41,7 @@ from hicache.errors import (
     CorruptHeaderError,
     ForeignPageError,
     InvalidArgumentError,
+    PageKindMismatchError,
     TruncatedPageError,
     UnsupportedVersionError,
 )
@@ -319,7 +320,7 @@ def meta_of(key: str, fields: tuple[Any, ...]) -> tuple[PageMeta, Codec]:
 def check_expected(key: str, header: PageHeader, expect: PageMeta | None) -> None:
     if expect is not None and not header.meta.same_content_as(expect):
         got = header.meta
-        raise ForeignPageError(
+        raise PageKindMismatchError(
             f"{key}: holds {got.pool} {got.dtype.label}{list(got.shape)} {got.layout.label}, "
             f"expected {expect.pool} {expect.dtype.label}{list(expect.shape)} {expect.layout.label}"
         )

@@ -22,6 +22,7 @@ through one contiguous buffer, in its stored order (that of ``page_first_direct`
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +31,12 @@ import torch
 
 from hicache.backends.base import StorageBackend
 from hicache.codec import HEADER_SIZE, NO_PARENT, PageMeta, check_into, encode_page, meta_at
-from hicache.errors import CodecError, InvalidArgumentError
+from hicache.errors import (
+    CodecError,
+    InvalidArgumentError,
+    PageKindMismatchError,
+    UnsupportedVersionError,
+)
 from hicache.keys import (
     RadixKey,
     StorageFormat,
@@ -45,6 +51,15 @@ from hicache.radix.node import TreeNode
 from hicache.tiering.metrics import HiCacheMetrics
 
 __all__ = ["BundlePage", "Namespace", "PageBundler", "PageHasher"]
+
+
+class _Check(enum.Enum):
+    """What reading one object gave."""
+
+    OK = "ok"
+    MISSING = "missing"
+    OTHER_KIND = "other_kind"  # intact, but not this reader's kind of page
+    DAMAGED = "damaged"  # corrupt, truncated, or not a page of this key
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,13 +242,16 @@ class PageBundler:
         pages: Sequence[BundlePage],
         keys_of: Sequence[Mapping[str, str]] | None = None,
         into: Sequence[int] | None = None,
+        corrupt: list[str] | None = None,
     ) -> int:
         """Load pages into their host pages; how many leading pages arrived whole and checked.
 
         Pages after the first incomplete one are not used (their host pages hold unspecified
-        bytes: the caller frees them). Missing and bad objects are counted, never raised.
-        ``into``: the host page of each page for every pool (pools sharing one page index),
-        instead of each page's ``host_pages``.
+        bytes: the caller frees them), but the objects that arrived are still checked, so that
+        every bad object of the batch is found. Missing and bad objects are counted, never
+        raised; the keys of bad ones are appended to ``corrupt`` when it is given. ``into``: the
+        host page of each page for every pool (pools sharing one page index), instead of each
+        page's ``host_pages``.
         """
         keys_of = keys_of or [self.keys(p) for p in pages]
         plan = [(i, name, key) for i, ks in enumerate(keys_of) for name, key in ks.items()]
@@ -249,10 +267,15 @@ class PageBundler:
         )
         bad_page = len(pages)
         for (i, name, key), header, target, n in zip(plan, headers, targets, got, strict=True):
-            if i >= bad_page:
+            if i >= bad_page and n < 0:
+                continue  # a missing object after the hit ended: nobody needs it
+            outcome = self._decode(key, header, target, n, self._templates[name])
+            if outcome is not _Check.OK:
+                bad_page = min(bad_page, i)
+                if outcome is _Check.DAMAGED and corrupt is not None:
+                    corrupt.append(key)
                 continue
-            if not self._decode(key, header, target, n, self._templates[name]):
-                bad_page = i
+            if i >= bad_page:
                 continue
             if self.host_pools[name].layout is Layout.LAYER_FIRST:
                 self.host_pools[name].write_page(host_page(i, name), torch.from_numpy(target))
@@ -266,16 +289,21 @@ class PageBundler:
 
     def _decode(
         self, key: str, header: np.ndarray | bytearray, target: object, n: int, meta: PageMeta
-    ) -> bool:
+    ) -> _Check:
         if n < 0:
             self.metrics.add("missing_pages")
-            return False
+            return _Check.MISSING
         try:
             check_into(key, header, target, n, meta)
+        except (PageKindMismatchError, UnsupportedVersionError):
+            # Intact, but another configuration's page or a newer writer's: a miss for this
+            # reader, and not ours to delete.
+            self.metrics.add("corrupt_pages")
+            return _Check.OTHER_KIND
         except (CodecError, InvalidArgumentError):
             self.metrics.add("corrupt_pages")
-            return False
-        return True
+            return _Check.DAMAGED
+        return _Check.OK
 
     def _payload(self, name: str, host_page: int) -> memoryview:
         rows = self._page_bytes[name]

@@ -28,6 +28,7 @@ from hicache.tiering.config import PrefetchConfig, StorageConfig
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.policies import TerminationReason
 from hicache.tiering.registration import register_buffers, unregister_buffers
+from hicache.tiering.repair import SuspectKeys
 from hicache.tiering.supervisor import TaskSupervisor
 
 __all__ = ["PrefetchOp", "StorageTier", "WriteJob"]
@@ -95,6 +96,7 @@ class StorageTier:
         self.finished_prefetches: deque[PrefetchOp] = deque()
         self._supervisor = TaskSupervisor(lambda *_: metrics.add("task_restarts"))
         self._prefetch_tasks: set[asyncio.Task[None]] = set()
+        self.suspects = SuspectKeys()  # keys whose objects failed their checks
         self._registered: list[Any] = []  # host buffers registered with the backend
         self.read_bytes_per_s: float | None = None  # measured on prefetch reads, smoothed
         metrics.gauge("l3_write_queue_pages", lambda: self._queued_pages)
@@ -236,17 +238,20 @@ class StorageTier:
             )
             for i, good in zip(batch, landed or [False] * len(batch), strict=True):
                 ok[i] = good
+                if good:
+                    self.suspects.discard(keys[i].values())
             written = sum(landed or [])
             self.metrics.add("pages_written_l3", written)
             self.metrics.add("bytes_host_to_l3", written * self.page_bytes)
-            self.metrics.add("write_failures_l3", len(batch) - written)
+            self.metrics.add("l3_write_failures", len(batch) - written)
         return ok
 
     async def _present(
         self, backend: StorageBackend, keys: Sequence[Mapping[str, str]]
     ) -> list[bool]:
         """Per page, whether every object of it is already in L3."""
-        found = await backend.exists([k for ks in keys for k in ks.values()])
+        flat = [k for ks in keys for k in ks.values()]
+        found = self.suspects.vouched(flat, await backend.exists(flat))
         out, pos = [], 0
         for ks in keys:
             out.append(all(found[pos : pos + len(ks)]))
@@ -282,6 +287,8 @@ class StorageTier:
         backend = self.backend
         keys = [self.bundler.keys(p) for p in op.candidates]
         hits = await self._bounded(self._leading_pages(backend, keys), op)
+        if hits is None:  # nothing is known of these pages: every one is a failed read
+            self.metrics.add("l3_read_failures", len(op.candidates))
         op.hit_pages = hits or 0
         page_size = self.bundler.formats[next(iter(self.bundler.formats))].page_size
         if hits is None or op.stop_requested:
@@ -302,17 +309,27 @@ class StorageTier:
             into = pages[lo : lo + step]
             batch = op.candidates[lo : lo + len(into)]
             started = time.perf_counter()
+            corrupt: list[str] = []
             loaded = await self._bounded(
-                self.bundler.read(backend, batch, keys[lo : lo + len(into)], into), op
+                self.bundler.read(backend, batch, keys[lo : lo + len(into)], into, corrupt), op
             )
+            if corrupt:
+                await self._remove_corrupt(backend, corrupt)
             self._observe_read(len(into) * self.page_bytes, time.perf_counter() - started)
             if loaded is None:
+                self.metrics.add("l3_read_failures", len(pages) - lo)  # this batch and the rest
                 return
             if not op.stop_requested:
                 op.completed_pages += loaded
                 self.metrics.add("bytes_l3_to_host", loaded * self.page_bytes)
             if loaded < len(batch):
                 return
+
+    async def _remove_corrupt(self, backend: StorageBackend, keys: list[str]) -> None:
+        """Delete objects that failed their checks; their keys stay suspects until rewritten."""
+        self.suspects.add(keys)
+        removed = await self._bounded(backend.delete(keys), None)
+        self.metrics.add("corrupt_removed", sum(removed or []))
 
     def _observe_read(self, nbytes: int, seconds: float) -> None:
         if seconds <= 0:

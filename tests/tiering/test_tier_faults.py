@@ -68,6 +68,8 @@ async def test_raising_reads_end_the_prefetch_and_the_request_recomputes(op: Ope
         assert prefetch.reason is TerminationReason.ERROR
         assert h.controller.metrics.counts["errors"] == 1
         assert h.controller.metrics.counts["prefetch_error"] == 1
+        # Every page of the request was asked of L3 and none could be read.
+        assert h.controller.metrics.counts["l3_read_failures"] == len(SEQ) // 4
         assert h.run_request("r", SEQ) == {"device": 0, "host": 0, "computed": 32}
         await assert_clean(h)
     finally:
@@ -195,7 +197,7 @@ async def test_a_write_past_its_deadline_fails_and_keeps_its_pages_protected() -
         assert h.host["kv"].protected_pages == 8  # the late put still reads them
         gate.open()
         await assert_clean(h)
-        assert h.controller.metrics.counts["write_failures_l3"] == 8
+        assert h.controller.metrics.counts["l3_write_failures"] == 8
         assert not any(n.in_storage for n in h.tree.all_nodes())
     finally:
         gate.open()
@@ -211,7 +213,7 @@ async def test_failed_writes_are_counted_and_retried_on_a_later_hit(mode: FaultM
         h.run_request("a", SEQ)
         await assert_clean(h)
         counts = h.controller.metrics.counts
-        assert counts["write_failures_l3"] == 8 and counts["pages_written_l3"] == 0
+        assert counts["l3_write_failures"] == 8 and counts["pages_written_l3"] == 0
         assert counts["errors"] == (1 if mode is FaultMode.RAISE else 0)
         node = h.tree.all_nodes()[0]
         assert node.host_value is not None and not node.in_storage
