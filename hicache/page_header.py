@@ -84,6 +84,7 @@ NO_PARENT = bytes(32)
 UNKNOWN_INDEX = 0xFFFFFFFF
 BODY = struct.Struct("<4sHHI16s32s16sBBBB6IIQQQQ12x")
 CHECK = struct.Struct("<Q")
+VERSION = struct.Struct("<H")  # the format version field, at offset 4
 # Where the meta fields (pool to shape), the page index and the checksums start in a header.
 POOL_AT = struct.calcsize("<4sHHI16s32s")
 INDEX_AT = struct.calcsize("<4sHHI16s32s16sBBBB6I")
@@ -260,9 +261,15 @@ def checked_body(key: str, raw: memoryview) -> tuple[bytes, tuple[Any, ...]]:
     if head[:4] != MAGIC:
         raise BadMagicError(f"{key}: not a hicache page (bad magic)")
     fields = BODY.unpack_from(head)
+    stored = CHECK.unpack_from(head, BODY.size)[0]
     if fields[1] != FORMAT_VERSION:
+        # A damaged version field must not pass for a newer writer's page (which tools keep):
+        # with this version restored the header checks out, so only the version was hit.
+        restored = head[:4] + VERSION.pack(FORMAT_VERSION) + head[6 : BODY.size]
+        if xxhash.xxh3_64_intdigest(restored) == stored:
+            raise CorruptHeaderError(f"{key}: damaged format version field ({fields[1]})")
         raise UnsupportedVersionError(f"{key}: page format version {fields[1]} is not supported")
-    if xxhash.xxh3_64_intdigest(head[: BODY.size]) != CHECK.unpack_from(head, BODY.size)[0]:
+    if xxhash.xxh3_64_intdigest(head[: BODY.size]) != stored:
         raise CorruptHeaderError(f"{key}: header checksum mismatch")
     if fields[4] != key_digest(key):
         raise ForeignPageError(f"{key}: the page was written under another key")

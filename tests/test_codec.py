@@ -21,6 +21,7 @@ from hicache.codec import (
     decode_page,
     encode_page,
     parse_header,
+    verify_page,
 )
 from hicache.dtypes import DType
 from hicache.errors import (
@@ -247,3 +248,21 @@ def test_check_into_refuses_a_page_of_another_kind() -> None:
     header_buf, payload_buf = _split_read(stored, data.nbytes)
     with pytest.raises(ForeignPageError):
         check_into(KEY, header_buf, payload_buf, len(stored), other)
+
+
+@pytest.mark.parametrize("bit", range(16))
+def test_a_flipped_version_bit_is_corruption_not_a_newer_format(bit: int) -> None:
+    data, meta = bf16_page()
+    good = bytearray(joined(encode_page(KEY, data, meta)))
+    good[4 + bit // 8] ^= 1 << (bit % 8)  # the format version field, header checksum not resealed
+    with pytest.raises(CorruptHeaderError, match="version"):
+        decode_page(KEY, bytes(good), meta)
+    with pytest.raises(CorruptHeaderError):
+        verify_page(KEY, bytes(good))
+
+
+def test_a_newer_writers_page_is_still_an_unsupported_version() -> None:
+    data, meta = bf16_page()
+    newer = _rewrite_header(joined(encode_page(KEY, data, meta)), 4, "<H", 2)  # checksum sealed
+    with pytest.raises(UnsupportedVersionError):
+        decode_page(KEY, newer, meta)

@@ -70,8 +70,11 @@ class StoreKit:
         await self.replace(key, await self.read(donor))
 
     async def newer_version(self, key: str) -> None:
+        """A page as a newer writer would seal it: another version, its own header checksum
+        (a version field changed without resealing is damage, not a newer format)."""
         data = bytearray(await self.read(key))
         struct.pack_into("<H", data, 4, 99)
+        struct.pack_into("<Q", data, 152, xxhash.xxh3_64_intdigest(bytes(data[:152])))
         await self.replace(key, bytes(data))
 
     # ----- file-store only ------------------------------------------------------------------
