@@ -25,6 +25,8 @@ COUNTERS: dict[str, str] = {
     "bytes_host_to_device": "bytes loaded back from host memory to the device",
     "bytes_host_to_l3": "bytes written from host memory to L3",
     "bytes_l3_to_host": "bytes read from L3 into host memory",
+    "pages_submitted_l3": "pages handed to the L3 writer (each is then written, skipped, failed "
+    "or dropped)",
     "pages_written_l3": "pages written to L3",
     "pages_skipped_l3": "pages not written to L3 because it already had them",
     "l3_write_failures": "pages not written to L3: the backend call failed, timed out or said no",

@@ -168,6 +168,7 @@ class StorageTier:
     # ----- writes ---------------------------------------------------------------------------
     def submit_write(self, job: WriteJob) -> None:
         """Queue ``job``; never waits. A job that cannot fit is acknowledged as dropped."""
+        self.metrics.add("pages_submitted_l3", len(job.pages))
         if not job.pages:
             job.ok = []
             self.write_acks.append(job)
