@@ -28,7 +28,7 @@ from hicache.backends.segments import (
     join_segments,
     segments_nbytes,
 )
-from hicache.errors import BackendClosedError, ConfigError, InvalidArgumentError
+from hicache.errors import BackendClosedError, BackendError, ConfigError, InvalidArgumentError
 from hicache.keys import validate_key, validate_key_prefix
 from hicache.typed_config import build_config
 
@@ -37,6 +37,7 @@ __all__ = [
     "BufferLike",
     "Capabilities",
     "ObjectInfo",
+    "ReadOnlyStoreError",
     "Segments",
     "StorageBackend",
     "TEMP_GRACE_S",
@@ -55,6 +56,10 @@ MISS = -1
 # A temporary file younger than this may belong to a write in progress: never removed.
 TEMP_GRACE_S = 15 * 60.0
 B = TypeVar("B", bound="StorageBackend")
+
+
+class ReadOnlyStoreError(BackendError):
+    """A write (put, delete, removing files) on a backend opened read-only; nothing changed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,14 +152,24 @@ class StorageBackend(abc.ABC):
         """The backend's config from ``scheme://location?option=value`` plus ``overrides``.
 
         Query options and overrides are config fields; the location is given to
-        :meth:`url_location_fields`, which a backend overrides to say what it means.
+        :meth:`url_location_fields`, which a backend overrides to say what it means. A query
+        option may not set a field the location already sets (``file:///a?root=/b``): one of
+        the two would be dropped silently, so the URL is refused.
         """
         scheme, sep, rest = url.partition("://")
         # Parsed as a neutral scheme: urlsplit drops a scheme that starts with a digit ("3fs").
         parts = urlsplit("x://" + rest if sep else url)
-        cls._refuse_unclaimed_parts(scheme if sep else cls.name, parts.netloc, parts.path)
+        shown = scheme if sep else cls.name
+        cls._refuse_unclaimed_parts(shown, parts.netloc, parts.path)
         values: dict[str, Any] = dict(cls.url_location_fields(parts.netloc, parts.path))
-        values.update(parse_qsl(parts.query, keep_blank_values=True))
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        for name, value in query:
+            if values.get(name) not in (None, ""):
+                raise ConfigError(
+                    f"{shown}:// URL gives {name} twice: {values[name]!r} from its location and "
+                    f"{value!r} from ?{name}=; give it once, in the location"
+                )
+        values.update(query)
         values.update(overrides)
         return build_config(cls.config_type, values)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import os
 import re
@@ -137,14 +138,22 @@ class ScanOptions:
             raise InvalidArgumentError("parallel, batch sizes and sample must be positive")
 
 
-async def open_store(url: str) -> StorageBackend:
+async def open_store(url: str, *, read_only: bool = False) -> StorageBackend:
     """Open the store at ``url`` for a tool; raises a :class:`HiCacheError` when it cannot.
 
     Refuses stores a separate process cannot see (``memory://``), stores that cannot list
     their objects, and a local root that does not exist (the file backend would create it).
+
+    ``read_only``: for the tools that only read (``verify`` without deletion, ``inspect``,
+    ``stats``). A backend with a read-only mode (a ``read_only`` option: ``file``) opens in it
+    and writes nothing, not even at open, so a read-only mount or a snapshot can be checked;
+    its writes then raise :class:`~hicache.backends.base.ReadOnlyStoreError`. Other backends
+    open as usual.
     """
     cls, backend_url = default_registry.resolve_url(url)
     config = cls.config_from_url(backend_url, {})
+    if read_only and "read_only" in getattr(config, "__dataclass_fields__", ()):
+        config = dataclasses.replace(config, read_only=True)
     caps = cls.capabilities
     if not (caps.persistent or caps.shared_across_processes):
         raise ConfigError(f"{url}: a {cls.name} store lives inside one process; nothing to open")

@@ -1,7 +1,10 @@
 """``file://``: one file per object under a root directory (see :mod:`.backend`).
 
-Modules: ``backend`` (the backend, its index and eviction), ``io`` (vector reads and writes,
-scanning, temporary files) and ``bulk_read`` (whole-store reads in threads or processes).
+Modules: ``backend`` (the backend: opening, writes, deletes, its index and eviction),
+``config`` (its options), ``reads`` (gets and peeks, O_DIRECT), ``maintenance`` (the tools'
+side: whole-store reads, temporary files), ``tree`` (walking the directories without following
+links), ``scan`` (listings and whole-tree reads), ``io`` (vector reads and writes) and
+``bulk_read`` (whole-store reads in threads or processes).
 """
 
 from hicache.backends.file.backend import FileBackend, FileConfig

@@ -3,7 +3,8 @@
 Each worker walks a group of top-level fan-out directories, reads every object whole into its own
 buffer and runs the caller's check right there; only the results come back. Small objects cost
 mostly Python, which one process runs on one core at a time, so they can go to worker
-processes; large ones stay in threads, whose copies and checksums run outside the GIL.
+processes; large ones stay in threads, whose copies and checksums run outside the GIL. The walk
+and the reads are :mod:`.scan`'s: no link below the root is followed, in threads or processes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
 
-from hicache.backends.file.io import ReadBuffer, read_groups, read_tree
+from hicache.backends.file.io import ReadBuffer
+from hicache.backends.file.scan import read_groups, read_tree
 
 __all__ = ["picklable", "read_in_processes", "read_in_threads", "read_store"]
 

@@ -22,6 +22,12 @@ Modes: ``usrbio`` moves data with 3FS's USRBIO rings through shared-memory stagi
 the same file, straight from and into the caller's segments (``bytes_staged`` stays 0); ``auto``
 picks USRBIO when ``hf3fs_py_usrbio`` imports and root is on a 3FS mount. One process writes a
 rank: the data file is ``flock``-ed at open.
+
+Links: keys never become paths here (they live in the index), so the only paths are the rank's
+files directly in root. Root may be reached through the operator's links; the files in it are
+opened with ``O_NOFOLLOW`` (a link there fails the open with :class:`BackendUnavailableError`,
+see ``posix.open_store_file``), and the index rewrite creates its temporary file with
+``O_EXCL``, so nobody who can write in root can point the store's writes at another file.
 """
 
 from __future__ import annotations

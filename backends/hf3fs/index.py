@@ -14,6 +14,7 @@ ignored; replay then rewrites the log, so appends always start on a record bound
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import zlib
@@ -21,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import xxhash
+
+from hicache.backends.hf3fs.posix import open_store_file
 
 __all__ = [
     "RECORD",
@@ -39,7 +42,6 @@ __all__ = [
 
 SLOT_HEADER = 4096
 RECORD = 512
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _SLOT = struct.Struct("<8sQQQ")  # magic, seq, size, key hash; a CRC32 of these follows
 _SLOT_MAGIC = b"HC3FSLT1"
 _CRC = struct.Struct("<I")
@@ -181,6 +183,15 @@ def _read_geometry(data: memoryview) -> Geometry | None:
     return Geometry(slot_bytes, slots)
 
 
+def _read_whole(path: str) -> bytes:
+    fd = open_store_file(path, os.O_RDONLY)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -204,8 +215,7 @@ class IndexLog:
         other byte ranges, so it is never reinterpreted.
         """
         try:
-            with open(self.path, "rb") as f:
-                data = memoryview(f.read())
+            data = memoryview(_read_whole(self.path))
         except FileNotFoundError:
             data = memoryview(b"")
         found = _read_geometry(data)
@@ -217,7 +227,7 @@ class IndexLog:
             self.rewrite(result.entries)
         else:
             self.records = result.records
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | _CLOEXEC)
+            self._fd = open_store_file(self.path, os.O_WRONLY | os.O_APPEND)
         return result
 
     def append(self, records: bytes) -> None:
@@ -231,10 +241,13 @@ class IndexLog:
         """Replace the log by one put record per live entry, in order (that keeps the LRU order).
 
         Written to a temporary file, synced, then renamed over the log: a crash leaves the old
-        log or the new one, never a mix.
+        log or the new one, never a mix. The temporary file's descriptor goes on as the log's,
+        so the log is never opened again by name after the rename.
         """
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _CLOEXEC, 0o644)
+        with contextlib.suppress(FileNotFoundError):  # a crashed rewrite's, or a planted link
+            os.unlink(tmp)  # unlinks the entry itself, never what a link points to
+        fd = open_store_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
         try:
             chunk = [_file_header(self.geometry)]
             for key, entry in entries.items():
@@ -244,11 +257,12 @@ class IndexLog:
                     chunk.clear()
             _write_all(fd, b"".join(chunk))
             os.fsync(fd)
-        finally:
+            os.replace(tmp, self.path)
+        except BaseException:
             os.close(fd)
-        os.replace(tmp, self.path)
+            raise
         self.close()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | _CLOEXEC)
+        self._fd = fd
         self.records = len(entries)
 
     def close(self) -> None:

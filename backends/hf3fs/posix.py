@@ -1,6 +1,7 @@
 """The ``3fs`` backend's files and its POSIX I/O engine.
 
-:func:`open_data_file` checks the root, opens and locks one rank's data file and sizes it;
+:func:`open_data_file` checks the root, opens and locks one rank's data file and sizes it
+(:func:`open_store_file`: never through a symbolic link);
 :class:`PosixSlotIO` moves slot-sized extents with ``pwritev``/``preadv`` (what POSIX mode
 uses, and what runs on any filesystem, 3FS's FUSE mount included).
 
@@ -21,7 +22,7 @@ from typing import Protocol
 from hicache.backends.base import segments_nbytes
 from hicache.errors import BackendUnavailableError
 
-__all__ = ["IOItem", "PosixSlotIO", "SlotIO", "check_root", "open_data_file"]
+__all__ = ["IOItem", "PosixSlotIO", "SlotIO", "check_root", "open_data_file", "open_store_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ IOItem = tuple[int, Sequence[memoryview]]  # (file offset, segments moved back t
 _IOV_MAX = 1024
 _VectorIO = Callable[[int, Sequence[memoryview], int], int]  # os.pwritev / os.preadv
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class SlotIO(Protocol):
@@ -112,13 +114,32 @@ def check_root(root: str) -> None:
         )
 
 
+def open_store_file(path: str, flags: int, mode: int = 0o644) -> int:
+    """Open one of the store's files (``root/<name>``) without following a link at its name.
+
+    The root is the operator's and may be reached through links; the files in it never are:
+    whoever can write in root could otherwise point the data file (sized, then written slot by
+    slot) or the index (appended to, truncated by a rewrite) at any file on the host. A link
+    raises :class:`BackendUnavailableError`; other errors are raised as they are.
+    """
+    try:
+        return os.open(path, flags | _NOFOLLOW | _CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+    raise BackendUnavailableError(
+        f"3fs store file {path} is a symbolic link: refused, the backend never follows a link "
+        "inside its root (remove the link, or point root at the directory that holds the files)"
+    )
+
+
 def open_data_file(path: str, size: int, preallocate: bool) -> int:
     """Open (creating) one rank's data file, lock it for this writer, and size it.
 
     ``flock`` locks belong to the open file, so a second open in this process conflicts too.
     """
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | _CLOEXEC, 0o644)
+        fd = open_store_file(path, os.O_RDWR | os.O_CREAT)
     except OSError as exc:
         raise BackendUnavailableError(f"cannot open 3fs data file {path}: {exc.strerror}") from None
     try:

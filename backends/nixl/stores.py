@@ -7,6 +7,8 @@ and publishing a written object. Every method blocks and runs on a worker thread
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import random
 import stat
@@ -21,6 +23,8 @@ from hicache.errors import BackendError, BackendUnavailableError
 from hicache.keys import validate_key
 
 __all__ = ["ObjStore", "PosixStore", "Target"]
+
+logger = logging.getLogger(__name__)
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _READ_FLAGS = os.O_RDONLY | _CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
@@ -57,6 +61,14 @@ class PosixStore:
     One flat directory: ext4 and xfs index large directories, and a flat layout keeps a get
     at one open. A reader holds its open descriptor, so a rename or delete meanwhile never
     tears the object it reads.
+
+    Links: the root is resolved once, at open (it may be reached through the operator's
+    links). A key is one path component (keys hold no ``/`` and no ``..``), so the only link
+    that could lead outside is an object itself: one that is a symbolic link is no object, and
+    is never followed. Reads open with ``O_NOFOLLOW`` (a link is a miss), ``exists`` and
+    ``delete`` look at the entry with ``lstat`` (a link is absent and is not unlinked), the
+    temporary file is created with ``O_EXCL`` (never through a link) and the publishing rename
+    replaces a link, not its target. Refused links are logged, the first one as a warning.
     """
 
     remote_mem = "FILE"
@@ -64,10 +76,12 @@ class PosixStore:
     def __init__(self, root: str, fsync: bool) -> None:
         self.root = root
         self.fsync = fsync
+        self._warned = False
 
     def prepare(self) -> None:
         try:
             os.makedirs(self.root, exist_ok=True)
+            self.root = os.path.realpath(self.root)
             probe = f"{self.root}/.probe.{os.getpid()}.{random.getrandbits(48):012x}.tmp"
             os.close(os.open(probe, _WRITE_FLAGS, 0o600))
             os.unlink(probe)
@@ -106,6 +120,11 @@ class PosixStore:
             fd = os.open(f"{self.root}/{key}", _READ_FLAGS)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            self._refused(key)
+            return None
         try:
             return Target(key, os.fstat(fd).st_size, fd)
         except OSError:
@@ -116,19 +135,39 @@ class PosixStore:
         os.close(target.dev)
 
     def exists(self, key: str) -> bool:
-        try:
-            return stat.S_ISREG(os.stat(f"{self.root}/{key}").st_mode)
-        except FileNotFoundError:
-            return False
+        return self._entry(key) is not None
 
     def delete(self, key: str) -> bool:
         try:
-            os.unlink(f"{self.root}/{key}")
+            if self._entry(key) is None:
+                return False
+            os.unlink(f"{self.root}/{key}")  # a link planted since would go, never its target
             return True
         except FileNotFoundError:
             return False
         except OSError as exc:
             raise BackendError(f"cannot delete {self.root}/{key}: {exc.strerror}") from exc
+
+    def _entry(self, key: str) -> os.stat_result | None:
+        """``key``'s file as it is (a link not followed); None unless it is a regular file."""
+        try:
+            st = os.lstat(f"{self.root}/{key}")
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            self._refused(key)
+        return st if stat.S_ISREG(st.st_mode) else None
+
+    def _refused(self, key: str) -> None:
+        level = logging.DEBUG if self._warned else logging.WARNING
+        self._warned = True
+        logger.log(
+            level,
+            "nixl POSIX store %s: %r is a symbolic link, refused: nothing outside the store is "
+            "read or removed (who plants links in it?)",
+            self.root,
+            key,
+        )
 
     def scan(self, prefix: str) -> list[ObjectInfo]:
         out: list[ObjectInfo] = []

@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from file_kit import (
@@ -21,9 +22,12 @@ from file_kit import (
     opened_store,
     put_in_order,
     read,
+    resolve_by,
+    snapshot,
+    write_temp,
 )
 
-from hicache.backends.base import StorageBackend
+from hicache.backends.base import ReadOnlyStoreError, StorageBackend
 from hicache.backends.file import FileBackend, FileConfig
 from hicache.backends.testing import BackendConformanceTests
 from hicache.errors import BackendUnavailableError, ConfigError, InvalidKeyError
@@ -44,6 +48,14 @@ class TestFileConformance(BackendConformanceTests):
         tmp = path.with_name(f".{key}.raw.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
+
+
+class TestFileConformanceWalking(TestFileConformance):
+    """The suite again as on a kernel without ``openat2``: paths walked a component at a time."""
+
+    @pytest.fixture(autouse=True)
+    def _walk(self, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+        resolve_by("walk", monkeypatch, tmp_path)
 
 
 store = pytest.fixture(opened_store, name="store")
@@ -71,15 +83,45 @@ async def test_open_refuses_unusable_roots(
         await open_file(tmp_path / "plain")
     real_open = os.open
 
-    def refuse_probe(path: str, flags: int, mode: int = 0o777) -> int:
+    def refuse_probe(path: str, flags: int, mode: int = 0o777, **kw: Any) -> int:
         if "/.probe." in path:
             raise PermissionError(errno.EACCES, "Permission denied", path)
-        return real_open(path, flags, mode)
+        return real_open(path, flags, mode, **kw)
 
     monkeypatch.setattr(os, "open", refuse_probe)
     with pytest.raises(BackendUnavailableError, match=r"Permission denied.*permissions"):
         await open_file(tmp_path / "readonly")
     assert (tmp_path / "readonly").is_dir()  # created, then found unwritable
+
+
+def test_url_query_may_not_repeat_the_location() -> None:
+    """``?root=`` used to win over the URL's path, silently."""
+    with pytest.raises(ConfigError, match=r"root twice: '/srv/a' .* '/srv/b'"):
+        FileBackend.config_from_url("file:///srv/a?root=/srv/b", {})
+    assert FileBackend.config_from_url("file:///srv/a?read_only=true", {}).read_only
+
+
+async def test_read_only_open_changes_nothing(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "store"
+    backend = await open_file(root)
+    await put_in_order(backend, ["a", "b", "c"], b"x" * 100)
+    await backend.close()
+    before = snapshot(root)
+    reader = await open_file(root, read_only=True, max_bytes=150)  # the cap would evict two
+    assert await reader.get(["a", "b", "c"]) == [b"x" * 100] * 3
+    with pytest.raises(ReadOnlyStoreError, match="opened read-only"):
+        await reader.put(["d"], [b"y"])
+    with pytest.raises(ReadOnlyStoreError):
+        await reader.delete(["a"])
+    with pytest.raises(ReadOnlyStoreError):
+        await reader.remove_temp_files(0)
+    stats = await reader.stats()
+    assert (stats["objects"], stats["evictions"]) == (3, 0)
+    await reader.close()
+    assert snapshot(root) == before
+    with pytest.raises(BackendUnavailableError, match="no store"):
+        await open_file(tmp_path / "absent", read_only=True)
+    assert not (tmp_path / "absent").exists()
 
 
 # ----- layout and atomic publication ----------------------------------------------------------
@@ -96,15 +138,15 @@ async def test_crash_before_rename_leaves_only_an_ignored_dot_file(
 ) -> None:
     root = tmp_path / "store"
     # The state a crash between the write and the rename leaves: a complete temp file only.
-    tmp = store._write_temp(store._dir_of("k"), "k", [memoryview(b"orphan")], 6)
-    assert pathlib.Path(tmp).name.startswith(".k.")
+    tmp = write_temp(store, "k", b"orphan")
+    assert tmp.name.startswith(".k.") and tmp.parent == object_path(root, "k").parent
     assert await store.exists(["k"]) == [False]
     assert await read(store, "k", 16) is None
     assert [info async for info in store.scan()] == []
     reopened = await open_file(root)
     assert (await reopened.stats())["objects"] == 0
     await reopened.close()
-    assert pathlib.Path(tmp).exists()  # left for `hicache compact`, invisible until then
+    assert tmp.exists()  # left for `hicache compact`, invisible until then
 
 
 # ----- storage failures -----------------------------------------------------------------------

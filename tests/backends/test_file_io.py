@@ -21,7 +21,7 @@ from file_kit import (
 )
 
 from hicache.backends.base import MISS
-from hicache.backends.file import FileBackend
+from hicache.backends.file import FileBackend, reads
 
 store = pytest.fixture(opened_store, name="store")
 
@@ -139,15 +139,15 @@ async def test_o_direct_refused_falls_back_once(
     backend = await open_file(tmp_path, o_direct=True)
     payload = os.urandom(4096)
     assert await backend.put(["k"], [payload]) == [True]
-    real_open, direct_opens = os.open, []
+    real_open, direct_opens = reads.open_key, []
 
-    def no_direct(path: str, flags: int, mode: int = 0o777) -> int:
+    def no_direct(root: str, fan: str, key: str, flags: int) -> int:
         if flags & os.O_DIRECT:
-            direct_opens.append(path)
-            raise OSError(errno.EINVAL, "Invalid argument", path)  # what tmpfs said before 6.6
-        return real_open(path, flags, mode)
+            direct_opens.append(key)
+            raise OSError(errno.EINVAL, "Invalid argument", key)  # what tmpfs said before 6.6
+        return real_open(root, fan, key, flags)
 
-    monkeypatch.setattr(os, "open", no_direct)
+    monkeypatch.setattr(reads, "open_key", no_direct)
     for _ in range(2):
         buf = mmap.mmap(-1, 4096)
         assert await backend.get_into(["k"], [buf]) == [4096] and buf[:] == payload

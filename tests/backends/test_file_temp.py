@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from file_kit import write_temp
 
 from hicache.backends.base import TempFileOwner
 from hicache.backends.file import FileBackend, FileConfig
@@ -23,7 +24,7 @@ async def store(tmp_path: pathlib.Path) -> AsyncIterator[FileBackend]:
 
 def crashed_write(backend: FileBackend, key: str, age_s: float) -> pathlib.Path:
     """The temporary file a writer that died before its rename leaves, ``age_s`` old."""
-    path = pathlib.Path(backend._write_temp(backend._dir_of(key), key, [memoryview(b"x" * 7)], 7))
+    path = write_temp(backend, key, b"x" * 7)
     when = time.time() - age_s
     os.utime(path, (when, when))
     return path

@@ -355,3 +355,59 @@ async def test_buffer_too_small_reads_nothing(store: Hf3fsBackend) -> None:
     buf = bytearray(b"\xee" * 10)
     assert await store.get_into(["k", "nope"], [buf, bytearray(1)]) == [100, MISS]
     assert buf == b"\xee" * 10
+
+
+# ----- links: the store's files are never reached through a symbolic link ---------------------
+def _files(directory: pathlib.Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.iterdir()}
+
+
+@pytest.mark.parametrize("suffix", ["data", "index"])
+async def test_a_store_file_that_is_a_link_is_refused(tmp_path: pathlib.Path, suffix: str) -> None:
+    """Whoever can write in root could point the data file (sized, then written slot by slot)
+    or the index (appended to) at any file: the open refuses, and the target is untouched."""
+    root, outside = tmp_path / "store", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    backend = await open_posix(root, slots=8, slot_bytes=4096)
+    assert await backend.put(["k"], [b"v"]) == [True]
+    await backend.close()
+    own = root / f"hicache-rank0.{suffix}"
+    victim = outside / "victim"
+    victim.write_bytes(own.read_bytes())  # passes for the store's own file
+    own.unlink()
+    own.symlink_to(victim)
+    before = _files(outside)
+    with pytest.raises(BackendUnavailableError, match="symbolic link"):
+        backend = await open_posix(root, slots=8, slot_bytes=4096)
+        await backend.put(["k2"], [b"w" * 100])  # what a link-following store goes on to do
+        await backend.close()
+    assert _files(outside) == before
+
+
+async def test_index_rewrite_never_writes_through_a_planted_link(tmp_path: pathlib.Path) -> None:
+    """The rewrite's temporary file has a name anyone can predict (the pid): a link planted
+    there must not lead the rewrite (which truncates) to another file."""
+    root, outside = tmp_path / "store", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    backend = await open_posix(root)
+    assert await backend.put(["a", "b"], [b"1", b"2"]) == [True, True]
+    assert await backend.put(["b"], [b"two"]) == [True]  # a superseded record: rewritten at open
+    await backend.close()
+    (outside / "victim").write_bytes(b"precious")
+    (root / f"hicache-rank0.index.{os.getpid()}.tmp").symlink_to(outside / "victim")
+    before = _files(outside)
+    backend = await open_posix(root)
+    try:
+        assert await backend.get(["a", "b"]) == [b"1", b"two"]
+        assert (await backend.stats())["index_records"] == 2
+    finally:
+        await backend.close()
+    assert _files(outside) == before
+    assert not index_path(root).is_symlink()
+
+
+def test_url_query_may_not_repeat_the_location() -> None:
+    with pytest.raises(ConfigError, match=r"root twice: '/mnt/a' .* '/mnt/b'"):
+        Hf3fsBackend.config_from_url("3fs:///mnt/a?root=/mnt/b", {})

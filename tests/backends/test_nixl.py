@@ -190,9 +190,12 @@ def test_config_from_url_and_registry() -> None:
         "nixl://b/x?plugin=obj&access_key=a",
         "nixl:///x?plugin=gds",
         "nixl:///x?batch_keys=0",
+        "nixl://b1/p?plugin=obj&bucket=b2",  # the location's bucket, given again
     ):
         with pytest.raises(ConfigError):
             NixlBackend.config_from_url(bad, {})
+    with pytest.raises(ConfigError, match=r"path twice: '/var/a' .* '/var/b'"):
+        NixlBackend.config_from_url("nixl:///var/a?path=/var/b", {})
 
 
 async def test_open_by_url(tmp_path: pathlib.Path) -> None:
@@ -228,6 +231,21 @@ async def test_unusable_root_is_refused(tmp_path: pathlib.Path) -> None:
     (tmp_path / "file").write_bytes(b"x")
     with pytest.raises(BackendUnavailableError, match="unusable"):
         await open_posix(tmp_path / "file")
+
+
+async def test_posix_store_never_follows_a_linked_object(
+    store: NixlBackend, tmp_path: pathlib.Path
+) -> None:
+    """A key is one path component: the attack is an object that is a link to a file outside.
+    It is no object; a put replaces the link, not its target."""
+    (tmp_path / "outside").write_bytes(b"outside the store")
+    link = tmp_path / "store" / "k"
+    link.symlink_to(tmp_path / "outside")
+    assert await store.exists(["k"]) == [False] and await store.get(["k"]) == [None]
+    assert [info async for info in store.scan()] == []
+    assert await store.delete(["k"]) == [False] and link.is_symlink()
+    assert await store.put(["k"], [b"mine"]) == [True] and not link.is_symlink()
+    assert (tmp_path / "outside").read_bytes() == b"outside the store"
 
 
 # ----- registered memory ----------------------------------------------------------------------

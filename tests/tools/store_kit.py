@@ -4,13 +4,17 @@ purpose. A plain module (not conftest) so that test modules can import it by nam
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import random
+import shutil
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import pytest
 import xxhash
 
 from hicache.backends.base import StorageBackend
@@ -99,6 +103,17 @@ class StoreKit:
         os.utime(tmp, (when, when))
         return tmp
 
+    def link_out(self, key: str, outside: pathlib.Path) -> pathlib.Path:
+        """The attack on a file store: ``key``'s second-level fan-out directory becomes a
+        symbolic link to ``outside``, where a victim file named like the key (not a page)
+        waits; the victim's path."""
+        directory = self.path(key).parent
+        shutil.rmtree(directory)
+        directory.symlink_to(outside)
+        victim = outside / key
+        victim.write_bytes(b"outside the store, not a page: " + key.encode())
+        return victim
+
     # ----- reading back ---------------------------------------------------------------------
     async def keys(self) -> set[str]:
         return {info.key async for info in self.backend.scan()}
@@ -113,3 +128,66 @@ class StoreKit:
             except CodecError:
                 return i
         return n
+
+
+def snapshot(directory: pathlib.Path) -> dict[str, tuple[bytes, int]]:
+    """Every entry below ``directory`` (links not followed): bytes and mtime (ns) by path."""
+    out: dict[str, tuple[bytes, int]] = {}
+    for path in sorted(directory.rglob("*")):
+        st = path.lstat()
+        data = path.read_bytes() if path.is_file() and not path.is_symlink() else b""
+        out[str(path.relative_to(directory))] = (data, st.st_mtime_ns)
+    return out
+
+
+class WriteGuard:
+    """Makes the directory tree ``root`` read-only for this process, and records every try.
+
+    Tests run as root here, and root ignores permission bits, so a directory cannot be made
+    read-only for them; a read-only bind mount or ``chattr +i`` is not available either. So the
+    store is made read-only at the system-call boundary instead: each ``os`` function that
+    writes raises ``EROFS`` (what a read-only mount answers) when its target lies under
+    ``root`` (a ``dir_fd`` or a descriptor is resolved through ``/proc/self/fd``), and notes
+    what it was asked. Calls elsewhere (pytest's own files, other tests' threads) go through.
+    """
+
+    _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    _WRITERS = (
+        "mkdir", "unlink", "remove", "rmdir", "rename", "replace", "utime", "truncate",
+        "ftruncate", "symlink", "link", "chmod",
+    )  # fmt: skip
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: pathlib.Path) -> None:
+        self.root = os.path.realpath(root)
+        self.attempts: list[str] = []
+        real_open = os.open
+
+        def guarded_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+            if flags & self._WRITE_FLAGS:
+                self._check("open", path, kwargs.get("dir_fd"))
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", guarded_open)
+        for name in self._WRITERS:
+            monkeypatch.setattr(os, name, self._guarded(name, getattr(os, name)))
+
+    def _guarded(self, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._check(name, args[0], kwargs.get("dir_fd", kwargs.get("src_dir_fd")))
+            if name in ("rename", "replace", "link", "symlink"):
+                self._check(name, args[1], kwargs.get("dir_fd", kwargs.get("dst_dir_fd")))
+            return real(*args, **kwargs)
+
+        return call
+
+    def _check(self, name: str, path: Any, dir_fd: int | None) -> None:
+        if isinstance(path, int):  # a descriptor: ftruncate, utime
+            where = os.readlink(f"/proc/self/fd/{path}")
+        else:
+            where = os.fsdecode(path)
+            if dir_fd is not None and not os.path.isabs(where):
+                where = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), where)
+        where = os.path.abspath(where)
+        if where == self.root or where.startswith(self.root + os.sep):
+            self.attempts.append(f"{name} {where}")
+            raise OSError(errno.EROFS, "Read-only file system (test guard)", where)

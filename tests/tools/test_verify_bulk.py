@@ -15,7 +15,8 @@ from test_verify import damage
 
 from hicache.backends.bulk import BulkReader
 from hicache.backends.file import FileBackend
-from hicache.backends.file.io import ReadBuffer, top_dirs
+from hicache.backends.file.io import ReadBuffer
+from hicache.backends.file.scan import top_dirs
 from hicache.backends.memory import MemoryBackend
 from hicache.codec import HEADER_SIZE, check_page, verify_page
 from hicache.errors import BadMagicError, CodecError
