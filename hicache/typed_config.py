@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 import types
 import typing
@@ -65,7 +66,10 @@ def parse_duration(text: str) -> float:
     match = _DURATION_RE.match(text.lower()) if isinstance(text, str) else None
     if match is None:
         raise ValueError(f"not a duration: {text!r} (use a number with s, m, h, d or w)")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if not math.isfinite(seconds):  # a few hundred digits overflow a float
+        raise ValueError(f"not a duration: {text!r} (too large)")
+    return seconds
 
 
 def parse_bool(text: str) -> bool:
@@ -101,6 +105,20 @@ def _coerce_enum(tp: type[enum.Enum], value: Any) -> enum.Enum:
     raise ValueError(f"use one of {', '.join(m.name.lower() for m in tp)}")
 
 
+def _coerce_float(value: Any) -> float:
+    """A float field's value: a number, or text that is one; never NaN (it compares false with
+    everything, so no range check would catch it)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"expected float, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):  # an int too large for a float overflows
+        raise ValueError(f"not a number: {value!r}") from None
+    if math.isnan(number):
+        raise ValueError("must be a number, not NaN")
+    return number
+
+
 def _coerce(name: str, tp: Any, value: Any) -> Any:
     tp, optional = _unwrap_optional(tp)
     if isinstance(value, str) and optional and value.strip().lower() in ("", "none", "null"):
@@ -111,9 +129,9 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         raise ValueError("may not be None")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _coerce_enum(tp, value)
+    if tp is float:
+        return _coerce_float(value)
     if not isinstance(value, str):
-        if tp is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
         # bool is an int subclass, but True for a size or a count is a mistake, not 1.
         wrong_bool = isinstance(value, bool) and tp is not bool
         if wrong_bool or (isinstance(tp, type) and not isinstance(value, tp)):
@@ -124,8 +142,6 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         return parse_bool(value)
     if tp is int:
         return parse_size(value) if name.endswith("bytes") else int(value)
-    if tp is float:
-        return float(value)
     if tp is str:
         return value
     raise ValueError(f"cannot be set from text (type {tp})")

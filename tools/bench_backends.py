@@ -35,6 +35,7 @@ import numpy as np
 
 from hicache.backends.base import StorageBackend
 from hicache.backends.registry import open_backend
+from hicache.errors import InvalidArgumentError
 
 __all__ = ["BackendBenchConfig", "run_backend_bench"]
 
@@ -281,7 +282,7 @@ def _report(name: str, work: _Workload, times: dict[str, float]) -> dict[str, An
 
 async def run_backend_bench(cfg: BackendBenchConfig) -> list[dict[str, Any]]:
     if cfg.objects <= 0 or cfg.object_bytes <= 0 or cfg.repeats <= 0:
-        raise ValueError("objects, object bytes and repeats must be positive")
+        raise InvalidArgumentError("objects, object bytes and repeats must be positive")
     rng = np.random.default_rng(0)
     source = rng.integers(0, 256, size=(cfg.objects, cfg.object_bytes), dtype=np.uint8)
     work = _Workload(

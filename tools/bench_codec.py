@@ -15,8 +15,9 @@ import torch
 
 from hicache.codec import PageMeta, decode_page, encode_page
 from hicache.dtypes import DType
+from hicache.errors import InvalidArgumentError
 
-__all__ = ["kv_like", "run_codec_bench"]
+__all__ = ["MIN_PAGE_BYTES", "kv_like", "run_codec_bench"]
 
 
 def kv_like(n_elements: int, dtype: torch.dtype, seed: int = 0) -> np.ndarray:
@@ -35,7 +36,7 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
-    return best
+    return max(best, 1e-9)  # a timer tick, never 0: the rates divide by it
 
 
 def _bench_one(label: str, data: np.ndarray, dtype: DType, repeats: int) -> dict[str, Any]:
@@ -62,7 +63,17 @@ def _bench_one(label: str, data: np.ndarray, dtype: DType, repeats: int) -> dict
     }
 
 
+MIN_PAGE_BYTES = 256  # one row of 128 bf16 channels
+
+
 def run_codec_bench(page_bytes: int = 2 << 20, repeats: int = 5) -> list[dict[str, Any]]:
+    """The codec on bf16 and fp8 KV-like pages of about ``page_bytes`` bytes, best of
+    ``repeats``; raises InvalidArgumentError for a page under 256 bytes or no repeat."""
+    if page_bytes < MIN_PAGE_BYTES or repeats < 1:
+        raise InvalidArgumentError(
+            f"page_bytes must be at least {MIN_PAGE_BYTES} and repeats at least 1, "
+            f"got {page_bytes} and {repeats}"
+        )
     torch.set_num_threads(1)
     bf16 = kv_like(page_bytes // 2, torch.bfloat16)
     fp8 = kv_like(page_bytes, torch.float8_e4m3fn)

@@ -9,10 +9,22 @@ Two measurements, each against a baseline from the same run:
   each page is moved four times. The memory backend's own time is measured and left out
   (``with_backend_us_per_page`` keeps it); ``round_trip_us_per_page`` is the whole
   device -> L3 -> device trip of one page.
-  ``memcpy_us_per_page`` is what copying the same bytes costs, for scale.
+  ``memcpy_us_per_page`` is what copying the same bytes costs, for scale (the median of five
+  copies of 20,000 pages, the first of which faults the destination in).
 * ``l3_roundtrip_ratio``: 2 MiB pages from host memory to a file L3 and back through the
   controller's storage tier (codec, keys, existence checks, batches, acknowledgements), against
   the raw file backend putting and getting the same page bytes under plain keys.
+
+Method (that of ``bench backends``, because this machine is shared and its disk's writeback
+moves figures by 2x): an untimed warm-up of each step, then ``--repeats`` rounds. A round is
+an overhead round, then the two L3 sides, which take turns going first, round by round; the
+overhead rounds are spread over the run, so a burst of load elsewhere inflates few of their
+CPU times. Each step starts after an untimed ``sync`` (an overhead round also after a full
+garbage collection), so it never pays for an earlier step's dirty pages. Each L3 side has a
+store directory of its own, writes keys no earlier round wrote and deletes them after its
+step, untimed. Every figure is the median of the rounds, with its range as ``NAME_min`` and
+``NAME_max``; the ratio is that of the two sides' median times, and its range that of the
+rounds' own ratios (both sides of a round ran one right after the other).
 """
 
 from __future__ import annotations
@@ -20,9 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
+import os
 import shutil
+import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -44,6 +60,7 @@ from hicache.tiering.storage_tier import PrefetchOp, WriteJob
 __all__ = ["add_bench_controller_parser", "run_bench_controller"]
 
 _BATCH = 32  # pages per backend call, for the controller and the raw baseline alike
+Step = Callable[[int], Awaitable[float]]  # round number -> seconds timed (prepares, cleans up)
 
 
 async def _build(shape: ModelShape, device_tokens: int, host_pages: int, url: str) -> Any:
@@ -131,19 +148,53 @@ async def _overhead_round(pages: int, seqs: int) -> tuple[float, float, int]:
 def _memcpy_us_per_page(page_bytes: int, n: int = 20_000) -> float:
     src = torch.ones(n, page_bytes, dtype=torch.uint8)
     dst = torch.zeros(n, page_bytes, dtype=torch.uint8)
-    start = time.perf_counter()
-    dst.copy_(src)
-    return (time.perf_counter() - start) / n * 1e6
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / n * 1e6
 
 
-async def _roundtrip_controller(ctl: HiCacheController, pages: int) -> float:
-    storage, names = ctl.storage, list(ctl.host_pools)
-    seed = bytes(32)
-    hashes = [i.to_bytes(4, "little") * 8 for i in range(1, pages + 1)]
-    bundle = [
-        BundlePage(seed, h, dict.fromkeys(names, i), i, hashes[i - 1] if i else bytes(32))
+async def _timed_rounds(
+    steps: dict[str, Step], rounds: int, first: str | None = None
+) -> dict[str, list[float]]:
+    """Each step's seconds in each round. An untimed ``sync`` comes before every step, so no
+    step pays for another's writeback. Step ``first``, if named, opens every round; the order
+    of the others rotates, so over every ``len(steps)`` rounds each takes each place once."""
+    names = [name for name in steps if name != first]
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in ([first] if first else []) + names[shift:] + names[:shift]:
+            await asyncio.to_thread(os.sync)
+            times[name].append(await steps[name](r))
+    return times
+
+
+def _spread(name: str, values: list[float], digits: int) -> dict[str, float]:
+    """``name``: the median of ``values``; ``name_min`` and ``name_max``: their range."""
+    return {
+        name: round(statistics.median(values), digits),
+        f"{name}_min": round(min(values), digits),
+        f"{name}_max": round(max(values), digits),
+    }
+
+
+def _bundle(ctl: HiCacheController, pages: int, tag: int) -> list[BundlePage]:
+    """A chain of ``pages`` pages on host pages 0 .. pages - 1, with hashes of round ``tag``."""
+    names = list(ctl.host_pools)
+    hashes = [(tag * 1_000_003 + i + 1).to_bytes(8, "little") * 4 for i in range(pages)]
+    return [
+        BundlePage(bytes(32), h, dict.fromkeys(names, i), i, hashes[i - 1] if i else bytes(32))
         for i, h in enumerate(hashes)
     ]
+
+
+async def _roundtrip_controller(ctl: HiCacheController, pages: int, tag: int) -> float:
+    storage, names = ctl.storage, list(ctl.host_pools)
+    bundle = _bundle(ctl, pages, tag)
+    _clear_dest(ctl, pages)
     start = time.perf_counter()
     job = WriteJob(bundle, 1.0)
     storage.submit_write(job)
@@ -162,79 +213,143 @@ async def _roundtrip_controller(ctl: HiCacheController, pages: int) -> float:
         raise RuntimeError(f"controller read back {op.completed_pages} of {pages} pages")
     storage.write_acks.clear()
     storage.finished_prefetches.clear()
+    _check_read_back(ctl, pages, "the controller")
+    assert storage.backend is not None
+    await _empty(storage.backend)
     return seconds
 
 
-async def _roundtrip_raw(url: str, ctl: HiCacheController, pages: int, tag: str) -> float:
+async def _roundtrip_raw(
+    backend: StorageBackend, ctl: HiCacheController, pages: int, tag: int
+) -> float:
     host = ctl.anchor_host
-    backend = await open_backend(url)
-    try:
-        keys = [f"raw-{tag}-{i:06d}" for i in range(pages)]
-        start = time.perf_counter()
-        for lo in range(0, pages, _BATCH):
-            batch = range(lo, min(lo + _BATCH, pages))
-            values = [host.page_segments(i) for i in batch]
-            if not all(await backend.put([keys[i] for i in batch], values)):
-                raise RuntimeError("a raw put failed during the benchmark")
-        for lo in range(0, pages, _BATCH):
-            batch = range(lo, min(lo + _BATCH, pages))
-            got = await backend.get_into(
-                [keys[i] for i in batch], [host.page_segments(pages + i) for i in batch]
-            )
-            if min(got) < 0:
-                raise RuntimeError("a raw get missed during the benchmark")
-        return time.perf_counter() - start
-    finally:
-        await backend.close()
+    keys = [f"raw-{tag}-{i:06d}" for i in range(pages)]
+    _clear_dest(ctl, pages)
+    start = time.perf_counter()
+    for lo in range(0, pages, _BATCH):
+        batch = range(lo, min(lo + _BATCH, pages))
+        values = [host.page_segments(i) for i in batch]
+        if not all(await backend.put([keys[i] for i in batch], values)):
+            raise RuntimeError("a raw put failed during the benchmark")
+    for lo in range(0, pages, _BATCH):
+        batch = range(lo, min(lo + _BATCH, pages))
+        got = await backend.get_into(
+            [keys[i] for i in batch], [host.page_segments(pages + i) for i in batch]
+        )
+        if min(got) < 0:
+            raise RuntimeError("a raw get missed during the benchmark")
+    seconds = time.perf_counter() - start
+    _check_read_back(ctl, pages, "the raw baseline")
+    await _empty(backend)
+    return seconds
 
 
-async def _l3_roundtrip(pages: int, repeats: int, scratch: str) -> dict[str, float]:
+def _clear_dest(ctl: HiCacheController, pages: int) -> None:
+    """Zero the host pages read into (untimed), so a side cannot pass on the other's data."""
+    ctl.anchor_host.buffer[pages : 2 * pages].zero_()
+
+
+def _check_read_back(ctl: HiCacheController, pages: int, who: str) -> None:
+    buffer = ctl.anchor_host.buffer
+    if not torch.equal(buffer[:pages], buffer[pages : 2 * pages]):
+        raise RuntimeError(f"pages read back through {who} differ from those written")
+
+
+async def _empty(backend: StorageBackend) -> None:
+    """Delete every object of a side's own store (untimed): each round starts from empty."""
+    keys = [info.key async for info in backend.scan("")]
+    if keys and not all(await backend.delete(keys)):
+        raise RuntimeError("the benchmark could not delete its objects")
+
+
+class _Overhead:
+    """The overhead step: one write-then-prefetch round per call, its figures kept."""
+
+    def __init__(self, pages: int, seqs: int) -> None:
+        self.pages, self.seqs = pages, seqs
+        self.figures: dict[str, list[float]] = {"overhead": [], "backend": [], "trip": []}
+        self.moved = 0
+
+    async def warm(self) -> None:
+        await _overhead_round(self.pages, self.seqs)  # lazy imports, allocator, caches
+
+    async def step(self, r: int) -> float:
+        gc.collect()  # untimed: no round pays for garbage another made
+        cpu, in_backend, self.moved = await _overhead_round(self.pages, self.seqs)
+        self.figures["overhead"].append((cpu - in_backend) / self.moved * 1e6)
+        self.figures["backend"].append(cpu / self.moved * 1e6)
+        # Each page makes one device -> L3 -> device trip: four of the moves counted.
+        self.figures["trip"].append((cpu - in_backend) / (self.moved // 4) * 1e6)
+        return cpu
+
+    def report(self) -> dict[str, float]:
+        return {
+            **_spread("overhead_us_per_page", self.figures["overhead"], 2),
+            **_spread("with_backend_us_per_page", self.figures["backend"], 2),
+            "overhead_pages_moved": self.moved,
+            **_spread("round_trip_us_per_page", self.figures["trip"], 2),
+        }
+
+
+async def _measure(
+    overhead: _Overhead, pages: int, rounds: int, scratch: str
+) -> tuple[dict[str, list[float]], int]:
+    """Seconds of each step in each round, and the L3 page size. An overhead round opens every
+    round, so a burst of load on the machine hits few of them, not a run of them."""
     shape = ModelShape(layers=16, heads=8, head_dim=64, page_size=64)  # 2 MiB bf16 pages
-    best = {"controller": float("inf"), "raw": float("inf")}
-    page_bytes = 0
-    for r in range(repeats):
-        url = f"file://{scratch}/l3-{r}"
-        ctl = await _build(shape, shape.page_size, 2 * pages, url)
+    ctl = await _build(shape, shape.page_size, 2 * pages, f"file://{scratch}/controller")
+    try:
+        raw = await open_backend(f"file://{scratch}/raw")
         try:
             host = ctl.anchor_host
             host.alloc(2 * pages)
             host.buffer.view(-1)[: pages * host.buffer[0].numel()].normal_()
-            page_bytes = host.spec.page_bytes
-            raw = await _roundtrip_raw(f"file://{scratch}/raw-{r}", ctl, pages, str(r))
-            best["raw"] = min(best["raw"], raw)
-            best["controller"] = min(best["controller"], await _roundtrip_controller(ctl, pages))
-            if not torch.equal(host.buffer[:pages], host.buffer[pages : 2 * pages]):
-                raise RuntimeError("pages read back through the controller differ")
+            steps: dict[str, Step] = {
+                "overhead": overhead.step,
+                "controller": lambda r: _roundtrip_controller(ctl, pages, r),
+                "raw": lambda r: _roundtrip_raw(raw, ctl, pages, r),
+            }
+            await overhead.warm()
+            for name in ("controller", "raw"):  # warm: directories, page cache, codec
+                await steps[name](rounds)
+            return await _timed_rounds(steps, rounds, first="overhead"), host.spec.page_bytes
         finally:
-            await ctl.close()
+            await raw.close()
+    finally:
+        await ctl.close()
+
+
+def _l3_report(times: dict[str, list[float]], pages: int, page_bytes: int) -> dict[str, float]:
     moved = 2 * pages * page_bytes / 1e9
+    ctl_s, raw_s = times["controller"], times["raw"]
+    # Each side's median time, so a slow step on either side is one outlier of its own side,
+    # not an outlier ratio; the range is that of the rounds' own ratios.
+    ratios = [raw / ctl for ctl, raw in zip(ctl_s, raw_s, strict=True)]
     return {
         "page_bytes": page_bytes,
         "pages": pages,
-        "l3_roundtrip_gbps": round(moved / best["controller"], 3),
-        "raw_roundtrip_gbps": round(moved / best["raw"], 3),
-        "l3_roundtrip_ratio": round(best["raw"] / best["controller"], 3),
+        **_spread("l3_roundtrip_gbps", [moved / t for t in ctl_s], 3),
+        **_spread("raw_roundtrip_gbps", [moved / t for t in raw_s], 3),
+        "l3_roundtrip_ratio": round(statistics.median(raw_s) / statistics.median(ctl_s), 3),
+        "l3_roundtrip_ratio_min": round(min(ratios), 3),
+        "l3_roundtrip_ratio_max": round(max(ratios), 3),
     }
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    rounds = [
-        await _overhead_round(args.overhead_pages, args.sequences) for _ in range(args.repeats)
-    ]
-    cpu, in_backend, moved = min(rounds)
-    pages_round_trip = moved // 4
+    if min(args.repeats, args.pages, args.overhead_pages, args.sequences) <= 0:
+        raise ValueError("repeats, pages, overhead pages and sequences must be positive")
+    overhead = _Overhead(args.overhead_pages, args.sequences)
     scratch = tempfile.mkdtemp(prefix="hicache-bench-ctl-", dir=args.dir)
     try:
-        l3 = await _l3_roundtrip(args.pages, args.repeats, scratch)
+        times, page_bytes = await _measure(overhead, args.pages, args.repeats, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {
-        "overhead_us_per_page": round((cpu - in_backend) / moved * 1e6, 2),
-        "with_backend_us_per_page": round(cpu / moved * 1e6, 2),
-        "overhead_pages_moved": moved,
-        "round_trip_us_per_page": round((cpu - in_backend) / pages_round_trip * 1e6, 2),
+        "rounds": args.repeats,
+        **overhead.report(),
         "memcpy_us_per_page": round(_memcpy_us_per_page(2 * 2 * 8 * 4 * 2), 3),
-        **l3,
+        **_l3_report(times, args.pages, page_bytes),
     }
 
 
@@ -245,7 +360,12 @@ def add_bench_controller_parser(bench_subparsers: Any) -> argparse.ArgumentParse
     p.add_argument("--overhead-pages", type=int, default=64, help="pages per sequence")
     p.add_argument("--sequences", type=int, default=32)
     p.add_argument("--pages", type=int, default=128, help="2 MiB pages in the L3 round trip")
-    p.add_argument("--repeats", type=int, default=3, help="best of N")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=11,
+        help="rounds; each figure is their median, with its range",
+    )
     p.add_argument("--dir", help="scratch directory for the file L3 (default: temp)")
     p.add_argument("--json", action="store_true")
     return p

@@ -11,10 +11,11 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from hicache.errors import HiCacheError
-from hicache.tools.cli_parsing import Command, add_commands
+from hicache.tools.cli_parsing import Command, CommandFailed, add_commands
 
 __all__ = ["COMMANDS", "main"]
 
@@ -58,7 +59,14 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default: ``sys.argv[1:]``); the exit status."""
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); the exit status.
+
+    0: done. 2: a usage error: argparse's own (usage and one ``error:`` line, raised as
+    SystemExit), or one ``hicache: error:`` line for a value, a config or an input that cannot
+    work (every :class:`HiCacheError`). 1: the command ran and failed
+    (:class:`CommandFailed`, an OSError, anything unexpected), with one ``hicache: error:``
+    line. A traceback is printed only with ``-v``.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
@@ -67,15 +75,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
-    except HiCacheError as exc:
-        print(f"hicache: error: {exc}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `hicache inspect --list | head`: the reader is gone, stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 1
-    except OSError as exc:  # an output file that cannot be written, a store gone mid-run
-        print(f"hicache: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        code, message = _failure(exc)
+        print(f"hicache: error: {message}", file=sys.stderr)
+        return code
+
+
+def _failure(exc: Exception) -> tuple[int, str]:
+    """The exit status for ``exc`` and its message, on one line."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, CommandFailed):
+        return 1, text
+    if isinstance(exc, HiCacheError):
+        return 2, text
+    if isinstance(exc, OSError):  # an output file that cannot be written, a store gone mid-run
+        return 1, text
+    return 1, f"unexpected {type(exc).__name__}: {text} (run with -v for the traceback)"
 
 
 if __name__ == "__main__":  # pragma: no cover

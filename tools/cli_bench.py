@@ -14,8 +14,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from hicache.tools.cli_parsing import Command, add_commands, arg_type
-from hicache.typed_config import parse_size
+from hicache.tools.cli_parsing import (
+    Command,
+    add_commands,
+    input_dir,
+    int_range,
+    size_range,
+    url_arg,
+)
 
 __all__ = [
     "BENCHMARKS",
@@ -29,6 +35,11 @@ __all__ = [
 ]
 
 _HERE = "hicache.tools.cli_bench"
+# Upper bounds of the benchmarks' sizes; what they need together is checked before a run.
+_MAX_OBJECTS = 10_000_000
+_MAX_OBJECT_BYTES = 1 << 30
+_MAX_REPEATS = 1000
+CODEC_MIN_BYTES = 256  # one row of 128 bf16 channels: the smallest KV-like page
 # The benchmarks, in the order `hicache bench --help` lists them; each help is also its
 # builder's (tests/tools/test_startup.py checks).
 BENCHMARKS: dict[str, Command] = {
@@ -75,24 +86,40 @@ def add_bench_backends(bench_sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = bench_sub.add_parser(
         "backends", help="backend put/get vs raw I/O or memcpy"
     )
-    p.add_argument("--backend", action="append", help="backend name (repeatable)")
-    p.add_argument("--url", help="backend URL (with a single --backend)")
-    p.add_argument("--objects", type=int, default=256)
-    p.add_argument("--object-bytes", type=int, default=2 << 20)
+    p.add_argument(
+        "--backend", action="append", type=_backend_name, help="backend name (repeatable)"
+    )
+    p.add_argument("--url", type=url_arg, help="backend URL (with a single --backend)")
+    p.add_argument("--objects", type=int_range(1, _MAX_OBJECTS), default=256)
+    p.add_argument("--object-bytes", type=size_range(1, _MAX_OBJECT_BYTES), default=2 << 20)
     p.add_argument(
         "--repeats",
-        type=int,
+        type=int_range(1, _MAX_REPEATS),
         default=3,
         help="best of N rounds; a multiple of 3 puts each side in each place equally",
     )
-    p.add_argument("--dir", help="scratch directory for file stores (default: temp)")
+    p.add_argument(
+        "--dir", type=input_dir, help="scratch directory for file stores (default: temp)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(bench_run=_run_backends)
     return p
 
 
+def _backend_name(text: str) -> str:
+    """A registered backend's name (its client need not be installed: the run says so)."""
+    from hicache.backends.registry import default_registry
+
+    names = sorted(entry.name for entry in default_registry.entries())
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"no backend {text!r}; registered: {', '.join(names)}")
+    return text
+
+
 def _run_backends(args: argparse.Namespace) -> list[dict[str, Any]]:
     from hicache.tools.bench_backends import BackendBenchConfig, run_backend_bench
+
+    _check_total(args.objects * args.object_bytes * 2, "--objects x --object-bytes x 2")
 
     config = BackendBenchConfig(
         backends=tuple(args.backend or ("memory", "file", "shm")),
@@ -110,8 +137,13 @@ def add_bench_codec(bench_sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = bench_sub.add_parser(
         "codec", help="page codec: compression ratio and speed"
     )
-    p.add_argument("--object-bytes", type=int, default=2 << 20)
-    p.add_argument("--repeats", type=int, default=5, help="best of N")
+    p.add_argument(
+        "--object-bytes",
+        type=size_range(CODEC_MIN_BYTES, _MAX_OBJECT_BYTES),
+        default=2 << 20,
+        help=f"bytes of KV-like data per page (at least {CODEC_MIN_BYTES})",
+    )
+    p.add_argument("--repeats", type=int_range(1, _MAX_REPEATS), default=5, help="best of N")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(bench_run=_run_codec)
     return p
@@ -128,19 +160,31 @@ def add_bench_tools(bench_sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = bench_sub.add_parser(
         "tools", help="inspect/verify vs a raw walk and read"
     )
-    p.add_argument("--small-objects", type=int, default=100_000)
-    p.add_argument("--small-bytes", type=arg_type(parse_size), default=4096)
-    p.add_argument("--large-objects", type=int, default=1000)
-    p.add_argument("--large-bytes", type=arg_type(parse_size), default=2 << 20)
-    p.add_argument("--repeats", type=int, default=3, help="best of N")
-    p.add_argument("--dir", help="scratch directory (default: temp)")
+    p.add_argument("--small-objects", type=int_range(1, _MAX_OBJECTS), default=100_000)
+    p.add_argument("--small-bytes", type=size_range(1, _MAX_OBJECT_BYTES), default=4096)
+    p.add_argument("--large-objects", type=int_range(1, _MAX_OBJECTS), default=1000)
+    p.add_argument("--large-bytes", type=size_range(1, _MAX_OBJECT_BYTES), default=2 << 20)
+    p.add_argument("--repeats", type=int_range(1, _MAX_REPEATS), default=3, help="best of N")
+    p.add_argument("--dir", type=input_dir, help="scratch directory (default: temp)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(bench_run=_run_tools)
     return p
 
 
 def _run_tools(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import shutil
+    import tempfile
+
+    from hicache.errors import ConfigError
     from hicache.tools.bench_tools import ToolsBenchConfig, run_tools_bench
+
+    total = args.small_objects * args.small_bytes + args.large_objects * args.large_bytes
+    free = shutil.disk_usage(args.dir or tempfile.gettempdir()).free
+    if total > free:
+        raise ConfigError(
+            f"the stores need {total / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
+            "free in the scratch directory; lower the object counts or sizes"
+        )
 
     config = ToolsBenchConfig(
         small_objects=args.small_objects,
@@ -151,6 +195,19 @@ def _run_tools(args: argparse.Namespace) -> list[dict[str, Any]]:
         directory=args.dir,
     )
     return asyncio.run(run_tools_bench(config))
+
+
+def _check_total(nbytes: int, what: str) -> None:
+    """Refuse a benchmark whose buffers would not fit in this machine's memory."""
+    from hicache.errors import ConfigError
+    from hicache.tools.cli_parsing import host_memory
+
+    ram = host_memory()
+    if nbytes > ram // 2:
+        raise ConfigError(
+            f"{what} is {nbytes / 2**30:.1f} GiB of buffers, more than half of the "
+            f"{ram / 2**30:.1f} GiB of memory here; lower them"
+        )
 
 
 # ----- benchmarks with their own modules, which bring their own --json --------------------------

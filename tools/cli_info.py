@@ -67,12 +67,15 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
 def add_config(sub: Any) -> argparse.ArgumentParser:
     """Add ``config``: check a tiered-cache config and print the values that take effect."""
+    from hicache.tools.cli_parsing import int_range
     from hicache.tools.config_flags import add_hicache_flags
 
     p: argparse.ArgumentParser = sub.add_parser(
         "config", help="check a tiered-cache config (file and flags) and print what takes effect"
     )
-    p.add_argument("--page-size", type=int, default=64, help="the pools' page size")
+    p.add_argument(
+        "--page-size", type=int_range(1, 1 << 16), default=64, help="the pools' page size"
+    )
     add_hicache_flags(p)
     p.set_defaults(func=_cmd_config)
     return p

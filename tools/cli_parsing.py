@@ -4,17 +4,39 @@ Building every subcommand's parser up front would import every subcommand's modu
 them (``serve``, ``bench layouts``, ``bench controller``) import torch, which takes a second or
 more. :func:`add_commands` registers every subcommand under its name and help, so ``--help``
 lists them all, but builds in full, importing its module, only the one the command line names.
+
+The ``type=`` converters below check a value when the command line is parsed, so a bad one is
+a usage error (exit 2) before anything runs: numbers are finite and in range, with an upper
+bound wherever the value sizes an allocation.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Command", "add_commands", "arg_type", "chosen_command"]
+__all__ = [
+    "Command",
+    "CommandFailed",
+    "add_commands",
+    "arg_type",
+    "chosen_command",
+    "duration_range",
+    "float_range",
+    "host_memory",
+    "input_dir",
+    "input_file",
+    "int_range",
+    "output_file",
+    "path_arg",
+    "size_range",
+    "url_arg",
+]
 
 
 @dataclass(frozen=True)
@@ -75,3 +97,160 @@ def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return convert
+
+
+class CommandFailed(Exception):
+    """A command ran and failed (exit status 1); its message is the one line printed.
+
+    Usage errors (a bad flag, a bad config value, an input file that cannot be read) exit 2.
+    """
+
+
+def _converter(
+    name: str, check: Callable[[str], Any], bounds: tuple[float, float] | None = None
+) -> Callable[[str], Any]:
+    """``check`` as an argparse ``type=``: its ValueError becomes a usage error. ``bounds``,
+    the range a number must be in, is kept on the converter as ``bounds`` (for tests and
+    help)."""
+    convert = arg_type(check)
+    convert.__name__ = name  # argparse names the type in some of its messages
+    setattr(convert, "bounds", bounds)  # noqa: B010 - a function attribute mypy does not know
+    return convert
+
+
+def int_range(low: int, high: int) -> Callable[[str], int]:
+    """An integer in ``[low, high]``; anything else is a usage error saying the range."""
+
+    def check(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise ValueError(f"must be an integer in [{low}, {high}], got {value}")
+        return value
+
+    return _converter("int", check, (low, high))
+
+
+def float_range(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """A finite number in ``[low, high]`` (``(low, high]`` with ``low_open``); NaN and the
+    infinities are refused."""
+
+    def check(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise ValueError(f"not a number: {text!r}") from None
+        opening = "(" if low_open else "["
+        inside = low < value <= high if low_open else low <= value <= high  # NaN fails both
+        if not (math.isfinite(value) and inside):
+            raise ValueError(
+                f"must be a finite number in {opening}{low:g}, {high:g}], got {text!r}"
+            )
+        return value
+
+    return _converter("float", check, (low, high))
+
+
+def size_range(low: int, high: int) -> Callable[[str], int]:
+    """A byte count (``4096``, ``64K``, ``2M``) in ``[low, high]``."""
+    from hicache.typed_config import parse_size
+
+    def check(text: str) -> int:
+        value = parse_size(text)
+        if not low <= value <= high:
+            raise ValueError(f"must be a size in [{low}, {high}] bytes, got {value}")
+        return value
+
+    return _converter("size", check, (low, high))
+
+
+def duration_range(high: float) -> Callable[[str], float]:
+    """A duration (``90s``, ``15m``, ``12h``, ``7d``) of at most ``high`` seconds."""
+    from hicache.typed_config import parse_duration
+
+    def check(text: str) -> float:
+        value = parse_duration(text)
+        if value > high:
+            raise ValueError(f"must be at most {high:g} seconds, got {text!r}")
+        return value
+
+    return _converter("duration", check, (0.0, high))
+
+
+def _plain_text(what: str, text: str) -> str:
+    if not text.strip():
+        raise ValueError(f"{what} is empty")
+    if "\x00" in text:
+        raise ValueError(f"{what} holds a NUL byte: {text!r}")
+    return text
+
+
+def _path_arg(text: str) -> str:
+    """A path to be made or opened later: not empty, no NUL byte."""
+    return _plain_text("the path", text)
+
+
+def _url_arg(text: str) -> str:
+    """A store URL: not empty, no NUL byte (not even percent-encoded: ``%00``)."""
+    if "%00" in text:
+        raise ValueError(f"the URL holds a NUL byte (%00): {text!r}")
+    return _plain_text("the URL", text)
+
+
+def _input_file(text: str) -> str:
+    """A regular file that exists and can be read."""
+    _plain_text("the path", text)
+    if not os.path.exists(text):
+        raise ValueError(f"no such file: {text!r}")
+    if not os.path.isfile(text):
+        raise ValueError(f"not a regular file: {text!r}")
+    if not os.access(text, os.R_OK):
+        raise ValueError(f"cannot read {text!r}: permission denied")
+    return text
+
+
+def _output_file(text: str) -> str:
+    """A file to write: not a directory, in a directory that exists."""
+    _plain_text("the path", text)
+    if text.endswith(os.sep) or os.path.isdir(text):
+        raise ValueError(f"{text!r} is a directory; name a file in it")
+    parent = os.path.dirname(text) or "."
+    if not os.path.isdir(parent):
+        raise ValueError(f"no such directory: {parent!r}")
+    return text
+
+
+def _input_dir(text: str) -> str:
+    """A directory that exists."""
+    _plain_text("the path", text)
+    if not os.path.isdir(text):
+        raise ValueError(f"no such directory: {text!r}")
+    return text
+
+
+path_arg = _converter("path", _path_arg)
+url_arg = _converter("URL", _url_arg)
+input_file = _converter("file", _input_file)
+output_file = _converter("file", _output_file)
+input_dir = _converter("directory", _input_dir)
+
+
+def host_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or less where a cgroup limit or an
+    address-space limit (``ulimit -v``) says so."""
+    import resource
+
+    limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(soft)
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text.isdigit():
+            limits.append(int(text))
+    except OSError:
+        pass
+    return min(limits)

@@ -16,8 +16,15 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from hicache.backends.base import TEMP_GRACE_S, StorageBackend
-from hicache.tools.cli_parsing import arg_type
-from hicache.typed_config import parse_duration, parse_size
+from hicache.keys import validate_key_prefix
+from hicache.tools.cli_parsing import (
+    arg_type,
+    duration_range,
+    int_range,
+    output_file,
+    size_range,
+    url_arg,
+)
 
 if TYPE_CHECKING:
     from hicache.tools.progress import Progress
@@ -44,9 +51,18 @@ def _progress(args: argparse.Namespace) -> Callable[[str, int | None], Progress]
     return lambda label, total: Progress(label, total, enabled=not args.quiet)
 
 
+_MAX_PARALLEL = 256  # batches read at once, each into a buffer of its own
+_MAX_PROCESSES = 1024
+_WEEK_S = 7 * 86400.0
+_CENTURY_S = 100 * 365 * 86400.0
+_key_prefix = arg_type(validate_key_prefix)  # what inspect refused at run time, all refuse now
+
+
 def _store_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
-    p.add_argument("url", help="store URL, e.g. file:///var/cache/hicache or shm://name")
+    p.add_argument(
+        "url", type=url_arg, help="store URL, e.g. file:///var/cache/hicache or shm://name"
+    )
     if name != "stats":
         p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
@@ -58,8 +74,8 @@ def add_inspect(sub: Any) -> argparse.ArgumentParser:
     p = _store_parser(sub, "inspect", "what a store holds, from page headers")
     p.add_argument("--list", action="store_true", help="one row per object")
     p.add_argument("--format", choices=["table", "json", "parquet"], default="table")
-    p.add_argument("--output", help="write to FILE (required for parquet)")
-    p.add_argument("--prefix", default="", help="only keys starting with this")
+    p.add_argument("--output", type=output_file, help="write to FILE (required for parquet)")
+    p.add_argument("--prefix", type=_key_prefix, default="", help="only keys starting with this")
     p.set_defaults(func=_cmd_inspect)
     return p
 
@@ -88,10 +104,15 @@ def add_verify(sub: Any) -> argparse.ArgumentParser:
     p = _store_parser(sub, "verify", "read every object and check header and checksum")
     p.add_argument("--json", action="store_true")
     p.add_argument("--delete-bad", action="store_true", help="delete what is bad")
-    p.add_argument("--prefix", default="", help="only keys starting with this")
-    p.add_argument("--parallel", type=int, default=2, help="batches read at once")
+    p.add_argument("--prefix", type=_key_prefix, default="", help="only keys starting with this")
     p.add_argument(
-        "--processes", type=int, default=0, help="worker processes for small objects (0: cores)"
+        "--parallel", type=int_range(1, _MAX_PARALLEL), default=2, help="batches read at once"
+    )
+    p.add_argument(
+        "--processes",
+        type=int_range(0, _MAX_PROCESSES),
+        default=0,
+        help="worker processes for small objects (0: cores)",
     )
     p.set_defaults(func=_cmd_verify)
     return p
@@ -123,18 +144,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def add_compact(sub: Any) -> argparse.ArgumentParser:
     """Add ``compact``: remove bad, orphaned, stale and over-budget pages."""
     p = _store_parser(sub, "compact", "remove bad, orphaned, stale and over-budget pages")
-    p.add_argument("--max-bytes", type=arg_type(parse_size), help="e.g. 500G")
-    p.add_argument("--max-age", type=arg_type(parse_duration), help="e.g. 7d, 12h")
+    p.add_argument("--max-bytes", type=size_range(0, 1 << 60), help="e.g. 500G")
+    p.add_argument("--max-age", type=duration_range(_CENTURY_S), help="e.g. 7d, 12h")
     p.add_argument(
         "--grace",
-        type=arg_type(parse_duration),
+        type=duration_range(_CENTURY_S),
         default=TEMP_GRACE_S,
         help="keep temp files and orphans younger than this (default 15m)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--headers-only", action="store_true", help="skip payload checksums")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--parallel", type=int, default=2, help="batches read at once")
+    p.add_argument(
+        "--parallel", type=int_range(1, _MAX_PARALLEL), default=2, help="batches read at once"
+    )
     p.set_defaults(func=_cmd_compact)
     return p
 
@@ -166,8 +189,8 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 def add_stats(sub: Any) -> argparse.ArgumentParser:
     """Add ``stats``: the counters a backend keeps, once or every ``--watch`` seconds."""
     p = _store_parser(sub, "stats", "the counters a backend keeps")
-    p.add_argument("--watch", type=arg_type(parse_duration), help="refresh every N seconds")
-    p.add_argument("--count", type=int, help="with --watch: stop after N reports")
+    p.add_argument("--watch", type=duration_range(_WEEK_S), help="refresh every N seconds")
+    p.add_argument("--count", type=int_range(1, 1 << 31), help="with --watch: stop after N reports")
     p.add_argument("--json", action="store_true", help="one JSON object per report")
     p.set_defaults(func=_cmd_stats)
     return p

@@ -6,8 +6,22 @@ The core (:mod:`hicache.tiering.config`) reads files and mappings only; argparse
 from __future__ import annotations
 
 import argparse
+import typing
+from collections.abc import Callable
+from typing import Any
 
-from hicache.tiering.config import HiCacheConfig, config_from_mapping, config_tables, load_config
+from hicache.tiering.config import (
+    HiCacheConfig,
+    PrefetchConfig,
+    StorageConfig,
+    TierConfig,
+    check_field,
+    config_from_mapping,
+    config_tables,
+    load_config,
+)
+from hicache.tools.cli_parsing import arg_type, input_file, url_arg
+from hicache.typed_config import build_config
 
 __all__ = ["add_hicache_flags", "config_from_args"]
 
@@ -29,14 +43,47 @@ _FLAGS: dict[str, tuple[str, str, str]] = {
 }
 
 
+_TABLES: dict[str, type[Any]] = {
+    "tiers": TierConfig,
+    "prefetch": PrefetchConfig,
+    "storage": StorageConfig,
+}
+
+
+def _number_type(table: str, name: str) -> Callable[[str], Any] | None:
+    """For a numeric field, an argparse ``type=`` that reads and range-checks it as the config
+    file would (so a bad value is a usage error); None for the others, which
+    :func:`config_from_args` checks with the rest of the config."""
+    hint = typing.get_type_hints(_TABLES[table])[name]
+    if not {int, float} & set(typing.get_args(hint) or (hint,)):
+        return None
+
+    def read(text: str) -> Any:
+        value = getattr(build_config(_TABLES[table], {name: text}), name)
+        check_field(f"{table}.{name}", value)
+        return value
+
+    convert = arg_type(read)
+    convert.__name__ = "number"
+    return convert
+
+
+def _l3_url(text: str) -> str:
+    return text if text.strip().lower() in ("", "none", "off") else str(url_arg(text))
+
+
 def add_hicache_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tiered cache")
-    group.add_argument("--config", help="a .toml or .json HiCache config file")
-    group.add_argument("--l3", help="L3 backend URL, or 'none' to turn L3 off")
+    group.add_argument("--config", type=input_file, help="a .toml or .json HiCache config file")
+    group.add_argument("--l3", type=_l3_url, help="L3 backend URL, or 'none' to turn L3 off")
     group.add_argument("--l3-required", action="store_true", help="refuse to start without L3")
     group.add_argument("--no-host", action="store_true", help="no host tier (device only)")
-    for flag, (_, _, help_text) in _FLAGS.items():
-        group.add_argument(flag, help=help_text)
+    for flag, (table, name, help_text) in _FLAGS.items():
+        number = _number_type(table, name)
+        if number is None:  # an enum or a bool: checked with the rest of the config
+            group.add_argument(flag, help=help_text)
+        else:
+            group.add_argument(flag, type=number, help=help_text)
 
 
 def config_from_args(args: argparse.Namespace, base: HiCacheConfig | None = None) -> HiCacheConfig:

@@ -12,21 +12,25 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
 from typing import Any
 
+import torch
+
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
 from hicache.dtypes import DType
+from hicache.errors import BackendError, ConfigError, InvalidArgumentError
 from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.arrivals import TraceReplay
 from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.model import TinyTransformer
-from hicache.serving.presets import ModelConfig, ModelPreset
+from hicache.serving.presets import MODEL_LIMITS, SEED_MAX, ModelConfig, ModelPreset
 from hicache.serving.report import oracle_hit_rate, print_table, summarize
 from hicache.serving.setup import host_pages, open_engine, resolve_device
-from hicache.serving.traces import load_trace
+from hicache.serving.traces import TraceRequest, load_trace
 from hicache.serving.workloads import (
     ChatConfig,
     MultiTurnChat,
@@ -34,11 +38,44 @@ from hicache.serving.workloads import (
     shared_prefix_trace,
 )
 from hicache.tiering.config import HiCacheConfig, check_config
+from hicache.tools import cli_parsing
+from hicache.tools.cli_parsing import (
+    CommandFailed,
+    arg_type,
+    float_range,
+    input_file,
+    int_range,
+    output_file,
+    path_arg,
+)
 from hicache.tools.config_flags import add_hicache_flags, config_from_args
 
 __all__ = ["add_serve_parser", "run_serve"]
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hicache", "l3")
+
+
+# Upper bounds of the workload: far past a benchmark, low enough that a typo is refused.
+_MAX_CLIENTS = 100_000
+_MAX_REQUESTS = 1_000_000  # clients x rounds
+_MAX_TOKENS = 1 << 20  # per span: system prompt, turn, answer
+_MIN_RATE = 1e-3  # a lower rate than one arrival per 1000 s is a typo, and never ends
+
+
+def _rate(text: str) -> float:
+    value = float(text.strip())
+    if value == 0 or (math.isfinite(value) and _MIN_RATE <= value <= 1e6):
+        return abs(value)  # -0.0 is 0
+    raise ValueError(f"must be 0 (all at once) or in [{_MIN_RATE:g}, 1e6] arrivals/s, got {text!r}")
+
+
+def _plot_file(text: str) -> str:
+    """A .png, .svg or .pdf file to write (matplotlib picks the format from the suffix, and
+    would add ``.png`` to a name without one, so a name without one is refused)."""
+    path = str(output_file(text))
+    if os.path.splitext(path)[1].lower() not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"name a .png, .svg or .pdf file, got {text!r}")
+    return path
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
@@ -49,10 +86,16 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     m.add_argument("--preset", choices=[x.value for x in ModelPreset], default="dense")
     m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     sizes = {"layers": 4, "hidden": 256, "heads": 8, "kv-heads": 2, "head-dim": 32}
-    for flag, default in {**sizes, "vocab": 32000, "page-size": 16, "seed": 0}.items():
-        m.add_argument(f"--{flag}", type=int, default=default)
+    for flag, default in {**sizes, "vocab": 32000, "page-size": 16}.items():
+        limit = MODEL_LIMITS["vocab_size" if flag == "vocab" else flag.replace("-", "_")]
+        m.add_argument(f"--{flag}", type=int_range(1, limit), default=default)
+    m.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", help="replay a JSONL trace ({id, namespace, tokens, output_tokens})")
+    w.add_argument(
+        "--trace",
+        type=input_file,
+        help="replay a JSONL trace ({id, namespace, tokens, output_tokens})",
+    )
     w.add_argument(
         "--workload",
         choices=["chat", "fewshot", "longdoc"],
@@ -63,28 +106,40 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     # Defaults: 40 chats of 4 turns over 2 system prompts, about 21.5k distinct tokens: over 4x
     # the device pool and 1.5x the host pool. Short answers keep the run prefill-bound, as the
     # reference HiCache benchmarks run (their output length 1 simulates a prefill node).
-    w.add_argument("--clients", type=int, default=40)
-    w.add_argument("--rounds", type=int, default=4)
-    w.add_argument("--system-tokens", type=int, default=512)
-    w.add_argument("--turn-tokens", type=int, default=128)
-    w.add_argument("--output-tokens", type=int, default=2)
-    w.add_argument("--tenants", type=int, default=1)
-    w.add_argument("--rate", type=float, default=0.0, help="arrivals/s (Poisson); 0: at once")
+    w.add_argument("--clients", type=int_range(1, _MAX_CLIENTS), default=40)
+    w.add_argument("--rounds", type=int_range(1, 10_000), default=4)
+    w.add_argument("--system-tokens", type=int_range(0, _MAX_TOKENS), default=512)
+    w.add_argument("--turn-tokens", type=int_range(1, _MAX_TOKENS), default=128)
+    w.add_argument("--output-tokens", type=int_range(1, _MAX_TOKENS), default=2)
+    w.add_argument("--tenants", type=int_range(1, _MAX_CLIENTS), default=1)
+    w.add_argument(
+        "--rate", type=arg_type(_rate), default=0.0, help="arrivals/s (Poisson); 0: at once"
+    )
     e = p.add_argument_group("engine")
-    e.add_argument("--device-tokens", type=int, default=4608, help="device pool, in tokens")
-    e.add_argument("--max-running", type=int, default=4)
-    e.add_argument("--chunk-tokens", type=int, default=512)
-    e.add_argument("--schedule", choices=[x.value for x in SchedulePolicy], default="lpm")
-    e.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    e.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="the default file L3")
     e.add_argument(
-        "--l3-bandwidth", type=float, help="limit L3 to this many MB/s each way (a slow-L3 demo)"
+        "--device-tokens", type=int_range(1, 1 << 30), default=4608, help="device pool, in tokens"
+    )
+    e.add_argument("--max-running", type=int_range(1, 4096), default=4)
+    e.add_argument("--chunk-tokens", type=int_range(1, 1 << 20), default=512)
+    e.add_argument("--schedule", choices=[x.value for x in SchedulePolicy], default="lpm")
+    e.add_argument("--temperature", type=float_range(0, 1000), default=0.0, help="0: greedy")
+    e.add_argument(
+        "--cache-dir", type=path_arg, default=DEFAULT_CACHE_DIR, help="the default file L3"
+    )
+    e.add_argument(
+        "--l3-bandwidth",
+        type=float_range(0, 1e6, low_open=True),
+        help="limit L3 to this many MB/s each way (a slow-L3 demo)",
     )
     add_hicache_flags(p)
     o = p.add_argument_group("output")
     o.add_argument("--compare", action="store_true", help="also run none/device/device+host")
     o.add_argument("--json", action="store_true", help="one JSON object")
-    o.add_argument("--plot", help="write TTFT per round per configuration to this PNG")
+    o.add_argument(
+        "--plot",
+        type=arg_type(_plot_file),
+        help="write TTFT per round per configuration to this file (.png, .svg or .pdf)",
+    )
     o.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=run_serve)
     return p
@@ -110,16 +165,75 @@ def _hicache_config(args: argparse.Namespace) -> HiCacheConfig:
     return config
 
 
-def _source(args: argparse.Namespace, vocab: int) -> Any:
-    if args.trace:
-        return TraceReplay(load_trace(args.trace), args.rate, args.seed)
+def _check_sizes(args: argparse.Namespace, model: ModelConfig, hicache: HiCacheConfig) -> None:
+    """Refuse sizes that cannot work together, before anything is allocated."""
+    if args.device_tokens % args.page_size:
+        raise ConfigError(
+            f"--device-tokens {args.device_tokens} must be a multiple of --page-size "
+            f"{args.page_size}"
+        )
+    if args.clients * args.rounds > _MAX_REQUESTS:
+        raise ConfigError(f"--clients x --rounds must be at most {_MAX_REQUESTS} requests")
+    device = resolve_device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available (try --device cpu)")
+    need_device, need_host = _memory_needed(args, model, hicache, device)
+    ram = cli_parsing.host_memory()
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device).total_memory
+        budgets = [("GPU", need_device, gpu), ("host", need_host, ram)]
+    else:
+        budgets = [("host", need_device + need_host, ram)]
+    for where, need, have in budgets:
+        if need > have:
+            raise ConfigError(
+                f"the model, pools and workload need about {need / 2**30:.1f} GiB of {where} "
+                f"memory, more than the {have / 2**30:.1f} GiB here; lower --layers, --hidden, "
+                "--vocab, --device-tokens or the host tier's size"
+            )
+
+
+def _memory_needed(
+    args: argparse.Namespace, model: ModelConfig, hicache: HiCacheConfig, device: torch.device
+) -> tuple[int, int]:
+    """Bytes the run allocates at least: (on the device, on the host), estimated from above."""
+    c = model
+    q, kv, h = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.hidden
+    per_layer = 6 * h * h + 2 * h * (q + kv + c.state_dim + c.index_dim + c.latent_dim)
+    weights = 2 * c.vocab_size * h + c.layers * (per_layer + 2 * c.latent_dim * q)
+    element = 8 if device.type == "cpu" else 4  # the model computes in float64 on the CPU
+    token_bytes = sum(spec.layout.token_bytes for spec in c.pools())
+    context = args.device_tokens  # the longest prompt a request can have
+    chunk = min(args.chunk_tokens, context)
+    scratch = chunk * (context * c.heads + c.vocab_size + 8 * h) * element
+    on_device = weights * element + args.device_tokens * token_bytes + scratch
+    host = 0
+    if hicache.tiers.host_enabled:
+        host = host_pages(hicache, args.device_tokens, args.page_size) * args.page_size
+    on_host = host * token_bytes + args.max_running * context * 8  # + the request table
+    return on_device, on_host
+
+
+def _load_trace(args: argparse.Namespace) -> list[TraceRequest] | None:
+    """The ``--trace`` requests, read once for every configuration; None without a trace."""
+    if not args.trace:
+        return None
+    requests = load_trace(args.trace)
+    if not requests:
+        raise InvalidArgumentError(f"trace {args.trace} holds no requests")
+    return requests
+
+
+def _source(args: argparse.Namespace, vocab: int, trace: list[TraceRequest] | None) -> Any:
+    if trace is not None:
+        return TraceReplay(trace, args.rate, args.seed)
     if args.workload != "chat":
         fewshot = args.workload == "fewshot"
         shared = SharedPrefixConfig(
             requests=args.clients * args.rounds,
             prefixes=max(1, args.clients // (8 if fewshot else 4)),
-            prefix_tokens=args.system_tokens * (1 if fewshot else 3),
-            question_tokens=args.turn_tokens // 2,
+            prefix_tokens=max(1, args.system_tokens * (1 if fewshot else 3)),
+            question_tokens=max(1, args.turn_tokens // 2),
             output_tokens=args.output_tokens,
             tenants=args.tenants,
             seed=args.seed,
@@ -134,29 +248,45 @@ def _source(args: argparse.Namespace, vocab: int) -> Any:
     return MultiTurnChat(chat)
 
 
+@dataclasses.dataclass(slots=True)
+class _ConfigRun:
+    """One configuration's run: its row, what each request generated, and the prompts."""
+
+    row: dict[str, Any]
+    outputs: dict[str, list[int]]
+    prompts: list[Any]
+    first_error: str | None  # of the requests that failed, the first one's error
+
+
 async def _run_one(
-    args: argparse.Namespace, model: TinyTransformer, mode: CacheMode, hicache: HiCacheConfig
-) -> tuple[dict[str, Any], dict[str, list[int]], list[Any]]:
+    args: argparse.Namespace,
+    model: TinyTransformer,
+    mode: CacheMode,
+    hicache: HiCacheConfig,
+    trace: list[TraceRequest] | None,
+) -> _ConfigRun:
     engine_config = EngineConfig(
         max_running=args.max_running, chunk_tokens=args.chunk_tokens,
         schedule=SchedulePolicy(args.schedule), temperature=args.temperature,
     )  # fmt: skip
-    setup = await open_engine(model, mode, hicache, args.device_tokens, engine_config)
+    source = _source(args, model.config.vocab_size, trace)
+    try:
+        setup = await open_engine(model, mode, hicache, args.device_tokens, engine_config)
+    except BackendError as exc:  # L3 required (storage.required) and unreachable
+        raise CommandFailed(str(exc)) from exc
     storage = setup.controller.storage if setup.controller is not None else None
     if args.l3_bandwidth and storage is not None and storage.backend is not None:
         rate = args.l3_bandwidth * 1e6
         limits = LatencyConfig(read_bandwidth_bps=rate, write_bandwidth_bps=rate)
         storage.backend = LatencyBackend(storage.backend, limits)
-    source = _source(args, model.config.vocab_size)
-    outputs: dict[str, list[int]] = {}
-    prompts: list[Any] = []
+    run = _ConfigRun({}, {}, [], None)
     finished = source.finished
 
     def on_finished(request: Any, now: float) -> None:
-        outputs[request.rid] = list(request.generated)
-        prompts.append((request.namespace, request.prompt, request.generated))
+        run.outputs[request.rid] = list(request.generated)
+        run.prompts.append((request.namespace, request.prompt, request.generated))
         if not args.quiet and not args.json:
-            print(f"\r{mode.value:<15} {len(outputs)} requests done", end="", file=sys.stderr)
+            print(f"\r{mode.value:<15} {len(run.outputs)} requests done", end="", file=sys.stderr)
         finished(request, now)
 
     source.finished = on_finished
@@ -174,9 +304,10 @@ async def _run_one(
     metrics["bytes_staged"] = float(
         sum(v for k, v in l3.items() if k.rsplit(".", 1)[-1] == "bytes_staged")
     )
-    row = summarize(mode.value, records, wall, metrics)
-    row["rounds_ttft_ms"] = _ttft_by_round(records)
-    return row, outputs, prompts
+    run.row = summarize(mode.value, records, wall, metrics)
+    run.row["rounds_ttft_ms"] = _ttft_by_round(records)
+    run.first_error = next((r.error for r in records if r.error is not None), None)
+    return run
 
 
 def _ttft_by_round(records: list[Any]) -> list[float]:
@@ -187,35 +318,39 @@ def _ttft_by_round(records: list[Any]) -> list[float]:
     return [round(sum(v) / len(v), 2) for _, v in sorted(by_round.items())]
 
 
-async def _serve(args: argparse.Namespace) -> dict[str, Any]:
+async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_ConfigRun]]:
     hicache = _hicache_config(args)
     model_config = _model_config(args)
+    _check_sizes(args, model_config, hicache)
+    trace = _load_trace(args)
     model = TinyTransformer(model_config, resolve_device(args.device))
     main = CacheMode.DEVICE_HOST if hicache.storage.url is None else CacheMode.DEVICE_HOST_L3
     modes = [main]
     if args.compare:
         modes = [CacheMode.NONE, CacheMode.DEVICE, CacheMode.DEVICE_HOST, *modes[:1]]
         modes = list(dict.fromkeys(modes))
-    rows: list[dict[str, Any]] = []
-    outputs: list[dict[str, list[int]]] = []
-    prompts: list[Any] = []
-    for mode in modes:
-        row, out, seen = await _run_one(args, model, mode, hicache)
-        rows.append(row)
-        outputs.append(out)
-        prompts = prompts or seen
-    identical = all(o == outputs[0] for o in outputs[1:])
-    return {
+    runs = [await _run_one(args, model, mode, hicache, trace) for mode in modes]
+    prompts = next((run.prompts for run in runs if run.prompts), [])
+    result = {
         "model": dataclasses.asdict(model_config) | {"preset": model_config.preset.value,
                                                      "kv_dtype": model_config.kv_dtype.label},
         "l3": hicache.storage.url,
-        "configs": rows,
+        "configs": [run.row for run in runs],
         "oracle_hit_rate": oracle_hit_rate(prompts, model_config.page_size),
-        "outputs_identical": identical,
+        "outputs_identical": _identical([run.outputs for run in runs]),
         "working_set_tokens": _unique_tokens(prompts, model_config.page_size),
         "device_tokens": args.device_tokens,
         "host_tokens": _host_tokens(args, hicache),
     }  # fmt: skip
+    return result, runs
+
+
+def _identical(outputs: list[dict[str, list[int]]]) -> bool | None:
+    """Whether every configuration generated the same tokens; None when nothing was compared
+    (one configuration, or no request succeeded anywhere)."""
+    if len(outputs) < 2 or not any(any(o.values()) for o in outputs):
+        return None
+    return all(o == outputs[0] for o in outputs[1:])
 
 
 def _unique_tokens(prompts: list[Any], page: int) -> int:
@@ -235,23 +370,57 @@ def _host_tokens(args: argparse.Namespace, hicache: HiCacheConfig) -> int:
     return host_pages(hicache, args.device_tokens, args.page_size) * int(args.page_size)
 
 
+async def _serve_settled(args: argparse.Namespace) -> tuple[dict[str, Any], list[_ConfigRun]]:
+    """:func:`_serve`, then a wait for the tasks it leaves behind, whether it returned or
+    raised: an L3 call abandoned by a cancelled prefetch still runs in its thread, and the
+    event loop's shutdown would cancel it mid-call and print a traceback for each."""
+    try:
+        return await _serve(args)
+    finally:
+        me = asyncio.current_task()
+        left = [task for task in asyncio.all_tasks() if task is not me]
+        if left:
+            await asyncio.wait(left, timeout=_SETTLE_S)
+
+
+_SETTLE_S = 30.0
+
+
 def run_serve(args: argparse.Namespace) -> int:
     # The forward runs in a worker thread; a short GIL switch interval lets the L3 tasks on the
     # event loop answer within about a millisecond instead of five.
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.001)
     try:
-        result = asyncio.run(_serve(args))
+        result, runs = asyncio.run(_serve_settled(args))
     finally:
         sys.setswitchinterval(interval)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result, allow_nan=False))
     else:
         print_table(result["configs"], sys.stdout)
+        identical = result["outputs_identical"]
+        shown = "n/a (one configuration)" if identical is None and len(runs) < 2 else identical
         print(f"oracle hit rate {result['oracle_hit_rate']:.3f}; "
-              f"outputs identical across configs: {result['outputs_identical']}")  # fmt: skip
+              f"outputs identical across configs: {shown}")  # fmt: skip
     if args.plot:
         from hicache.serving.plot import plot_rounds
 
         plot_rounds(result["configs"], args.plot)
-    return 0 if result["outputs_identical"] else 1
+    _check_outcome(result, runs)
+    return 0
+
+
+def _check_outcome(result: dict[str, Any], runs: list[_ConfigRun]) -> None:
+    """Raise :class:`CommandFailed` (exit 1) when a configuration served nothing, or when the
+    configurations generated different tokens."""
+    empty = [run for run in runs if run.row["requests"] == 0]
+    if empty:
+        names = ", ".join(run.row["name"] for run in empty)
+        first = empty[0]
+        raise CommandFailed(
+            f"no request succeeded ({names}): {first.row['failed']} failed, the first with: "
+            f"{first.first_error}"
+        )
+    if result["outputs_identical"] is False:
+        raise CommandFailed("the configurations generated different tokens (see the rows)")

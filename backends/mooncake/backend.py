@@ -31,7 +31,9 @@ Clients: backends in one process opened with the same settings share one Mooncak
 
 Failures: a full store is a False put (``put_full``); a master that cannot be reached makes
 calls fail fast as misses and False (``unavailable``) while the backend retries with backoff,
-and rebuilds its client if the master is back but calls keep failing (``rebuilds``).
+and rebuilds its client if the master is back but calls keep failing (``rebuilds``). Closing
+never stops the event loop for a dead master: a client whose master does not answer within
+``close_timeout_s`` is left open instead (``close_abandoned``; see ``connection``).
 """
 
 from __future__ import annotations
@@ -76,7 +78,14 @@ T = TypeVar("T")
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._/:-]*\Z")
 _MIN_SEGMENT_BYTES = 16 << 20  # setup answers -600 (INVALID_PARAMS) below this (measured)
-_COUNTERS = ("put_full", "put_errors", "read_errors", "rpc_errors", "unavailable")
+_COUNTERS = (
+    "put_full",
+    "put_errors",
+    "read_errors",
+    "rpc_errors",
+    "unavailable",
+    "close_abandoned",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +105,8 @@ class MooncakeConfig:
     prefer_local_segment: bool = True  # place puts in this client's segment while it has room
     retry_backoff_s: float = 0.5  # first wait after a failed call; doubles up to 16x
     rebuild_after_s: float = 5.0  # failing this long with the master reachable: new client
+    close_timeout_s: float = 2.0  # the master must answer within this at close, or the client
+    # is left open (a close against a dead master stops the whole process for 14-19 s)
 
     def __post_init__(self) -> None:
         host, sep, port = self.master.rpartition(":")
@@ -115,8 +126,10 @@ class MooncakeConfig:
             raise ConfigError(
                 f"key_prefix {self.key_prefix!r} may hold only letters, digits and . _ / : -"
             )
-        if self.retry_backoff_s <= 0 or self.rebuild_after_s < 0:
-            raise ConfigError("retry_backoff_s must be positive, rebuild_after_s not negative")
+        if self.retry_backoff_s <= 0 or self.rebuild_after_s < 0 or self.close_timeout_s <= 0:
+            raise ConfigError(
+                "retry_backoff_s and close_timeout_s must be positive, rebuild_after_s not negative"
+            )
         if self.admin_url is not None and not self.admin_url.startswith(("http://", "https://")):
             raise ConfigError(f"admin_url must be http(s)://host:port, got {self.admin_url!r}")
 
@@ -288,8 +301,12 @@ class MooncakeBackend(StorageBackend):
 
     async def _close(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
-            await asyncio.to_thread(conn.release)
+        if conn is None:
+            return
+        # The wait is on a thread, so the loop runs on unless Mooncake holds the GIL, which
+        # its close() does: the connection closes only a client whose master answers.
+        if not await asyncio.to_thread(conn.release, self.config.close_timeout_s):
+            self._count("close_abandoned")
 
     # ----- plumbing ---------------------------------------------------------------------------
     async def _call(self, op: Callable[[MooncakeClient], T], fallback: T) -> T:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import time
 import zlib
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hicache.errors import InvalidArgumentError
 from hicache.pools.req_to_token import ReqToTokenPool
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.tree import RadixCache
@@ -47,6 +49,19 @@ class EngineConfig:
     sample_seed: int = 0
     skip_slow_prefetch: bool = True  # skip a prefetch that would take longer than prefill
     stall_s: float = 60.0  # a request that cannot be admitted with nothing running this long fails
+
+    def __post_init__(self) -> None:
+        for name, limit in (("max_running", 1 << 16), ("chunk_tokens", 1 << 30)):
+            value = getattr(self, name)
+            if type(value) is not int or not 1 <= value <= limit:
+                raise InvalidArgumentError(f"{name} must be an int in [1, {limit}], got {value!r}")
+        # Written so that NaN fails too.
+        if not (isinstance(self.temperature, int | float) and 0 <= self.temperature < math.inf):
+            raise InvalidArgumentError(
+                f"temperature must be finite and >= 0, got {self.temperature!r}"
+            )
+        if not (isinstance(self.stall_s, int | float) and 0 < self.stall_s < math.inf):
+            raise InvalidArgumentError(f"stall_s must be finite and > 0, got {self.stall_s!r}")
 
 
 class RequestSource(Protocol):

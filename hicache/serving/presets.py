@@ -18,9 +18,27 @@ from hicache.errors import ConfigError
 from hicache.layouts.spec import LayoutSpec
 from hicache.pools.pool_spec import ModelPools, PoolSpec
 
-__all__ = ["LayerKind", "ModelConfig", "ModelPreset"]
+__all__ = ["MODEL_LIMITS", "SEED_MAX", "LayerKind", "ModelConfig", "ModelPreset"]
 
 INDEXER_SCALE_BYTES = 4
+# Upper bounds of the sizes (each at least 1): far past any model this runs, and low enough that
+# a typo is refused instead of allocating without end. What the sizes need together is checked
+# against the machine's memory by whoever allocates (``hicache serve``).
+MODEL_LIMITS: dict[str, int] = {
+    "vocab_size": 1 << 32,  # token ids are uint32
+    "hidden": 1 << 16,
+    "layers": 1024,
+    "heads": 1024,
+    "kv_heads": 1024,
+    "head_dim": 4096,
+    "page_size": 1 << 16,
+    "latent_dim": 1 << 16,
+    "index_dim": 4096,
+    "index_topk_pages": 1 << 20,
+    "window": 1 << 30,
+    "state_dim": 1 << 16,
+}
+SEED_MAX = (1 << 32) - 1  # numpy's seeds are uint32
 
 
 class ModelPreset(enum.Enum):
@@ -60,9 +78,14 @@ class ModelConfig:
     kv_dtype: DType = DType.FLOAT32
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model {name} must be positive")
+        for name, limit in MODEL_LIMITS.items():
+            value = getattr(self, name)
+            if type(value) is not int or not 1 <= value <= limit:
+                raise ConfigError(f"model {name} must be an int in [1, {limit}], got {value!r}")
+        if type(self.seed) is not int or not 0 <= self.seed <= SEED_MAX:
+            raise ConfigError(f"model seed must be an int in [0, {SEED_MAX}], got {self.seed!r}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim {self.head_dim} must be even (rotary embedding pairs)")
         if self.heads % self.kv_heads:
             raise ConfigError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
         if self.preset in (ModelPreset.SWA, ModelPreset.HYBRID) and self.layers < 2:

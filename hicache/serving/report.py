@@ -13,19 +13,35 @@ from hicache.serving.request import RequestRecord
 __all__ = ["oracle_hit_rate", "print_table", "summarize"]
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def _percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
-        return math.nan
+        return None
     ordered = sorted(values)
     pos = (len(ordered) - 1) * q
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
 def summarize(
     name: str, records: Sequence[RequestRecord], wall_s: float, metrics: dict[str, float]
 ) -> dict[str, Any]:
-    """One configuration's row (times in ms)."""
+    """One configuration's row (times in ms), from its request records and the tiered cache's
+    counters (``metrics``: :meth:`HiCacheMetrics.as_dict`, empty without a tiered cache).
+
+    ``requests`` succeeded and ``failed`` did not; with none succeeded the TTFT figures are
+    None (never NaN). Counters, copied as the cache counted them:
+
+    - ``errors``: L3 backend calls that raised or ran past their deadline (calls, not pages);
+    - ``l3_read_failures``: pages a prefetch could not read because a call failed or timed out;
+    - ``l3_write_failures``: pages not written to L3 (the call failed, timed out or said no);
+    - ``l3_unavailable``: 1 when an L3 was configured but could not be opened, so the run went
+      on with L3 off;
+    - ``corrupt_pages``: L3 pages that failed their checks and were treated as misses.
+    """
     ok = [r for r in records if r.error is None and r.first_token_s is not None]
     ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     prompt = sum(r.prompt_tokens for r in ok)
@@ -36,10 +52,10 @@ def summarize(
         "name": name,
         "requests": len(ok),
         "failed": len(records) - len(ok),
-        "ttft_p50_ms": round(_percentile(ttft, 0.5), 2),
-        "ttft_p90_ms": round(_percentile(ttft, 0.9), 2),
-        "ttft_p99_ms": round(_percentile(ttft, 0.99), 2),
-        "ttft_mean_ms": round(sum(ttft) / len(ttft), 2) if ttft else math.nan,
+        "ttft_p50_ms": _ms(_percentile(ttft, 0.5)),
+        "ttft_p90_ms": _ms(_percentile(ttft, 0.9)),
+        "ttft_p99_ms": _ms(_percentile(ttft, 0.99)),
+        "ttft_mean_ms": _ms(sum(ttft) / len(ttft) if ttft else None),
         "throughput_tok_s": round((prompt + generated) / wall_s, 1) if wall_s > 0 else 0.0,
         "hit_tokens_device": device,
         "hit_tokens_host": host,
@@ -55,6 +71,9 @@ def summarize(
         "bytes_staged": int(metrics.get("bytes_staged", 0)),
         "corrupt_pages": int(metrics.get("corrupt_pages", 0)),
         "errors": int(metrics.get("errors", 0)) + int(metrics.get("timeouts", 0)),
+        "l3_read_failures": int(metrics.get("l3_read_failures", 0)),
+        "l3_write_failures": int(metrics.get("l3_write_failures", 0)),
+        "l3_unavailable": int(metrics.get("l3_unavailable", 0)),
         "prefetch_skipped_slow": int(metrics.get("prefetch_skipped_slow", 0)),
     }
 
@@ -89,11 +108,15 @@ _COLUMNS = [
     ("L3->H MB", "bytes_l3_to_host", "{:>9.1f}"),
     ("corrupt", "corrupt_pages", "{:>8d}"),
     ("errors", "errors", "{:>7d}"),
+    ("L3 rd fail", "l3_read_failures", "{:>11d}"),
+    ("L3 wr fail", "l3_write_failures", "{:>11d}"),
+    ("L3 off", "l3_unavailable", "{:>7d}"),
 ]
 
 
 def print_table(rows: Sequence[dict[str, Any]], out: Any) -> None:
-    """A fixed-width table, one row per configuration (TTFT in ms, bytes in MB)."""
+    """A fixed-width table, one row per configuration (TTFT in ms, bytes in MB; ``-`` where a
+    configuration had no figure, e.g. no TTFT when no request succeeded)."""
     widths = [len(fmt.format(0 if fmt.endswith("d}") else 0.0)) for _, _, fmt in _COLUMNS]
     titles = [title for title, _, _ in _COLUMNS]
     header = titles[0].ljust(widths[0]) + "".join(
@@ -104,6 +127,9 @@ def print_table(rows: Sequence[dict[str, Any]], out: Any) -> None:
         cells = []
         for _, key, fmt in _COLUMNS:
             value = row[key]
+            if value is None:
+                cells.append("-".rjust(len(fmt.format(0.0))))
+                continue
             if key.startswith("bytes_"):
                 value = value / 1e6
             cells.append(fmt.format(value))

@@ -75,6 +75,8 @@ def _parse_line(text: str, line: int) -> TraceRequest:
         row = json.loads(text)
     except ValueError as exc:
         raise TraceFormatError(line, f"not JSON ({exc})") from None
+    except RecursionError:
+        raise TraceFormatError(line, "JSON nested too deeply") from None
     if not isinstance(row, dict):
         raise TraceFormatError(line, f"expected a JSON object, got {type(row).__name__}")
     for name in ("id", "namespace", "tokens", "output_tokens"):
@@ -83,23 +85,46 @@ def _parse_line(text: str, line: int) -> TraceRequest:
     for name in ("id", "namespace"):
         if not isinstance(row[name], str):
             raise TraceFormatError(line, f"{name!r} must be a string")
+        try:
+            row[name].encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape, e.g. "\ud800"
+            raise TraceFormatError(line, f"{name!r} is not valid Unicode") from None
     tokens = _token_list(row, "tokens", line, allow_empty=False)
     output = _token_list(row, "output_tokens", line, allow_empty=True)
     return TraceRequest(row["id"], row["namespace"], tokens, output)
 
 
 def parse_trace(lines: Iterable[str]) -> list[TraceRequest]:
-    """Requests from JSONL text; blank lines are skipped, anything else must be a request."""
+    """Requests from JSONL text; blank lines are skipped, anything else must be a request.
+
+    Text that is not UTF-8 (a binary file opened as a trace) is refused with its line number.
+    """
     out: list[TraceRequest] = []
-    for number, text in enumerate(lines, start=1):
+    texts = iter(lines)
+    number = 0
+    while True:
+        try:
+            text = next(texts)
+        except StopIteration:
+            return out
+        except UnicodeDecodeError:
+            raise TraceFormatError(number + 1, "not UTF-8 text") from None
+        number += 1
         if text.strip():
             out.append(_parse_line(text, number))
-    return out
 
 
 def load_trace(path: str | Path | IO[str]) -> list[TraceRequest]:
     """Read a JSONL trace from a path or an open text file."""
     if isinstance(path, str | Path):
-        with open(path, encoding="utf-8") as f:
-            return parse_trace(f)
+        with open(path, "rb") as f:
+            return parse_trace(_utf8_lines(f))
     return parse_trace(path)
+
+
+def _utf8_lines(raw: Iterable[bytes]) -> Iterator[str]:
+    for number, line in enumerate(raw, start=1):
+        try:
+            yield line.decode("utf-8")
+        except UnicodeDecodeError:
+            raise TraceFormatError(number, "not UTF-8 text") from None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 from collections.abc import Mapping
@@ -39,7 +40,9 @@ __all__ = [
     "PrefetchConfig",
     "StorageConfig",
     "TierConfig",
+    "FIELD_RANGES",
     "check_config",
+    "check_field",
     "check_storage_url",
     "config_from_mapping",
     "config_tables",
@@ -128,9 +131,11 @@ def load_config(path: str | pathlib.Path) -> HiCacheConfig:
     """Read a ``.toml`` or ``.json`` file; a bad file names itself and what is wrong."""
     path = pathlib.Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
     try:
         if path.suffix == ".json":
             data = json.loads(text)
@@ -140,6 +145,8 @@ def load_config(path: str | pathlib.Path) -> HiCacheConfig:
             raise ConfigError(f"config file {path} must end in .toml or .json")
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} is nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a table at its top level")
     return config_from_mapping(data)
@@ -153,8 +160,52 @@ def _toml_loads(text: str) -> dict[str, Any]:
     return tomllib.loads(text)
 
 
+# Each number's range: (low, high, low excluded). Every number must also be finite. The upper
+# bounds are generous; they stop a typo from allocating (host pages, workers, batch pages) or
+# waiting (timeouts) without end.
+_DAY_S = 86400.0
+FIELD_RANGES: dict[str, tuple[float, float, bool]] = {
+    "tiers.write_threshold": (0, 1 << 20, True),
+    "tiers.host_pages": (0, 1 << 30, True),
+    "tiers.host_ratio": (0.0, 1000.0, True),
+    "tiers.load_back_threshold_tokens": (0, 1 << 30, False),
+    "prefetch.threshold_tokens": (0, 1 << 30, False),
+    "prefetch.timeout_base_s": (0.0, _DAY_S, False),
+    "prefetch.timeout_per_1k_tokens_s": (0.0, _DAY_S, False),
+    "prefetch.timeout_max_s": (0.0, _DAY_S, False),
+    "prefetch.capacity_share": (0.0, 1.0, True),
+    "prefetch.batch_pages": (0, 4096, True),
+    "storage.admission_hit_threshold": (0, 1 << 20, True),
+    "storage.write_batch_pages": (0, 4096, True),
+    "storage.write_queue_pages": (0, 1 << 24, True),
+    "storage.op_deadline_s": (0.0, _DAY_S, True),
+    "storage.workers": (0, 256, True),
+}
+
+
+def check_field(name: str, value: Any) -> None:
+    """Refuse a value of field ``name`` ("table.field") outside its range, or not finite."""
+    if value is None or name not in FIELD_RANGES:
+        return
+    low, high, low_open = FIELD_RANGES[name]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value}")
+    if low_open and low == 0 and value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+    if value < low:
+        raise ConfigError(f"{name} must be at least {low}, got {value}")
+    if value > high:
+        if name == "prefetch.capacity_share":
+            raise ConfigError(f"{name} must be in (0, 1], got {value}")
+        raise ConfigError(f"{name} must be at most {high:g}, got {value}")
+
+
 def check_config(config: HiCacheConfig, page_size: int) -> None:
-    """Refuse combinations that cannot work, saying what to change."""
+    """Refuse values out of range and combinations that cannot work, saying what to change."""
+    for table in _SECTIONS:
+        section = getattr(config, table)
+        for f in dataclasses.fields(section):
+            check_field(f"{table}.{f.name}", getattr(section, f.name))
     tiers, prefetch, storage = config.tiers, config.prefetch, config.storage
     if tiers.write_policy is WritePolicy.WRITE_BACK and not tiers.host_enabled:
         raise ConfigError(
@@ -168,30 +219,30 @@ def check_config(config: HiCacheConfig, page_size: int) -> None:
             f"prefetch threshold_tokens {prefetch.threshold_tokens} is below the page size "
             f"{page_size}; set it to at least {page_size}"
         )
-    positive = {
-        "tiers.write_threshold": tiers.write_threshold,
-        "tiers.host_ratio": tiers.host_ratio,
-        "prefetch.batch_pages": prefetch.batch_pages,
-        "storage.write_batch_pages": storage.write_batch_pages,
-        "storage.write_queue_pages": storage.write_queue_pages,
-        "storage.op_deadline_s": storage.op_deadline_s,
-        "storage.workers": storage.workers,
-    }
-    for name, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{name} must be positive, got {value}")
-    if tiers.host_pages is not None and tiers.host_pages <= 0:
-        raise ConfigError(f"tiers.host_pages must be positive, got {tiers.host_pages}")
-    if not 0.0 < prefetch.capacity_share <= 1.0:
-        raise ConfigError("prefetch.capacity_share must be in (0, 1]")
+    _check_names(storage)
     if storage.url is not None:
         check_storage_url(storage.url)
+
+
+def _check_names(storage: StorageConfig) -> None:
+    """``model_id`` and ``shard`` go into every L3 key: refuse what a key cannot carry."""
+    from hicache.dtypes import DType
+    from hicache.errors import InvalidArgumentError
+    from hicache.keys import StorageFormat
+
+    try:
+        storage.model_id.encode("utf-8")
+        StorageFormat(storage.model_id, DType.UINT8, Layout.PAGE_FIRST, 1, shard=storage.shard)
+    except (InvalidArgumentError, UnicodeError) as exc:
+        raise ConfigError(f"storage model_id/shard: {exc}") from None
 
 
 def check_storage_url(url: str) -> None:
     """Refuse an L3 URL no installed backend serves, listing what is available."""
     from hicache.backends.registry import default_registry
 
+    if "\x00" in url or "%00" in url:
+        raise ConfigError(f"storage url {url!r} holds a NUL byte")
     try:
         default_registry.resolve_url(url)
     except (BackendError, ValueError) as exc:

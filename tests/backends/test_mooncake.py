@@ -20,6 +20,7 @@ import pytest
 
 from hicache.backends.base import MISS, StorageBackend
 from hicache.backends.mooncake import MooncakeBackend, MooncakeConfig
+from hicache.backends.mooncake import connection as mooncake_connection
 from hicache.backends.mooncake.client import load_store_class
 from hicache.backends.mooncake.gate import Gate
 from hicache.backends.mooncake.plan import RegisteredRanges
@@ -301,6 +302,54 @@ async def _eventually_works(backend: MooncakeBackend, timeout_s: float) -> bool:
 
 @needs_mooncake
 @pytest.mark.asyncio
+async def test_close_with_a_dead_master_keeps_the_loop_running(
+    own_master: MooncakeMaster, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = await _open(own_master)
+    assert await backend.put(["before"], [b"x" * 100]) == [True]
+    own_master.kill()
+    await asyncio.sleep(1.0)  # from about here on, the client's close() took 14-19 s
+    gaps: list[float] = []
+    ticking = True
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while ticking:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="hicache.backends.mooncake"):
+        await backend.close()
+    took = time.monotonic() - started
+    await asyncio.sleep(0.05)
+    ticking = False
+    await ticker
+    assert max(gaps) < 0.25, f"the event loop stopped for {max(gaps):.2f} s during close"
+    assert took < 3.0  # the default close_timeout_s is 2 s
+    assert (await backend.stats())["close_abandoned"] == 1
+    assert len([r for r in caplog.records if "did not answer at close" in r.getMessage()]) == 1
+    # With its master back, the abandoned client closes; otherwise Mooncake's exit handler
+    # would wait out the dead master when the test process ends.
+    own_master.restart()
+    assert await _eventually_closes_abandoned(timeout_s=30)
+
+
+async def _eventually_closes_abandoned(timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(mooncake_connection.close_abandoned) == 0:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+@needs_mooncake
+@pytest.mark.asyncio
 async def test_unreachable_master_at_open_is_a_typed_error() -> None:
     port = free_port()
     with pytest.raises(BackendUnavailableError, match=f"127.0.0.1:{port}.*mooncake_master"):
@@ -325,6 +374,8 @@ def test_registry_resolves_mooncake_urls() -> None:
     assert cls.config_from_url("mooncake://host", {}).master == "host:50051"
     with pytest.raises(ConfigError, match="key_prefix"):
         cls.config_from_url("mooncake://h:1?key_prefix=a%23b", {})
+    with pytest.raises(ConfigError, match="close_timeout_s"):
+        cls.config_from_url("mooncake://h:1?close_timeout_s=0", {})
     with pytest.raises(ConfigError, match="take no path"):
         cls.config_from_url("mooncake://h:1/some/path", {})
 

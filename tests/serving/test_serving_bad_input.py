@@ -197,5 +197,6 @@ def test_cli_refuses_a_bad_trace_line(
 
 def test_cli_missing_trace_file(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
     missing = tmp_path / "nope.jsonl"
-    assert main([*TINY, "--trace", str(missing), "--l3", "none", "--json"]) == 2
-    assert str(missing) in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # a usage error, found while parsing
+        main([*TINY, "--trace", str(missing), "--l3", "none", "--json"])
+    assert exited.value.code == 2 and str(missing) in capsys.readouterr().err

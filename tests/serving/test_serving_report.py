@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from hicache.serving.report import oracle_hit_rate, summarize
@@ -52,4 +50,6 @@ def test_summarize_by_hand() -> None:
     assert row["throughput_tok_s"] == (40 + 10) / 2.0
     assert row["errors"] == 3
     empty = summarize("none", [], wall_s=0.0, metrics={})
-    assert math.isnan(empty["ttft_p50_ms"]) and empty["hit_rate"] == 0.0
+    # No request succeeded: no TTFT figures (None, which JSON writes as null; never NaN).
+    assert empty["ttft_p50_ms"] is None and empty["ttft_mean_ms"] is None
+    assert empty["hit_rate"] == 0.0 and empty["requests"] == 0
