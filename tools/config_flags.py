@@ -61,7 +61,7 @@ def _number_type(table: str, name: str) -> Callable[[str], Any] | None:
     def read(text: str) -> Any:
         value = getattr(build_config(_TABLES[table], {name: text}), name)
         check_field(f"{table}.{name}", value)
-        return value
+        return text if value is None else value  # "none" stays text: None means "not given"
 
     convert = arg_type(read)
     convert.__name__ = "number"

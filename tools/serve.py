@@ -78,10 +78,7 @@ def _plot_file(text: str) -> str:
     return path
 
 
-def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "serve", help="serve a workload with the tiered cache (L3 on local disk by default)"
-    )
+def _add_model_and_workload(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--preset", choices=[x.value for x in ModelPreset], default="dense")
     m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -115,6 +112,13 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     w.add_argument(
         "--rate", type=arg_type(_rate), default=0.0, help="arrivals/s (Poisson); 0: at once"
     )
+
+
+def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "serve", help="serve a workload with the tiered cache (L3 on local disk by default)"
+    )
+    _add_model_and_workload(p)
     e = p.add_argument_group("engine")
     e.add_argument(
         "--device-tokens", type=int_range(1, 1 << 30), default=4608, help="device pool, in tokens"
@@ -196,7 +200,8 @@ def _check_sizes(args: argparse.Namespace, model: ModelConfig, hicache: HiCacheC
 def _memory_needed(
     args: argparse.Namespace, model: ModelConfig, hicache: HiCacheConfig, device: torch.device
 ) -> tuple[int, int]:
-    """Bytes the run allocates at least: (on the device, on the host), estimated from above."""
+    """Bytes the run may allocate, (on the device, on the host), estimated from above: weights,
+    pools, the request table, and the scratch of a chunk over the longest prompt that fits."""
     c = model
     q, kv, h = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.hidden
     per_layer = 6 * h * h + 2 * h * (q + kv + c.state_dim + c.index_dim + c.latent_dim)
