@@ -363,7 +363,7 @@ def add_bench_controller_parser(bench_subparsers: Any) -> argparse.ArgumentParse
     p.add_argument(
         "--repeats",
         type=int,
-        default=11,
+        default=21,
         help="rounds; each figure is their median, with its range",
     )
     p.add_argument("--dir", help="scratch directory for the file L3 (default: temp)")
