@@ -161,7 +161,7 @@ async def _timed_rounds(
 ) -> dict[str, list[float]]:
     """Each step's seconds in each round. An untimed ``sync`` comes before every step, so no
     step pays for another's writeback. Step ``first``, if named, opens every round; the order
-    of the others rotates, so over every ``len(steps)`` rounds each takes each place once."""
+    of the others rotates, so over as many rounds as they are, each takes each place once."""
     names = [name for name in steps if name != first]
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(rounds):
