@@ -28,7 +28,6 @@ per scheduler step, what the controller finished meanwhile.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,13 +80,10 @@ class HiRadixCache(RadixCache):
             controller.config.storage.model_id, self.page_size, list(controller.host_pools)
         )
         self.writer = L3Writer(self.storage, self.host, hasher, controller.config.storage)
-        # Node id -> prefetches and load-backs hanging from it: host eviction leaves it alone.
-        anchors: Counter[int] = Counter()
-        self.host_evictor = HostEvictor(self, self.host, anchors, self.metrics)
+        self.host_evictor = HostEvictor(self, self.host, self.metrics)
         self.prefetcher = Prefetcher(
             self, self.host_evictor, self.storage, hasher, controller.config.prefetch, clock
         )
-        self.prefetcher.anchors = anchors
         self._pending_writes: list[tuple[GroupTransfer, TreeNode]] = []
         self._pending_loads: list[GroupTransfer] = []
         self._kept: list[TreeNode] = []  # leaves an eviction kept (see evict)
@@ -284,14 +280,14 @@ class HiRadixCache(RadixCache):
         if mem_quota is not None and tokens > mem_quota:
             return none, ancestor
         self.inc_lock_ref(ancestor)  # keep the device prefix while making room below it
-        self.prefetcher.anchors[node.id] += 1  # and the host chain, which eviction might take
+        self.host_evictor.anchors[node.id] += 1  # and the host chain, which eviction might take
         try:
             slots = self.device.alloc(tokens)
             if slots is None:
                 self.evict(tokens)
                 slots = self.device.alloc(tokens)
         finally:
-            self.prefetcher.anchors[node.id] -= 1
+            self.host_evictor.anchors[node.id] -= 1
             self.dec_lock_ref(ancestor)
         if slots is None:
             return none, ancestor

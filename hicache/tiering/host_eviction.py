@@ -27,12 +27,11 @@ __all__ = ["HostEvictor"]
 class HostEvictor:
     """Host pages for the tree's backups and prefetches; host eviction by the tree's policy."""
 
-    def __init__(
-        self, tree: HiRadixCache, host: HostPool, anchors: Counter[int], metrics: HiCacheMetrics
-    ) -> None:
+    def __init__(self, tree: HiRadixCache, host: HostPool, metrics: HiCacheMetrics) -> None:
         self._tree = tree
         self.host = host
-        self._anchors = anchors  # node id -> prefetches and load-backs hanging from it
+        # Node id -> prefetches and load-backs hanging from it: their host chain stays.
+        self.anchors: Counter[int] = Counter()
         self._metrics = metrics
 
     def alloc(self, n_pages: int) -> torch.Tensor | None:
@@ -70,7 +69,7 @@ class HostEvictor:
     def _evictable(self, node: TreeNode) -> bool:
         if node.value is not None or node.host_value is None or node.children:
             return False
-        if node.lock_ref > 0 or self._anchors[node.id] > 0:
+        if node.lock_ref > 0 or self.anchors[node.id] > 0:
             return False
         return not bool(self.host.is_protected(node.host_value).any())
 

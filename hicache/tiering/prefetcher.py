@@ -13,7 +13,6 @@ Host pages are granted to a prefetch the moment L3 has said how many leading pag
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
@@ -63,7 +62,7 @@ class Prefetcher:
         self.metrics: HiCacheMetrics = storage.metrics
         self.page_size = hasher.page_size
         self.running: dict[str, PrefetchOp] = {}
-        self.anchors: Counter[int] = Counter()  # node id -> prefetches hanging from it
+        self.anchors = host.anchors  # node id -> prefetches hanging from it (and load-backs)
         self.pages_in_use = 0  # host pages held by prefetches not yet settled
         self.inserted_tokens: dict[str, int] = {}  # rid -> tokens its prefetch inserted
 

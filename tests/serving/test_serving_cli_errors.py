@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+from cli_kit import run
 from serving_helpers import VOCAB
 from test_serving_bad_input import CHAT, TINY
 
@@ -19,20 +20,9 @@ from hicache.backends import registry
 from hicache.backends.wrappers import FaultConfig, FaultInjectionBackend, FaultMode
 from hicache.serving.traces import TraceRequest, dump_trace
 from hicache.tools import serve as serve_module
-from hicache.tools.cli import main
 
 # One client of one round: the smallest run that serves a request.
 ONE = ["--clients", "1", "--rounds", "1", "--system-tokens", "8", "--turn-tokens", "8", "-q"]
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """``hicache *argv`` in this process: exit status, stdout, stderr."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_line_error(err: str) -> str:

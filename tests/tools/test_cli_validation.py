@@ -7,19 +7,10 @@ import json
 import pathlib
 
 import pytest
+from cli_kit import run
 from test_cli_store import build
 
 from hicache.tools import cli_info
-from hicache.tools.cli import main
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def usage_error(err: str) -> str:
