@@ -28,7 +28,12 @@ from hicache.backends.segments import (
     join_segments,
     segments_nbytes,
 )
-from hicache.errors import BackendClosedError, BackendError, ConfigError, InvalidArgumentError
+from hicache.errors import (
+    BackendClosedError,
+    ConfigError,
+    InvalidArgumentError,
+    ReadOnlyStoreError,  # re-exported: it was defined here before hicache.errors held it
+)
 from hicache.keys import validate_key, validate_key_prefix
 from hicache.typed_config import build_config
 
@@ -56,10 +61,6 @@ MISS = -1
 # A temporary file younger than this may belong to a write in progress: never removed.
 TEMP_GRACE_S = 15 * 60.0
 B = TypeVar("B", bound="StorageBackend")
-
-
-class ReadOnlyStoreError(BackendError):
-    """A write (put, delete, removing files) on a backend opened read-only; nothing changed."""
 
 
 @dataclass(frozen=True, slots=True)

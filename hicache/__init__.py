@@ -73,6 +73,7 @@ _EXPORTS: dict[str, str] = {
     "BackendError": "hicache.errors",
     "BackendUnavailableError": "hicache.errors",
     "BackendNotFoundError": "hicache.errors",
+    "ReadOnlyStoreError": "hicache.errors",
     "CodecError": "hicache.errors",
 }
 
@@ -107,6 +108,7 @@ __all__ = [
     "RadixCache",
     "RadixCacheConfig",
     "RadixKey",
+    "ReadOnlyStoreError",
     "ReqToTokenPool",
     "ShadowRadixCache",
     "StorageBackend",
@@ -155,6 +157,7 @@ if TYPE_CHECKING:
         HiCacheError,
         InvalidArgumentError,
         InvalidKeyError,
+        ReadOnlyStoreError,
     )
     from hicache.keys import PageKeyScheme, RadixKey, StorageFormat, namespace_digest, storage_key
     from hicache.layouts import Layout

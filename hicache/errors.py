@@ -27,6 +27,7 @@ __all__ = [
     "InvalidTokenError",
     "LayoutError",
     "PayloadChecksumError",
+    "ReadOnlyStoreError",
     "TraceFormatError",
     "TruncatedPageError",
     "UnsupportedLayoutError",
@@ -109,6 +110,14 @@ class BackendLoadError(BackendError, ImportError):
 
 class BackendRegistrationError(BackendError):
     """A backend name is already registered and replacing it was not asked for."""
+
+
+class ReadOnlyStoreError(BackendError):
+    """A write (put, delete, removing files) on a backend opened read-only; nothing changed.
+
+    Not a :class:`BackendUnavailableError`: the store is there and reads work, so a caller
+    that falls back when storage cannot be reached should not treat it as gone.
+    """
 
 
 class CodecError(HiCacheError):

@@ -32,6 +32,15 @@ def test_exports_are_the_defining_objects() -> None:
     assert hicache.open_backend is open_backend
 
 
+def test_read_only_store_error_lives_in_errors_and_is_still_importable_from_base() -> None:
+    from hicache.backends import base
+    from hicache.errors import BackendError, ReadOnlyStoreError
+
+    assert hicache.ReadOnlyStoreError is ReadOnlyStoreError is base.ReadOnlyStoreError
+    assert ReadOnlyStoreError.__module__ == "hicache.errors"
+    assert issubclass(ReadOnlyStoreError, BackendError)
+
+
 def test_import_hicache_imports_neither_torch_nor_the_serving_loop() -> None:
     code = (
         "import sys, hicache; hicache.RadixKey; hicache.open_backend; hicache.HiCacheError;"

@@ -46,6 +46,7 @@ import torch
 from hicache.backends.base import StorageBackend
 from hicache.backends.registry import open_backend
 from hicache.dtypes import DType
+from hicache.errors import ConfigError
 from hicache.keys import RadixKey
 from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
@@ -56,10 +57,18 @@ from hicache.tiering.cache import HiRadixCache
 from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig
 from hicache.tiering.controller import HiCacheController
 from hicache.tiering.storage_tier import PrefetchOp, WriteJob
+from hicache.tools.cli_parsing import check_memory, input_dir, int_range
 
 __all__ = ["add_bench_controller_parser", "run_bench_controller"]
 
 _BATCH = 32  # pages per backend call, for the controller and the raw baseline alike
+_L3_PAGE_BYTES = 2 << 20  # the round trip's pages (see _measure)
+# Bounds of the flags: each overhead page is a few tree and queue objects moved four times;
+# each L3 page takes 2 MiB of host memory twice and as much disk twice.
+_MAX_OVERHEAD = 1 << 12
+_MAX_OVERHEAD_TOTAL = 1 << 20
+_MAX_PAGES = 1 << 14
+_MAX_REPEATS = 1000
 Step = Callable[[int], Awaitable[float]]  # round number -> seconds timed (prepares, cleans up)
 
 
@@ -336,9 +345,19 @@ def _l3_report(times: dict[str, list[float]], pages: int, page_bytes: int) -> di
     }
 
 
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+def _check_sizes(args: argparse.Namespace) -> None:
+    """What the parser's bounds on single flags cannot say: the sizes together."""
     if min(args.repeats, args.pages, args.overhead_pages, args.sequences) <= 0:
-        raise ValueError("repeats, pages, overhead pages and sequences must be positive")
+        raise ConfigError("repeats, pages, overhead pages and sequences must be positive")
+    if args.overhead_pages * args.sequences > _MAX_OVERHEAD_TOTAL:
+        raise ConfigError(
+            f"--overhead-pages x --sequences must be at most {_MAX_OVERHEAD_TOTAL} pages"
+        )
+    check_memory(2 * args.pages * _L3_PAGE_BYTES, "2 x --pages x 2 MiB")  # written, read back
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    _check_sizes(args)
     overhead = _Overhead(args.overhead_pages, args.sequences)
     scratch = tempfile.mkdtemp(prefix="hicache-bench-ctl-", dir=args.dir)
     try:
@@ -357,16 +376,22 @@ def add_bench_controller_parser(bench_subparsers: Any) -> argparse.ArgumentParse
     p: argparse.ArgumentParser = bench_subparsers.add_parser(
         "controller", help="controller CPU overhead per page, and L3 round trip vs raw file I/O"
     )
-    p.add_argument("--overhead-pages", type=int, default=64, help="pages per sequence")
-    p.add_argument("--sequences", type=int, default=32)
-    p.add_argument("--pages", type=int, default=128, help="2 MiB pages in the L3 round trip")
     p.add_argument(
-        "--repeats",
-        type=int,
-        default=21,
+        "--overhead-pages", type=int_range(1, _MAX_OVERHEAD), default=64,
+        help="pages per sequence",
+    )  # fmt: skip
+    p.add_argument("--sequences", type=int_range(1, _MAX_OVERHEAD), default=32)
+    p.add_argument(
+        "--pages", type=int_range(1, _MAX_PAGES), default=128,
+        help="2 MiB pages in the L3 round trip",
+    )  # fmt: skip
+    p.add_argument(
+        "--repeats", type=int_range(1, _MAX_REPEATS), default=21,
         help="rounds; each figure is their median, with its range",
+    )  # fmt: skip
+    p.add_argument(
+        "--dir", type=input_dir, help="scratch directory for the file L3 (default: temp)"
     )
-    p.add_argument("--dir", help="scratch directory for the file L3 (default: temp)")
     p.add_argument("--json", action="store_true")
     return p
 

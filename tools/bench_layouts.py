@@ -36,10 +36,19 @@ from hicache.layouts import (
     conversions,
     convert,
 )
+from hicache.tools.cli_parsing import check_memory, int_range, size_range
 
 __all__ = ["LayoutBenchConfig", "add_bench_layouts_parser", "main", "run_bench_layouts"]
 
 logger = logging.getLogger(__name__)
+
+# Bounds of the flags. A row moves ``bytes`` (or one page, if larger) with up to four buffers
+# of that size on the host, checked against this machine's memory before a run; a page of the
+# widest preset at the largest page size is 512 MiB.
+_MAX_PAGE_SIZE = 4096
+_MAX_BYTES = 1 << 40
+_MAX_REPEATS = 1000
+_MAX_THREADS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,15 +219,27 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--preset", choices=[e.value for e in SpecPreset], default=SpecPreset.MHA.value,
         help="model shape of the pool (default: mha, Llama-3-8B-like)",
     )  # fmt: skip
-    p.add_argument("--page-size", type=int, default=32, help="tokens per page (default 32)")
-    p.add_argument("--bytes", type=int, default=64 << 20, help="bytes per operation on the CPU")
-    p.add_argument("--cuda-bytes", type=int, default=1 << 30, help="bytes per operation on CUDA")
-    p.add_argument("--repeats", type=int, default=5, help="best of N")
+    p.add_argument(
+        "--page-size", type=int_range(1, _MAX_PAGE_SIZE), default=32,
+        help="tokens per page (default 32)",
+    )  # fmt: skip
+    p.add_argument(
+        "--bytes", type=size_range(1, _MAX_BYTES), default=64 << 20,
+        help="bytes per operation on the CPU (e.g. 64M)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cuda-bytes", type=size_range(1, _MAX_BYTES), default=1 << 30,
+        help="bytes per operation on CUDA (e.g. 1G)",
+    )  # fmt: skip
+    p.add_argument("--repeats", type=int_range(1, _MAX_REPEATS), default=5, help="best of N")
     p.add_argument(
         "--device", action="append", choices=["cpu", "cuda"],
         help="repeatable (default: cpu, and cuda when available)",
     )  # fmt: skip
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument(
+        "--threads", type=int_range(1, _MAX_THREADS), default=1,
+        help="torch CPU threads (default 1)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
@@ -233,7 +254,19 @@ def run_bench_layouts(args: argparse.Namespace) -> list[dict[str, Any]]:
         devices=tuple(args.device or ()),
         threads=args.threads,
     )
+    _check_host_memory(config)
     return run_layout_bench(config)
+
+
+def _check_host_memory(config: LayoutBenchConfig) -> None:
+    """Refuse sizes whose host buffers would not fit: on the CPU a pool and a host buffer of
+    twice the bytes each; for CUDA, the pinned host buffer of twice the bytes."""
+    page_bytes = config.preset.spec(config.page_size).page_bytes
+    devices = config.chosen_devices()
+    if "cpu" in devices:
+        check_memory(4 * max(config.cpu_bytes, page_bytes), "4 x --bytes (or 4 pages)")
+    if "cuda" in devices:
+        check_memory(2 * max(config.cuda_bytes, page_bytes), "2 x --cuda-bytes (or 2 pages)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

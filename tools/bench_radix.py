@@ -21,8 +21,16 @@ from typing import Any
 from hicache.errors import InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.radix import EvictionPolicy, RadixCache, RadixCacheConfig
+from hicache.serving.presets import SEED_MAX
 from hicache.serving.traces import TraceRequest, dump_trace, load_trace
-from hicache.serving.workloads import WorkloadConfig, WorkloadKind, generate_trace
+from hicache.serving.workloads import (
+    ChatConfig,
+    TokenCount,
+    WorkloadConfig,
+    WorkloadKind,
+    generate_trace,
+)
+from hicache.tools.cli_parsing import float_range, input_file, int_range, output_file
 
 __all__ = [
     "RadixBenchConfig",
@@ -38,6 +46,13 @@ logger = logging.getLogger(__name__)
 
 # One request of the replay: prompt ids, output ids, namespace, page-aligned length of both.
 _Step = tuple[list[int], list[int], str, int]
+# Bounds of the flags. Each generated token costs about 12 bytes (a list slot, then a uint32
+# in the packed key), so a trace is capped at 2^28 tokens: about 3 GiB.
+_MAX_CLIENTS = 100_000
+_MAX_ROUNDS = 1000
+_MAX_FACTOR = 1000
+_MAX_REPEATS = 1000
+_MAX_TRACE_TOKENS = 1 << 28
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,31 +184,42 @@ def add_bench_radix_parser(
         "radix", help="replay a request trace through the radix tree (simulated, no KV)"
     )
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--trace", metavar="FILE", help="JSONL trace, one request a line")
+    source.add_argument(
+        "--trace", type=input_file, metavar="FILE", help="JSONL trace, one request a line"
+    )
     source.add_argument(
         "--workload", choices=[k.value for k in WorkloadKind], default="multiturn",
         help="generate a trace instead (default: multiturn)",
     )  # fmt: skip
-    p.add_argument("--clients", type=int, default=64, help="generated: sources of requests")
-    p.add_argument("--rounds", type=int, default=5, help="generated: requests per client")
-    p.add_argument("--seed", type=int, default=0, help="generated: random seed")
-    p.add_argument("--dump-trace", metavar="FILE", help="write the replayed trace as JSONL")
-    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument(
+        "--clients", type=int_range(1, _MAX_CLIENTS), default=64,
+        help="generated: sources of requests",
+    )  # fmt: skip
+    p.add_argument(
+        "--rounds", type=int_range(1, _MAX_ROUNDS), default=5,
+        help="generated: requests per client",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0, help="generated: random seed")
+    p.add_argument(
+        "--dump-trace", type=output_file, metavar="FILE", help="write the replayed trace as JSONL"
+    )
+    p.add_argument("--page-size", type=int_range(1, 1 << 16), default=1)
     p.add_argument(
         "--policy", choices=[e.value for e in EvictionPolicy], default="lru",
         help="eviction policy (default: lru)",
     )  # fmt: skip
     p.add_argument(
-        "--capacity-tokens", type=int, default=0, help="cache capacity in tokens (0: unbounded)"
-    )
+        "--capacity-tokens", type=int_range(0, 1 << 48), default=0,
+        help="cache capacity in tokens (0: unbounded)",
+    )  # fmt: skip
     p.add_argument(
-        "--capacity-share", type=float,
+        "--capacity-share", type=float_range(0.0, 1.0, low_open=True),
         help="capacity as a share of the tokens an unbounded replay ends with (overrides "
         "--capacity-tokens; 0.25: a quarter of the unique tokens)",
     )  # fmt: skip
-    p.add_argument("--repeats", type=int, default=3, help="best of N")
+    p.add_argument("--repeats", type=int_range(1, _MAX_REPEATS), default=3, help="best of N")
     p.add_argument(
-        "--match-scaling", type=int, metavar="FACTOR",
+        "--match-scaling", type=int_range(2, _MAX_FACTOR), metavar="FACTOR",
         help="instead of a replay, time matching the generated trace's prompts against its own "
         "tree and against one holding FACTOR times as many sequences",
     )  # fmt: skip
@@ -207,9 +233,39 @@ def _requests(args: argparse.Namespace) -> tuple[list[TraceRequest], dict[str, A
             return load_trace(args.trace), {"trace": args.trace}
         except OSError as exc:
             raise InvalidArgumentError(f"cannot read trace {args.trace}: {exc}") from None
-    config = WorkloadConfig(WorkloadKind(args.workload), args.clients, args.rounds, args.seed)
+    config = _workload(args, copies=1)
     about = {"workload": config.kind.value, "clients": config.clients, "rounds": config.rounds}
     return generate_trace(config), about
+
+
+def _workload(args: argparse.Namespace, copies: int) -> WorkloadConfig:
+    """The generated trace's preset; refused when ``copies`` of its trace would hold more
+    tokens than the bench's bound (the flags are bounded one by one, not together)."""
+    workload = WorkloadConfig(WorkloadKind(args.workload), args.clients, args.rounds, args.seed)
+    tokens = _trace_tokens(workload) * copies
+    if tokens > _MAX_TRACE_TOKENS:
+        raise InvalidArgumentError(
+            f"--clients {args.clients} and --rounds {args.rounds} make {copies} trace(s) of up "
+            f"to {tokens} tokens, more than {_MAX_TRACE_TOKENS}; lower them"
+        )
+    return workload
+
+
+def _trace_tokens(workload: WorkloadConfig) -> int:
+    """At most how many tokens the prompts and answers of ``workload``'s trace hold. A
+    multi-turn prompt holds the whole chat so far: a chat grows with the square of its rounds."""
+
+    def most(count: TokenCount) -> int:
+        return count if isinstance(count, int) else count[1]
+
+    config = workload.generator_config()
+    if isinstance(config, ChatConfig):
+        turn, rounds = most(config.turn_tokens) + most(config.output_tokens), config.rounds
+        return config.clients * (
+            rounds * most(config.system_tokens) + turn * rounds * (rounds + 1) // 2
+        )
+    question = most(config.question_tokens) + most(config.output_tokens)
+    return config.requests * (most(config.prefix_tokens) + question)
 
 
 def _capacity_at_share(
@@ -228,7 +284,7 @@ def run_bench_radix(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.match_scaling is not None:
         if args.trace:
             raise InvalidArgumentError("--match-scaling generates its traces; drop --trace")
-        workload = WorkloadConfig(WorkloadKind(args.workload), args.clients, args.rounds, args.seed)
+        workload = _workload(args, copies=args.match_scaling)
         return [bench_match_scaling(workload, args.match_scaling, args.page_size, args.repeats)]
     requests, about = _requests(args)
     if args.dump_trace:

@@ -17,6 +17,7 @@ from typing import Any
 from hicache.tools.cli_parsing import (
     Command,
     add_commands,
+    check_memory,
     input_dir,
     int_range,
     size_range,
@@ -119,7 +120,7 @@ def _backend_name(text: str) -> str:
 def _run_backends(args: argparse.Namespace) -> list[dict[str, Any]]:
     from hicache.tools.bench_backends import BackendBenchConfig, run_backend_bench
 
-    _check_total(args.objects * args.object_bytes * 2, "--objects x --object-bytes x 2")
+    check_memory(args.objects * args.object_bytes * 2, "--objects x --object-bytes x 2")
 
     config = BackendBenchConfig(
         backends=tuple(args.backend or ("memory", "file", "shm")),
@@ -195,19 +196,6 @@ def _run_tools(args: argparse.Namespace) -> list[dict[str, Any]]:
         directory=args.dir,
     )
     return asyncio.run(run_tools_bench(config))
-
-
-def _check_total(nbytes: int, what: str) -> None:
-    """Refuse a benchmark whose buffers would not fit in this machine's memory."""
-    from hicache.errors import ConfigError
-    from hicache.tools.cli_parsing import host_memory
-
-    ram = host_memory()
-    if nbytes > ram // 2:
-        raise ConfigError(
-            f"{what} is {nbytes / 2**30:.1f} GiB of buffers, more than half of the "
-            f"{ram / 2**30:.1f} GiB of memory here; lower them"
-        )
 
 
 # ----- benchmarks with their own modules, which bring their own --json --------------------------

@@ -25,6 +25,7 @@ __all__ = [
     "CommandFailed",
     "add_commands",
     "arg_type",
+    "check_memory",
     "chosen_command",
     "duration_range",
     "float_range",
@@ -254,3 +255,16 @@ def host_memory() -> int:
     except OSError:
         pass
     return min(limits)
+
+
+def check_memory(nbytes: int, what: str) -> None:
+    """Refuse a run whose buffers, ``nbytes`` of them (``what`` names the flags that size
+    them), would take more than half of :func:`host_memory`: a usage error (exit 2)."""
+    from hicache.errors import ConfigError
+
+    ram = host_memory()
+    if nbytes > ram // 2:
+        raise ConfigError(
+            f"{what} is {nbytes / 2**30:.1f} GiB of buffers, more than half of the "
+            f"{ram / 2**30:.1f} GiB of memory here; lower them"
+        )

@@ -16,8 +16,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from hicache.backends.base import TEMP_GRACE_S, StorageBackend
+from hicache.errors import BackendUnavailableError
 from hicache.keys import validate_key_prefix
 from hicache.tools.cli_parsing import (
+    CommandFailed,
     arg_type,
     duration_range,
     int_range,
@@ -32,11 +34,25 @@ if TYPE_CHECKING:
 __all__ = ["add_compact", "add_inspect", "add_stats", "add_verify"]
 
 
-def _on_store(url: str, work: Callable[[StorageBackend], Awaitable[int]]) -> int:
-    from hicache.tools.store_scan import open_store
+def _on_store(
+    url: str, work: Callable[[StorageBackend], Awaitable[int]], *, writes: bool = False
+) -> int:
+    """``work`` on the store at ``url``, opened read-only unless the command ``writes``: the
+    commands that only read then work on a read-only mount or a snapshot, and change nothing.
+
+    A URL that names no store is a usage error (exit 2); a store that is there but does not
+    open (read-only for a command that writes, a service that does not answer) is a runtime
+    failure (exit 1), as an unreachable L3 is for ``serve``.
+    """
+    from hicache.tools.store_scan import open_store, store_config
+
+    store_config(url, read_only=not writes)  # raises the usage errors, before any open
 
     async def run() -> int:
-        backend = await open_store(url)
+        try:
+            backend = await open_store(url, read_only=not writes)
+        except BackendUnavailableError as exc:
+            raise CommandFailed(str(exc)) from exc
         try:
             return await work(backend)
         finally:
@@ -137,7 +153,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             print("\n".join(report.lines()))
         return report.exit_code
 
-    return _on_store(args.url, work)
+    return _on_store(args.url, work, writes=args.delete_bad)
 
 
 # ----- compact ----------------------------------------------------------------------------------
@@ -182,7 +198,8 @@ def _cmd_compact(args: argparse.Namespace) -> int:
             print("\n".join(report.lines(verbose=args.dry_run or args.verbose)))
         return 0
 
-    return _on_store(args.url, work)
+    # Even with --dry-run: the plan is only worth having for a store compact could change.
+    return _on_store(args.url, work, writes=True)
 
 
 # ----- stats ------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ __all__ = [
     "parse_page_key",
     "recheck",
     "refuse_store",
+    "store_config",
 ]
 
 _PAGE_KEY_RE = re.compile(r"([0-9a-f]{16})-([0-9a-f]{16})-([0-9a-f]{64})\Z")
@@ -139,17 +140,28 @@ class ScanOptions:
 
 
 async def open_store(url: str, *, read_only: bool = False) -> StorageBackend:
-    """Open the store at ``url`` for a tool; raises a :class:`HiCacheError` when it cannot.
-
-    Refuses stores a separate process cannot see (``memory://``), stores that cannot list
-    their objects, and a local root that does not exist (the file backend would create it).
+    """Open the store at ``url`` for a tool; raises a :class:`HiCacheError` when it cannot:
+    what :func:`store_config` refuses, and stores that cannot list their objects.
 
     ``read_only``: for the tools that only read (``verify`` without deletion, ``inspect``,
     ``stats``). A backend with a read-only mode (a ``read_only`` option: ``file``) opens in it
     and writes nothing, not even at open, so a read-only mount or a snapshot can be checked;
-    its writes then raise :class:`~hicache.backends.base.ReadOnlyStoreError`. Other backends
+    its writes then raise :class:`~hicache.errors.ReadOnlyStoreError`. Other backends
     open as usual.
     """
+    cls, config = store_config(url, read_only=read_only)
+    backend = await cls.open(config)
+    if not backend.capabilities.listable:
+        await backend.close()
+        raise ConfigError(f"{url}: the {cls.name} backend cannot list its objects")
+    return backend
+
+
+def store_config(url: str, *, read_only: bool = False) -> tuple[type[StorageBackend], Any]:
+    """The backend class and config :func:`open_store` opens ``url`` with, checked without
+    opening anything (so a caller can tell a URL that names no store from a store that does not
+    open): refuses unknown schemes, stores a separate process cannot see (``memory://``), and a
+    local root that does not exist (the file backend would create it)."""
     cls, backend_url = default_registry.resolve_url(url)
     config = cls.config_from_url(backend_url, {})
     if read_only and "read_only" in getattr(config, "__dataclass_fields__", ()):
@@ -160,11 +172,7 @@ async def open_store(url: str, *, read_only: bool = False) -> StorageBackend:
     root = getattr(config, "root", None)
     if isinstance(root, str) and not os.path.isdir(root):
         raise BackendUnavailableError(f"{url}: no store at {root} (no such directory)")
-    backend = await cls.open(config)
-    if not backend.capabilities.listable:
-        await backend.close()
-        raise ConfigError(f"{url}: the {cls.name} backend cannot list its objects")
-    return backend
+    return cls, config
 
 
 def _check(info: ObjectInfo, data: memoryview, mode: ReadMode) -> ScannedObject:

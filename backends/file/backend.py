@@ -41,12 +41,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote
 
 from hicache.backends._io_threads import outlive_cancel
-from hicache.backends.base import (
-    Capabilities,
-    ObjectInfo,
-    ReadOnlyStoreError,
-    StorageBackend,
-)
+from hicache.backends.base import Capabilities, ObjectInfo, StorageBackend
 from hicache.backends.file.config import FileConfig
 from hicache.backends.file.io import write_all
 from hicache.backends.file.lru_index import LruIndex
@@ -64,7 +59,12 @@ from hicache.backends.file.tree import (
     unlink_quietly_at,
     use_openat2,
 )
-from hicache.errors import BackendError, BackendUnavailableError, ConfigError
+from hicache.errors import (
+    BackendError,
+    BackendUnavailableError,
+    ConfigError,
+    ReadOnlyStoreError,
+)
 
 __all__ = ["FileBackend", "FileConfig"]
 

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from hicache.backends.base import StorageBackend
 from hicache.tiering.bundler import BundlePage, PageBundler
 from hicache.tiering.config import PrefetchConfig, StorageConfig
+from hicache.tiering.failure_log import FailureLog
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.policies import TerminationReason
 from hicache.tiering.registration import register_buffers, unregister_buffers
@@ -99,6 +100,7 @@ class StorageTier:
         self.suspects = SuspectKeys()  # keys whose objects failed their checks
         self._registered: list[Any] = []  # host buffers registered with the backend
         self.read_bytes_per_s: float | None = None  # measured on prefetch reads, smoothed
+        self._failures = FailureLog(logger, "L3 call failed")  # counted in metrics, each one
         metrics.gauge("l3_write_queue_pages", lambda: self._queued_pages)
 
     @property
@@ -164,6 +166,7 @@ class StorageTier:
             unregister_buffers(self.backend, self._registered)
         self._registered = []
         self.backend = None
+        self._failures.flush()
 
     # ----- writes ---------------------------------------------------------------------------
     def submit_write(self, job: WriteJob) -> None:
@@ -365,17 +368,29 @@ class StorageTier:
                 self.metrics.add("timeouts")
                 if op is not None:
                     op.reason = op.reason or TerminationReason.ERROR
-                await asyncio.wait({task})
-                if not task.cancelled():
-                    task.exception()  # retrieved: its failure is already counted as a timeout
+                await _settled(task)  # its failure, if any, is already counted as a timeout
                 return None
             return task.result()
         except asyncio.CancelledError:
+            # Our caller is cancelled (asyncio.wait never raises the call's own cancellation).
+            # Cancel the call and wait for it to end before going on: left pending, it would
+            # be destroyed with the loop ("Task was destroyed but it is pending") and could
+            # still be using buffers its caller is about to release.
             task.cancel()
+            await _settled(task)
             raise
         except Exception as exc:
             self.metrics.add("errors")
-            logger.warning("L3 call failed: %s: %s", type(exc).__name__, exc)
+            self._failures.failed(exc)  # the first of each kind, then a summary now and then
             if op is not None:
                 op.reason = op.reason or TerminationReason.ERROR
             return None
+
+
+async def _settled(task: asyncio.Future[Any]) -> None:
+    """Wait for ``task`` to end and retrieve its outcome, so that nothing is logged for it when
+    it is collected. Its own cancellation or error is swallowed; a cancellation of the caller
+    while waiting is raised."""
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()

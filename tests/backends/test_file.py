@@ -27,10 +27,15 @@ from file_kit import (
     write_temp,
 )
 
-from hicache.backends.base import ReadOnlyStoreError, StorageBackend
+from hicache.backends.base import StorageBackend
 from hicache.backends.file import FileBackend, FileConfig
 from hicache.backends.testing import BackendConformanceTests
-from hicache.errors import BackendUnavailableError, ConfigError, InvalidKeyError
+from hicache.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    InvalidKeyError,
+    ReadOnlyStoreError,
+)
 
 
 class TestFileConformance(BackendConformanceTests):

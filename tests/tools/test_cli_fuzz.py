@@ -7,6 +7,10 @@ case runs ``cli.main`` in this process, on a thread (a case that does not end in
 ``CASE_TIMEOUT_S`` fails as a hang), around small fixed sizes (a one-layer model, one request,
 no L3) so that what parses runs in milliseconds. Values that are valid but only make the work
 longer (a thousand clients, one arrival a minute) are not drawn: they are slow, not wrong.
+
+The benchmarks that take seconds at any size (``bench radix``, ``layouts``, ``controller``)
+are only parsed: a case is a usage error, or values that are each finite and within the
+bounds their flag's type declares (a flag without bounds fails).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import gc
 import io
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -69,6 +74,10 @@ class Command:
     flags: list[argparse.Action] = field(default_factory=list)
 
 
+# Commands that are parsed, not run (see the module docstring).
+PARSE_ONLY = {("bench", "radix"), ("bench", "layouts"), ("bench", "controller")}
+
+
 @dataclass
 class Outcome:
     code: Any
@@ -76,6 +85,7 @@ class Outcome:
     err: str
     seconds: float
     tracebacks: list[str]
+    parsed: argparse.Namespace | None = None  # a parse-only case that parsed
 
 
 class _Tracebacks(logging.Handler):
@@ -153,6 +163,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bench]:
         "bench tools": ["bench", "tools", "--small-objects", "2", "--large-objects", "1",
                         "--small-bytes", "4K", "--large-bytes", "64K", "--repeats", "1",
                         "--json"],
+        **{" ".join(words): list(words) for words in sorted(PARSE_ONLY)},
     }  # fmt: skip
     commands = {name: Command(name, base, _flags(base)) for name, base in bases.items()}
     handler = _Tracebacks()
@@ -179,11 +190,16 @@ def run_case(bench: Bench, argv: list[str]) -> Outcome:
     """``hicache argv`` on a thread; fails as a hang when it does not end in time."""
     out, err, box = io.StringIO(), io.StringIO(), {}
     bench.tracebacks.seen.clear()
+    parse_only = tuple(argv[:2]) in PARSE_ONLY
 
     def target() -> None:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                box["code"] = main(argv)
+                if parse_only:
+                    box["parsed"] = build_parser(argv).parse_args(argv)
+                    box["code"] = 0
+                else:
+                    box["code"] = main(argv)
             except SystemExit as exc:  # argparse's: nothing ran
                 box["code"], box["parsed"] = exc.code, False
             except BaseException as exc:  # escaped main: a traceback on the real CLI
@@ -194,13 +210,22 @@ def run_case(bench: Bench, argv: list[str]) -> Outcome:
     thread.start()
     thread.join(CASE_TIMEOUT_S)
     assert not thread.is_alive(), f"hang: no end after {CASE_TIMEOUT_S} s: {argv}"
-    if box.get("parsed", True) and argv[0] != "config" and argv[:2] != ["bench", "codec"]:
+    ran = box.get("parsed", True) is not False and not parse_only
+    if ran and argv[0] != "config" and argv[:2] != ["bench", "codec"]:
         # An event loop ran. What it left unretrieved ("exception was never retrieved") is
         # logged when collected: collect now, so the case that left it is the one that fails.
         gc.collect()
     bench.cases += 1
     seconds = time.monotonic() - started
-    return Outcome(box.get("code"), out.getvalue(), err.getvalue(), seconds, bench.tracebacks.seen)
+    parsed = box.get("parsed")
+    return Outcome(
+        box.get("code"),
+        out.getvalue(),
+        err.getvalue(),
+        seconds,
+        bench.tracebacks.seen,
+        parsed if isinstance(parsed, argparse.Namespace) else None,
+    )
 
 
 _ERROR_LINE = re.compile(r"hicache( [a-z]+)*: error: ")
@@ -223,6 +248,20 @@ def check(outcome: Outcome, argv: list[str]) -> None:
             raise AssertionError(f"{name} in the output: {where}")
 
         json.loads(outcome.out, parse_constant=no_nan)
+    if outcome.parsed is not None:
+        check_parsed(outcome.parsed, _flags(argv[:2]), where)
+
+
+def check_parsed(args: argparse.Namespace, flags: list[argparse.Action], where: str) -> None:
+    """Each number a parse-only command accepted is finite and within its flag's bounds."""
+    for action in flags:
+        value = getattr(args, action.dest)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        flag = action.option_strings[-1]
+        bounds = getattr(action.type, "bounds", None)
+        assert bounds is not None, f"{flag} takes {value!r} unchecked: {where}"
+        assert math.isfinite(value) and bounds[0] <= value <= bounds[1], f"{flag}: {where}"
 
 
 def _number(text: str) -> float | None:
@@ -269,6 +308,7 @@ def _expand(text: str, files: dict[str, str]) -> str:
     [
         "serve", "verify", "inspect", "compact", "stats", "config",
         "bench codec", "bench backends", "bench tools",
+        "bench radix", "bench layouts", "bench controller",
     ],
 )  # fmt: skip
 def test_every_flag_with_nasty_values(name: str, bench: Bench) -> None:

@@ -3,7 +3,9 @@ while parsing; a runtime failure exits 1 with one line; a traceback shows only w
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import pathlib
 
 import pytest
@@ -11,6 +13,7 @@ from cli_kit import run
 from test_cli_store import build
 
 from hicache.tools import cli_info
+from hicache.tools.cli import build_parser
 
 
 def usage_error(err: str) -> str:
@@ -50,6 +53,26 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
         (["bench", "backends", "--object-bytes", "-1"], "--object-bytes"),
         (["bench", "backends", "--dir", "{tmp}/missing"], "no such directory"),
         (["bench", "tools", "--small-objects", "0"], "--small-objects"),
+        (["bench", "radix", "--clients", "0"], "--clients"),
+        (["bench", "radix", "--rounds", str(10**9)], "--rounds"),
+        (["bench", "radix", "--seed=-1"], "--seed"),
+        (["bench", "radix", "--page-size", "nan"], "--page-size"),
+        (["bench", "radix", "--capacity-tokens=-1"], "--capacity-tokens"),
+        (["bench", "radix", "--capacity-share", "nan"], "--capacity-share"),
+        (["bench", "radix", "--capacity-share", "0"], "--capacity-share"),
+        (["bench", "radix", "--repeats", "0"], "--repeats"),
+        (["bench", "radix", "--match-scaling", "1"], "--match-scaling"),
+        (["bench", "radix", "--trace", "{tmp}"], "not a regular file"),
+        (["bench", "layouts", "--page-size", "0"], "--page-size"),
+        (["bench", "layouts", "--bytes", "inf"], "--bytes"),
+        (["bench", "layouts", "--cuda-bytes", "2T"], "--cuda-bytes"),
+        (["bench", "layouts", "--repeats", str(10**6)], "--repeats"),
+        (["bench", "layouts", "--threads", "0"], "--threads"),
+        (["bench", "controller", "--overhead-pages", "0"], "--overhead-pages"),
+        (["bench", "controller", "--sequences", "1e9"], "--sequences"),
+        (["bench", "controller", "--pages", str(1 << 20)], "--pages"),
+        (["bench", "controller", "--repeats=-21"], "--repeats"),
+        (["bench", "controller", "--dir", "{tmp}/missing"], "no such directory"),
         (["config", "--page-size", "0"], "--page-size"),
         (["config", "--host-ratio", "nan"], "NaN"),
         (["config", "--host-ratio", "inf"], "finite"),
@@ -69,6 +92,45 @@ def test_bad_values_are_refused_while_parsing(
     code, out, err = run(capsys, *(a.format(url=store, tmp=tmp_path) for a in argv))
     assert code == 2 and out == ""
     assert says in usage_error(err)
+
+
+def _bench_flags(name: str) -> list[argparse.Action]:
+    parser = build_parser(["bench", name])
+    for word in ("bench", name):
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    return [a for a in parser._actions if a.option_strings and a.type is not None]
+
+
+@pytest.mark.parametrize("name", ["radix", "layouts", "controller"])
+def test_every_typed_flag_of_the_benches_with_their_own_parsers_is_checked(name: str) -> None:
+    """A plain ``type=int`` or ``float`` takes NaN, negatives and sizes no machine holds."""
+    for action in _bench_flags(name):
+        flag = action.option_strings[-1]
+        bounds = getattr(action.type, "bounds", None)
+        if getattr(action.type, "__name__", "") in ("file", "directory"):  # paths, checked too
+            continue
+        assert bounds is not None, f"bench {name} {flag}: its value is not range-checked"
+        assert all(math.isfinite(b) for b in bounds), flag
+        if action.default is not None:
+            assert bounds[0] <= action.default <= bounds[1], flag
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["radix", "--clients", "100000", "--rounds", "1000"], "--clients 100000 and --rounds"),
+        (["radix", "--workload", "longdoc", "--match-scaling", "1000"], "lower them"),
+        (["controller", "--overhead-pages", "4096", "--sequences", "4096"], "at most"),
+        (["layouts", "--bytes", "1T", "--device", "cpu"], "4 x --bytes"),
+    ],
+)
+def test_bench_sizes_too_large_together_are_refused_before_a_run(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "bench", *argv)
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith("hicache: error: ") and says in err
 
 
 @pytest.mark.parametrize(

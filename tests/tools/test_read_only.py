@@ -9,15 +9,16 @@ after.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import pathlib
 
 import pytest
+from cli_kit import run
 from store_kit import StoreKit, WriteGuard, snapshot
 
-from hicache.backends.base import ReadOnlyStoreError
 from hicache.backends.file import FileBackend, FileConfig
-from hicache.errors import BackendUnavailableError
+from hicache.errors import BackendUnavailableError, ReadOnlyStoreError
 from hicache.tools.compact import CompactOptions, compact_store
 from hicache.tools.inspect import InspectOptions, inspect_store
 from hicache.tools.store_scan import open_store
@@ -85,3 +86,22 @@ async def test_the_url_may_ask_for_read_only(tmp_path: pathlib.Path) -> None:
     with pytest.raises(BackendUnavailableError, match="no store"):
         await open_store(f"file://{tmp_path / 'absent'}", read_only=True)
     assert not (tmp_path / "absent").exists()
+
+
+def test_the_commands_that_only_read_work_on_a_read_only_store(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hicache inspect|verify|stats``, then ``verify --delete-bad``, which must write."""
+    root = tmp_path / "store"
+    asyncio.run(_filled(root))
+    before = snapshot(root)
+    guard = WriteGuard(monkeypatch, root)
+    url = f"file://{root}"
+    for argv in (["inspect", url, "-q"], ["verify", url, "-q", "--processes", "1"], ["stats", url]):
+        code, out, err = run(capsys, *argv)
+        assert (code, err) == (0, "") and "12" in out, argv
+    assert guard.attempts == []
+    code, out, err = run(capsys, "verify", url, "-q", "--processes", "1", "--delete-bad")
+    assert (code, out) == (1, "") and err.count("\n") == 1, err
+    assert err.startswith("hicache: error: ") and "Read-only file system" in err
+    assert snapshot(root) == before
