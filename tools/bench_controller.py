@@ -200,6 +200,14 @@ def _bundle(ctl: HiCacheController, pages: int, tag: int) -> list[BundlePage]:
     ]
 
 
+def _leading_whole_pages(found: list[dict[str, bool]]) -> int:
+    """The prefetch plan of a single-pool model: pages up to the first with an object missing."""
+    for i, page in enumerate(found):
+        if not all(page.values()):
+            return i
+    return len(found)
+
+
 async def _roundtrip_controller(ctl: HiCacheController, pages: int, tag: int) -> float:
     storage, names = ctl.storage, list(ctl.host_pools)
     bundle = _bundle(ctl, pages, tag)
@@ -211,9 +219,15 @@ async def _roundtrip_controller(ctl: HiCacheController, pages: int, tag: int) ->
         await storage.wait_for_activity(1.0)
     if not all(job.ok):
         raise RuntimeError("a controller L3 write failed during the benchmark")
-    back = list(range(pages, 2 * pages))
     candidates = [dataclasses.replace(p, host_pages=dict.fromkeys(names, -1)) for p in bundle]
-    op = PrefetchOp("bench", candidates, lambda n: back[:n], time.monotonic())
+
+    def grant(n: int) -> list[BundlePage]:  # read back into the second half of the host pool
+        return [
+            dataclasses.replace(p, host_pages=dict.fromkeys(names, pages + i))
+            for i, p in enumerate(candidates[:n])
+        ]
+
+    op = PrefetchOp("bench", candidates, grant, time.monotonic(), _leading_whole_pages)
     storage.start_prefetch(op)
     while not op.reads_finished:
         await storage.wait_for_activity(1.0)

@@ -268,6 +268,7 @@ class PoolPreset(enum.Enum):
     DSA = "dsa"  # MLA plus the sparse-attention indexer (fp8 key + fp32 scale per token)
     SWA = "swa"  # sliding-window layers (window pages only) beside full-attention layers
     HYBRID = "hybrid"  # attention layers plus recurrent layers (conv and SSM state snapshots)
+    DSV4 = "dsv4"  # DeepSeek-V4 style: 4:1 and 128:1 compressed KV, an indexer, an SWA window
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +293,8 @@ class ModelShape:
     conv_shape: tuple[int, ...] = (32, 3)  # hybrid: per layer, conv channels x (kernel - 1)
     ssm_shape: tuple[int, ...] = (2, 16, 8)  # hybrid: per layer, heads x head_dim x state dim
     state_dtype: DType = DType.FLOAT32  # hybrid: SSM states are kept in fp32
+    c4_dim: int = 32  # dsv4: width of one 4:1 compressed entry (a multiple of 4)
+    c128_dim: int = 128  # dsv4: width of one 128:1 compressed entry (a multiple of 128)
 
 
 def _dense(s: ModelShape) -> tuple[PoolSpec, ...]:
@@ -331,19 +334,53 @@ def _hybrid(s: ModelShape) -> tuple[PoolSpec, ...]:
     )
 
 
+DSV4_RATIOS = (4, 128)  # tokens per compressed entry of the dsv4 pools
+
+
+def _dsv4(s: ModelShape) -> tuple[PoolSpec, ...]:
+    """A compressed entry is spread over the slots of its group's tokens (a quarter of a C4
+    entry per token, 1/128 of a C128 entry), so a page of P tokens holds P/4 and P/128
+    entries and the pools keep the tree's token slots; a group never straddles pages (the
+    page size is a multiple of 128)."""
+    if s.page_size % DSV4_RATIOS[-1] or s.c4_dim % 4 or s.c128_dim % 128:
+        raise InvalidArgumentError(
+            f"dsv4 needs a page size that is a multiple of {DSV4_RATIOS[-1]} (got {s.page_size}), "
+            f"c4_dim a multiple of 4 and c128_dim of 128"
+        )
+    if s.window % s.page_size:
+        raise InvalidArgumentError(f"window {s.window} must be a multiple of the page size")
+    c4 = LayoutSpec(s.layers, s.page_size, (s.c4_dim // 4,), s.dtype, ("c4",))
+    c128 = LayoutSpec(s.layers, s.page_size, (s.c128_dim // 128,), s.dtype, ("c128",))
+    index_bytes = s.index_dim + INDEXER_SCALE_BYTES
+    if index_bytes % 4:
+        raise InvalidArgumentError("dsv4: index_dim + 4 must be a multiple of 4")
+    indexer = LayoutSpec(s.layers, s.page_size, (index_bytes // 4,), DType.UINT8, ("index",))
+    window = LayoutSpec.mha(s.layers, 1, s.head_dim, s.page_size, s.dtype)
+    return (
+        PoolSpec("c4", c4, replicated_across_tp=True),
+        PoolSpec("indexer", indexer, replicated_across_tp=True, shares_slots_with="c4"),
+        PoolSpec("c128", c128, replicated_across_tp=True, shares_slots_with="c4"),
+        PoolSpec("swa", window, HitRule.window(s.window, s.page_size), replicated_across_tp=True),
+    )
+
+
 _BUILDERS = {
     PoolPreset.DENSE: _dense,
     PoolPreset.MLA: _mla,
     PoolPreset.DSA: _dsa,
     PoolPreset.SWA: _swa,
     PoolPreset.HYBRID: _hybrid,
+    PoolPreset.DSV4: _dsv4,
 }
 
 
 def preset(name: PoolPreset, shape: ModelShape | None = None) -> ModelPools:
-    """The pools of a ``name`` model of ``shape`` (default: tiny)."""
+    """The pools of a ``name`` model of ``shape`` (default: tiny; for dsv4 the smallest page
+    and window its 128:1 pool allows, 128 tokens)."""
     if not isinstance(name, PoolPreset):
         raise InvalidArgumentError(f"name must be a PoolPreset, got {name!r}")
+    if shape is None and name is PoolPreset.DSV4:
+        shape = ModelShape(page_size=DSV4_RATIOS[-1], window=DSV4_RATIOS[-1])
     shape = shape or ModelShape()
     if not isinstance(shape, ModelShape):
         raise InvalidArgumentError(f"shape must be a ModelShape, got {type(shape).__name__}")

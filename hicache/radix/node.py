@@ -20,7 +20,9 @@ class TreeNode:
 
     ``pool_values`` and ``pool_locks`` are for trees over several pools (ShadowRadixCache): the
     node's data in each extra pool (``None`` once that pool dropped it) and each pool's lock
-    counts; plain trees leave them ``None``.
+    counts; plain trees leave them ``None``. In the tiered cache, ``pool_host`` holds each extra
+    pool's host copy (host pages, or a snapshot's host page) and ``pool_stored`` the extra pools
+    whose data here is known to be in L3.
     """
 
     __slots__ = (
@@ -40,7 +42,9 @@ class TreeNode:
         "lock_ref",
         "namespace",
         "parent",
+        "pool_host",
         "pool_locks",
+        "pool_stored",
         "pool_values",
         "priority",
         "protected",
@@ -71,6 +75,8 @@ class TreeNode:
         self.namespace: tuple[str | None, bool] = (None, False)
         self.pool_values: dict[str, torch.Tensor | None] | None = None
         self.pool_locks: dict[str, dict[int, int]] | None = None
+        self.pool_host: dict[str, torch.Tensor | None] | None = None
+        self.pool_stored: frozenset[str] = frozenset()
 
     @property
     def evicted(self) -> bool:

@@ -165,6 +165,14 @@ class ShadowRadixCache(RadixCache):
             return [*path[:i], self._split(node, (units - depth) * unit, unit)]
         return path
 
+    # ----- the anchor's own path -------------------------------------------------------------
+    def match_anchor(self, key: RadixKey) -> MatchResult:
+        """The anchor's cached path for ``key`` whatever the other pools hold, counting no hit
+        (:meth:`RadixCache.match_prefix` with ``count_hits=False``): for the request
+        lifecycle's re-match after it committed a key, where a match cut at the usable prefix
+        would leave the request's row pointing at its own freed duplicates."""
+        return RadixCache.match_prefix(self, key, count_hits=False)
+
     # ----- inserting ------------------------------------------------------------------------
     def insert(self, key: RadixKey, value: torch.Tensor | None = None, priority: int = 0) -> int:
         """Cache ``key`` with anchor slots only; the other pools hold nothing on new nodes."""
@@ -186,15 +194,15 @@ class ShadowRadixCache(RadixCache):
         """
         data, unit = self._pack(key)
         given = check_pool_values(self.roles, pool_values, len(key), self.page_size)
-        already = super().insert(key, value, priority)
+        already = self._insert_anchor(key, value, priority)
         n_units = len(key) - len(key) % self.page_size
         unused: dict[str, list[torch.Tensor]] = {name: [] for name in given}
         if n_units:
             root = self._roots[(key.extra_key, key.is_bigram)]
             path, _ = peek_path(root, data, self.page_size * unit)
-            if already < n_units:
-                path = [*path[:-1], *self._cut_by_held(path[-1], given, already, unit)]
+            path = self._cut_path_by_held(path, given, unit)
             self._attach(path, given, unused)
+            self._inserted(path)
         for name, slots in given.items():
             if name in self.roles.token_pools:
                 tail = slots[n_units:]
@@ -206,15 +214,36 @@ class ShadowRadixCache(RadixCache):
             already, {n: self._concat(p) if p else empty for n, p in unused.items()}
         )
 
+    def _insert_anchor(self, key: RadixKey, value: torch.Tensor | None, priority: int) -> int:
+        """Insert the anchor's slots (the tiered cache adds its tiers here)."""
+        return RadixCache.insert(self, key, value, priority)
+
+    def _inserted(self, path: list[TreeNode]) -> None:
+        """Called with the nodes of an inserted key once every pool's data is on them."""
+
+    def _cut_path_by_held(
+        self, path: list[TreeNode], given: dict[str, torch.Tensor], unit: int
+    ) -> list[TreeNode]:
+        """``path`` with each node split where the caller's held-ness of a token pool changes
+        inside it, for the pools the node holds nothing of: a caller's window then lands on
+        nodes of its own, new or old."""
+        out: list[TreeNode] = []
+        depth = 0
+        for node in path:
+            start = depth
+            depth += node.length
+            out += self._cut_by_held(node, given, start, unit)
+        return out
+
     def _cut_by_held(
         self, leaf: TreeNode, given: dict[str, torch.Tensor], start: int, unit: int
     ) -> list[TreeNode]:
-        """Split the new ``leaf`` (units ``start..``) where any token pool's held-ness changes."""
+        """Split ``leaf`` (units ``start..``) where a token pool it lacks changes held-ness."""
         ps = self.page_size
         end = start + leaf.length
         cuts: set[int] = set()
         for name, slots in given.items():
-            if name in self.roles.token_pools:
+            if name in self.roles.token_pools and self.ledger.data(leaf, name) is None:
                 held = (slots[start:end:ps] >= 0).tolist()
                 cuts.update(start + i * ps for i in range(1, len(held)) if held[i] != held[i - 1])
         nodes, seg_start = [], start
@@ -268,8 +297,13 @@ class ShadowRadixCache(RadixCache):
         for node in candidates:
             if freed >= num_slots:
                 break
-            freed += ledger.drop(node, name)
+            freed += self._drop_pool(node, name)
         return freed
+
+    def _drop_pool(self, node: TreeNode, name: str) -> int:
+        """Free ``name``'s data on ``node`` for :meth:`evict_pool` (the tiered cache backs it
+        up first)."""
+        return self.ledger.drop(node, name)
 
     # ----- hooks into RadixCache ------------------------------------------------------------
     def _split(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:

@@ -14,7 +14,7 @@ Representations (shared with the tree and its ledger):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ from hicache.radix.packing import common_prefix_bytes
 __all__ = [
     "PoolRoles",
     "check_pool_values",
+    "device_held",
     "lock_start",
     "path_presence",
     "peek_path",
@@ -142,24 +143,39 @@ def check_pool_values(
     return out
 
 
+def device_held(node: TreeNode, pool: str) -> bool:
+    """Whether ``node`` holds ``pool``'s data in the tree's own memory (the device)."""
+    values = node.pool_values
+    return values is not None and values.get(pool) is not None
+
+
+HeldTest = Callable[[TreeNode, str], bool]
+
+
 def path_presence(
-    roles: PoolRoles, nodes: Sequence[TreeNode], page_size: int, last_units: int
+    roles: PoolRoles,
+    nodes: Sequence[TreeNode],
+    page_size: int,
+    last_units: int,
+    held_extra: HeldTest = device_held,
+    held_anchor: Callable[[TreeNode], bool] = lambda n: n.value is not None,
 ) -> list[tuple[HitRule, list[bool]]]:
     """Each pool's hit rule with its per-page ``present`` list along ``nodes``.
 
     The last node counts only its first ``last_units`` units (a match may end inside it); a
     snapshot there is at the node's end, so it serves only when the node is wholly matched.
+    ``held_anchor`` and ``held_extra`` say where data counts as present (default: the device;
+    the tiered cache also asks about the host).
     """
     held: dict[str, list[bool]] = {name: [] for name in roles.owner_of.values()}
     for i, node in enumerate(nodes):
         units = last_units if i == len(nodes) - 1 else node.length
         pages = units // page_size
-        values = node.pool_values or {}
-        held[roles.anchor] += [node.value is not None] * pages
+        held[roles.anchor] += [held_anchor(node)] * pages
         for name in roles.token_pools:
-            held[name] += [values.get(name) is not None] * pages
+            held[name] += [held_extra(node, name)] * pages
         for name in roles.state_pools:
-            at_end = units == node.length and values.get(name) is not None
+            at_end = units == node.length and held_extra(node, name)
             held[name] += [False] * (pages - 1) + [at_end] if pages else []
     return [(roles.rules[name], held[owner]) for name, owner in roles.owner_of.items()]
 

@@ -116,8 +116,9 @@ class PageHasher:
             return self.namespace_seed(namespace)
         return self.node_hashes(node)[-1]
 
-    def node_bundle(self, node: TreeNode, host_pages: list[int]) -> list[BundlePage]:
-        """``node``'s pages as bundle pages held in ``host_pages`` (every pool of the group)."""
+    def node_bundle(self, node: TreeNode, per_page: list[dict[str, int]]) -> list[BundlePage]:
+        """``node``'s pages as bundle pages: page ``i`` with the host pages ``per_page[i]``
+        (by pool: the pools that hold it); a page no pool holds is left out."""
         hashes = self.node_hashes(node)
         assert node.parent is not None
         first = _depth_units(node) // self.page_size
@@ -125,8 +126,9 @@ class PageHasher:
         seed = self.namespace_seed(node.namespace)
         parents = [previous, *hashes[:-1]]
         return [
-            BundlePage(seed, h, dict.fromkeys(self.pool_names, page), first + i, parent)
-            for i, (page, h, parent) in enumerate(zip(host_pages, hashes, parents, strict=True))
+            BundlePage(seed, h, pages, first + i, parent)
+            for i, (pages, h, parent) in enumerate(zip(per_page, hashes, parents, strict=True))
+            if pages
         ]
 
     def candidates(self, key: RadixKey, start: int, end: int, below: TreeNode) -> list[BundlePage]:
@@ -202,6 +204,10 @@ class PageBundler:
             name: storage_key(page.namespace, self.formats[name], page.page_hash)
             for name in page.host_pages
         }
+
+    def bytes_of(self, page: BundlePage) -> int:
+        """Payload bytes of ``page``'s objects (the pools that hold it)."""
+        return sum(self.host_pools[name].spec.page_bytes for name in page.host_pages)
 
     def meta(self, name: str, page: BundlePage) -> PageMeta:
         return meta_at(self._templates[name], page.page_index, page.parent_hash)

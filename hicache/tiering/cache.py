@@ -23,6 +23,15 @@ The cache owns its parts: the controller (device <-> host copies, the storage ti
 :class:`~hicache.tiering.l3_writer.L3Writer` and the :class:`~hicache.tiering.prefetcher.
 Prefetcher`. Everything here runs on the scheduler's thread; :meth:`check_events` applies, once
 per scheduler step, what the controller finished meanwhile.
+
+Per-pool lifecycles: the tree is a :class:`~hicache.radix.shadow.ShadowRadixCache`, so a model
+with more than one kind of cached state gives each extra pool (an SWA window pool, a Mamba state
+pool) its own slots, locks and eviction on the device (``tree.ledger``) and its own host pages
+(:mod:`~hicache.tiering.pool_host`). A match is the longest prefix where every pool's hit rule
+holds: on the device for ``prefix_len``, on device or host for the host hit that
+:meth:`init_load_back` then loads (:mod:`~hicache.tiering.load_back`). Backups copy every pool a
+node holds (:mod:`~hicache.tiering.backup`); L3 stores, per page, the objects of the pools that
+hold it.
 """
 
 from __future__ import annotations
@@ -31,28 +40,33 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
 from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.pools.device import DevicePool
 from hicache.pools.host import HostPool
+from hicache.pools.pool_spec import ModelPools, common_usable_prefix
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.node import TreeNode
-from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
+from hicache.radix.shadow import ShadowMatchResult, ShadowRadixCache
+from hicache.radix.shadow_rules import path_presence, peek_path, pool_indices
+from hicache.radix.tree import MatchResult, RadixCacheConfig
+from hicache.tiering.backup import Backups
 from hicache.tiering.bundler import BundlePage, PageHasher
 from hicache.tiering.config import HiCacheConfig
 from hicache.tiering.controller import GroupTransfer, HiCacheController
 from hicache.tiering.host_eviction import HostEvictor
 from hicache.tiering.l3_writer import L3Writer
+from hicache.tiering.load_back import load_back
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.policies import TerminationReason, WritePolicy, backup_on_hit
+from hicache.tiering.pool_host import held_anywhere, split_host
+from hicache.tiering.prefetch_insert import hang_prefetched
 from hicache.tiering.prefetcher import Prefetcher
 
 __all__ = ["HiRadixCache"]
 
 
-class HiRadixCache(RadixCache):
+class HiRadixCache(ShadowRadixCache):
     """A :class:`~hicache.radix.RadixCache` whose nodes move between device, host and L3.
 
     Build one with :meth:`open` (pools and a config; it connects L3) and end it with
@@ -69,7 +83,10 @@ class HiRadixCache(RadixCache):
         config = config or RadixCacheConfig(page_size=controller.page_size)
         if config.page_size != controller.page_size or config.simulated:
             raise ConfigError("the tree's page size must be the pools' and it must hold KV")
-        super().__init__(config, controller.anchor_device, req_to_token, clock)
+        specs = tuple(pool.spec for pool in controller.device_pools.values())
+        pools = ModelPools("tiered", controller.page_size, specs)
+        owners = {name: controller.device_pools[name] for name in controller.groups}
+        super().__init__(pools, owners, config, req_to_token, clock)
         self.controller = controller
         self.tiers = controller.config.tiers
         self.host = controller.anchor_host
@@ -79,13 +96,14 @@ class HiRadixCache(RadixCache):
         hasher = PageHasher(
             controller.config.storage.model_id, self.page_size, list(controller.host_pools)
         )
-        self.writer = L3Writer(self.storage, self.host, hasher, controller.config.storage)
-        self.host_evictor = HostEvictor(self, self.host, self.metrics)
+        self.writer = L3Writer(self, hasher, controller.config.storage)
+        owner_hosts = {name: controller.host_pools[name] for name in controller.groups}
+        self.host_evictor = HostEvictor(self, owner_hosts, self.metrics)
         self.prefetcher = Prefetcher(
             self, self.host_evictor, self.storage, hasher, controller.config.prefetch, clock
         )
-        self._pending_writes: list[tuple[GroupTransfer, TreeNode]] = []
-        self._pending_loads: list[GroupTransfer] = []
+        self.backups = Backups(self)
+        self.pending_loads: list[GroupTransfer] = []
         self._kept: list[TreeNode] = []  # leaves an eviction kept (see evict)
 
     # ----- lifecycle ------------------------------------------------------------------------
@@ -110,7 +128,7 @@ class HiRadixCache(RadixCache):
     @property
     def idle(self) -> bool:
         """Nothing in flight: no copy to host, L3 write or prefetch unsettled."""
-        return not (self._pending_writes or self.prefetcher.running or self.storage.busy)
+        return not (self.backups.in_flight or self.prefetcher.running or self.storage.busy)
 
     async def quiesce(self, timeout_s: float = 60.0) -> None:
         """Wait until every queued write and running prefetch has settled, applying results.
@@ -128,11 +146,13 @@ class HiRadixCache(RadixCache):
                 raise TimeoutError(f"the tiered cache did not settle in {timeout_s} s")
             # Device-to-host copies complete on their own stream (no asyncio wake-up): poll
             # them briefly; everything else wakes this wait when it finishes.
-            await self.storage.wait_for_activity(min(left, 0.001) if self._pending_writes else left)
+            busy_copying = bool(self.backups.in_flight)
+            await self.storage.wait_for_activity(min(left, 0.001) if busy_copying else left)
 
     # ----- matching -------------------------------------------------------------------------
-    def match_prefix(self, key: RadixKey, count_hits: bool = True) -> MatchResult:
-        """The device hit, then the host hit after it (``last_host_node``, ``host_hit_length``).
+    def match_prefix(self, key: RadixKey, count_hits: bool = True) -> ShadowMatchResult:
+        """The device hit, then the host hit after it (``last_host_node``, ``host_hit_length``):
+        each the longest prefix where every pool's hit rule holds on that tier.
 
         ``count_hits=False`` counts no hit and triggers no write policy: for deciding about a
         request before it is scheduled, and for the tree's own re-matches.
@@ -141,34 +161,85 @@ class HiRadixCache(RadixCache):
         root = self._roots.get((key.extra_key, key.is_bigram))
         if root is None:
             root = self._make_root(key)
-            return MatchResult(0, root, self._concat([]), root, 0)
-        _, _, path = self._walk(root, data, unit, hit=count_hits)
-        n_device = 0
-        while n_device < len(path) and path[n_device].value is not None:
-            n_device += 1
-        device, host = path[:n_device], path[n_device:]
-        last_device = device[-1] if device else root
-        result = MatchResult(sum(n.length for n in device), last_device, path=device)
-        result.device_indices = self._concat([n.value for n in device])
-        result.last_host_node = host[-1] if host else last_device
-        result.host_hit_length = sum(n.length for n in host)
+            empty = ShadowMatchResult(0, root, self._concat([]), root, 0)
+            empty.pool_indices = pool_indices(self.roles, [], empty.device_indices)
+            return empty
+        path, device = self._tiered_path(root, data, unit)
+        now, tick = self._clock(), next(self._ticks)
+        for node in path:
+            self._touch(node, now, tick, count_hits, 0)
+        on_device = path[:device]
+        last_device = on_device[-1] if on_device else root
+        if path and self._is_evictable_leaf(path[-1]):
+            self._push(path[-1])  # its sort key changed
+        indices = self._concat([n.value for n in on_device])
+        matched = sum(n.length for n in on_device)
+        result = ShadowMatchResult(matched, last_device, indices, path=on_device)
+        result.pool_indices = pool_indices(self.roles, on_device, indices)
+        result.last_host_node = path[-1] if path else last_device
+        result.host_hit_length = sum(n.length for n in path[device:])
         if count_hits:
             self.metrics.add("device_hit_tokens", result.prefix_len)
-            policy, threshold = self.tiers.write_policy, self.tiers.write_threshold
-            for node in path if policy is WritePolicy.WRITE_THROUGH_SELECTIVE else ():
-                if node.value is None or node.host_value is not None:
-                    continue
-                if not backup_on_hit(policy, node.hit_count, threshold) or not self._backup(node):
-                    break  # backed-up nodes stay a prefix of the tree
+            self._backup_on_hits(path)
             self.writer.admit_hits(path)
         return result
 
+    def _tiered_path(self, root: TreeNode, data: bytes, unit: int) -> tuple[list[TreeNode], int]:
+        """The nodes of the prefix usable on device or host, split at its end and at the
+        device-usable end; and how many of them are the device part."""
+        ps = self.page_size
+        path, last_bytes = peek_path(root, data, ps * unit)
+        anywhere = path_presence(
+            self.roles, path, ps, last_bytes // unit, held_anywhere,
+            lambda n: n.value is not None or n.host_value is not None,
+        )  # fmt: skip
+        total = common_usable_prefix(anywhere) * ps
+        self._cut(path, total, unit)
+        path, _ = peek_path(root, data[: total * unit], ps * unit)
+        last = path[-1].length if path else 0
+        device = common_usable_prefix(path_presence(self.roles, path, ps, last)) * ps
+        self._cut(path, device, unit)
+        path, _ = peek_path(root, data[: total * unit], ps * unit)
+        depth, count = 0, 0
+        for node in path:
+            depth += node.length
+            if depth > device:
+                break
+            count += 1
+        return path, count
+
+    def _backup_on_hits(self, path: list[TreeNode]) -> None:
+        policy, threshold = self.tiers.write_policy, self.tiers.write_threshold
+        for node in path if policy is WritePolicy.WRITE_THROUGH_SELECTIVE else ():
+            if node.value is None or node.host_value is not None:
+                continue
+            if not backup_on_hit(policy, node.hit_count, threshold) or not self._backup(node):
+                break  # backed-up nodes stay a prefix of the tree
+
+    def match_anchor(self, key: RadixKey) -> MatchResult:
+        """The anchor's device path for ``key`` whatever the other pools hold, counting no hit:
+        for the request lifecycle's re-match after it committed a key."""
+        data, unit = self._pack(key)
+        root = self._roots.get((key.extra_key, key.is_bigram))
+        if root is None:
+            return MatchResult(0, self._make_root(key), self._concat([]))
+        _, _, path = self._walk(root, data, unit, hit=False)
+        device = []
+        for node in path:
+            if node.value is None:
+                break
+            device.append(node)
+        last = device[-1] if device else root
+        indices = self._concat([n.value for n in device])
+        return MatchResult(len(indices), last, indices, path=device)
+
     # ----- inserting ------------------------------------------------------------------------
-    def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
+    def _insert_anchor(self, key: RadixKey, value: Any, priority: int) -> int:
         """Cache ``key`` with device slots ``value``; returns the units already on the device.
 
         Nodes on the path that are on host only take the matching part of ``value`` (they are
         on the device again); the caller frees only ``value[:returned]`` beyond its own prefix.
+        Reached through :meth:`insert` and :meth:`insert_bundle`.
         """
         data, unit = self._pack(key)
         n_units = len(data) // unit
@@ -196,117 +267,42 @@ class HiRadixCache(RadixCache):
             leaf.value = value[pos // unit : n_units]
             self.evictable_size += leaf.length
             self._push(leaf)
-            path.append(leaf)
-        if self.tiers.write_policy is WritePolicy.WRITE_THROUGH:
-            for n in path:
-                if n.host_value is None and not self._backup(n):
-                    break
         return on_device
 
-    def insert_prefetched(
-        self, key: RadixKey, start: int, pages: list[int], candidates: list[BundlePage]
-    ) -> int:
-        """Hang prefetched pages under the tree as host-only nodes; free any duplicates.
+    def _inserted(self, path: list[TreeNode]) -> None:
+        """Write-through: back up every node of an inserted key, every pool it holds."""
+        if self.tiers.write_policy is WritePolicy.WRITE_THROUGH:
+            for n in path:
+                if not self._backup(n):
+                    break
 
-        Returns how many pages were inserted (the rest was there already, or had no parent).
-        """
-        end = start + len(pages) * self.page_size
-        data, unit = self._pack(key.slice(0, end))
-        namespace = (key.extra_key, key.is_bigram)
-        root = self._roots.get(namespace)
-        if root is None:
-            root = self._roots[namespace] = self._make_root(key)
-        node, pos, _ = self._walk(root, data, unit, hit=False)
-        have = pos // unit
-        if have < start:  # the prefix it continued is gone: nothing to hang the pages from
-            self.host.free(torch.tensor(pages, dtype=torch.int64))
-            return 0
-        dup = (have - start) // self.page_size
-        if dup:
-            self.host.free(torch.tensor(pages[:dup], dtype=torch.int64))
-        if pos == len(data):
-            return 0
-        leaf = self._new_node(node, data[pos:], unit, *namespace)
-        leaf.host_value = torch.tensor(pages[dup:], dtype=torch.int64)
-        leaf.hash_value = [c.page_hash for c in candidates[dup:]]
-        leaf.in_storage = True
-        return len(pages) - dup
+    def insert_prefetched(self, key: RadixKey, start: int, bundle: list[BundlePage]) -> int:
+        """Hang prefetched pages (``bundle``: their host pages per pool) under the tree as
+        host-only nodes; free any duplicates. Returns how many pages were inserted (the rest
+        was there already, or had no parent). See :func:`~hicache.tiering.prefetch_insert.
+        hang_prefetched`."""
+        return hang_prefetched(self, key, start, bundle)
 
     # ----- device -> host -------------------------------------------------------------------
     def _backup(self, node: TreeNode, evicting: bool = False) -> bool:
-        """Start copying ``node`` to host; whether it is there or on its way.
-
-        Outside eviction a node is backed up only after its parent, so what is on host is a
-        prefix of the tree; an evicted node is backed up whatever its parent (write_back), and
-        then synchronously: its device slots are freed right after.
-        """
-        if node.host_value is not None:
-            return True
-        parent = node.parent
-        if node.value is None or parent is None or not self.tiers.host_enabled:
-            return False
-        if not evicting and parent.parent is not None and parent.host_value is None:
-            return False
-        pages = self.host_evictor.alloc(node.length // self.page_size)
-        if pages is None:
-            return False
-        node.host_value = pages
-        transfer = self.controller.write(node.value, pages)
-        if evicting:
-            transfer.synchronize()
-            self.writer.after_backup(node)
-        else:
-            self.inc_lock_ref(node)  # the device slots are read until the copy is done
-            self._pending_writes.append((transfer, node))
-        return True
+        """Copy ``node``'s data that host lacks (every pool); whether its anchor is on host or
+        on its way (see :class:`~hicache.tiering.backup.Backups`)."""
+        return self.backups.backup(node, evicting)
 
     # ----- host -> device -------------------------------------------------------------------
     def init_load_back(self, node: TreeNode, mem_quota: int | None = None) -> tuple[Any, TreeNode]:
-        """Load ``node`` and its ancestors that are on host only back to the device.
+        """Load what the prefix ending at ``node`` lacks on the device from host, every pool by
+        its hit rule (the anchor's host-only ancestors; an SWA window; a state snapshot).
 
-        Returns (device slots of the loaded span, the node the device prefix now ends at). All
-        or nothing; nothing is loaded when the span is under the load-back threshold or over
-        ``mem_quota``, or device slots cannot be freed for it.
+        Returns (device slots of the anchor span loaded, the node the device prefix now ends
+        at). All or nothing; nothing is loaded when the anchor span is under the load-back
+        threshold or over ``mem_quota``, or device slots cannot be freed for it.
         """
-        chain: list[TreeNode] = []
-        ancestor = node
-        while ancestor.parent is not None and ancestor.value is None:
-            chain.append(ancestor)
-            ancestor = ancestor.parent
-        tokens = sum(n.length for n in chain)
-        none = self._concat([])
-        if not chain or tokens < self.tiers.load_back_threshold_tokens:
-            return none, ancestor if chain else node
-        if mem_quota is not None and tokens > mem_quota:
-            return none, ancestor
-        self.inc_lock_ref(ancestor)  # keep the device prefix while making room below it
-        self.host_evictor.anchors[node.id] += 1  # and the host chain, which eviction might take
-        try:
-            slots = self.device.alloc(tokens)
-            if slots is None:
-                self.evict(tokens)
-                slots = self.device.alloc(tokens)
-        finally:
-            self.host_evictor.anchors[node.id] -= 1
-            self.dec_lock_ref(ancestor)
-        if slots is None:
-            return none, ancestor
-        chain.reverse()
-        pages = torch.cat([_host_pages(n) for n in chain])
-        self._pending_loads.append(self.controller.load(pages, slots))
-        offset = 0
-        for n in chain:
-            n.value = slots[offset : offset + n.length]
-            offset += n.length
-            self.evictable_size += n.length
-        if self._is_evictable_leaf(node):
-            self._push(node)
-        self.metrics.add("host_hit_tokens", tokens)
-        return slots, node
+        return load_back(self, node, mem_quota)
 
     def ready_to_load_host_cache(self) -> list[GroupTransfer]:
         """The loads started since the last call: a forward pass waits on them per layer."""
-        loads, self._pending_loads = self._pending_loads, []
+        loads, self.pending_loads = self.pending_loads, []
         return loads
 
     # ----- device eviction ------------------------------------------------------------------
@@ -324,6 +320,8 @@ class HiRadixCache(RadixCache):
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         if node.lock_ref > 0 or node.value is None or node.parent is None or not node.key:
+            return False
+        if self.ledger.is_locked(node):
             return False
         return all(child.value is None for child in node.children.values())
 
@@ -343,7 +341,10 @@ class HiRadixCache(RadixCache):
         self.metrics.add("device_evicted_tokens", node.length)
         if node.host_value is None:
             return super()._evict_leaf(node)
-        # Backed up: free the device slots only; the node stays in the tree, on host.
+        # Backed up: free the device slots only (every pool's, each copied to host first when
+        # it can be); the node stays in the tree, on host.
+        self._backup(node, evicting=True)
+        self.ledger.drop_all(node)
         assert node.value is not None  # an evictable leaf holds device slots
         self.device.free(node.value)
         node.value = None
@@ -355,6 +356,18 @@ class HiRadixCache(RadixCache):
         if parent.parent is not None and self._is_evictable_leaf(parent):
             self._push(parent)
         return node.length
+
+    def _drop_pool(self, node: TreeNode, name: str) -> int:
+        """Per-pool device eviction: a node on host keeps the pool's data there (copied now if
+        it was not); the device slots are freed."""
+        if node.host_value is not None:
+            self._backup(node, evicting=True)
+        return self.ledger.drop(node, name)
+
+    def _split(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
+        upper = super()._split(child, nbytes, unit)
+        split_host(self.roles, child, upper, upper.length // self.page_size)
+        return upper
 
     # ----- requests -------------------------------------------------------------------------
     def release_request(self, req: CachedRequest) -> None:
@@ -374,22 +387,9 @@ class HiRadixCache(RadixCache):
     # ----- events ---------------------------------------------------------------------------
     def check_events(self) -> None:
         """Apply finished device-to-host copies, L3 writes and prefetches; once per step."""
-        still: list[tuple[GroupTransfer, TreeNode]] = []
-        for transfer, node in self._pending_writes:
-            if transfer.done():
-                self.dec_lock_ref(node)
-                self.writer.after_backup(node)
-            else:
-                still.append((transfer, node))
-        self._pending_writes = still
+        self.backups.settle()
         self.writer.apply_acks()
         self.prefetcher.apply_finished()
 
     def reset(self) -> None:
         raise InvalidArgumentError("a HiRadixCache is not reset in place; build a new one")
-
-
-def _host_pages(node: TreeNode) -> torch.Tensor:
-    if node.host_value is None:
-        raise AssertionError(f"node {node.id} is not on host")
-    return node.host_value

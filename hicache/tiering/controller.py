@@ -7,8 +7,10 @@ load only. Host <-> L3 goes through :class:`~hicache.tiering.storage_tier.Storag
 asyncio tasks.
 
 The controller moves data and counts it; which pages move, and when, is the tree's business
-(:class:`~hicache.tiering.cache.HiRadixCache`). It serves a *pool group*: the pools that share the
-anchor pool's slots (the anchor itself, and sidecars such as the DSA indexer), which move together.
+(:class:`~hicache.tiering.cache.HiRadixCache`). Pools move in *groups*: a slot owner and the
+sidecars that share its slots (the anchor with the DSA indexer; the conv state with the SSM state)
+move together. The anchor's group is the default; a pool with slots of its own (an SWA window
+pool, a state pool) is named by its owner in :meth:`HiCacheController.write` and ``load``.
 """
 
 from __future__ import annotations
@@ -40,9 +42,17 @@ class GroupTransfer:
     def __init__(self, transfers: Mapping[str, LayerTransfer]) -> None:
         self.transfers = dict(transfers)
 
+    @classmethod
+    def merged(cls, parts: list[GroupTransfer]) -> GroupTransfer:
+        """One transfer over several groups' (each pool is in one group only)."""
+        return cls({name: t for part in parts for name, t in part.transfers.items()})
+
     def wait_layer(self, pool: str, layer: int) -> None:
-        """Make the current stream wait until ``layer`` of ``pool`` is copied (no host block)."""
-        self.transfers[pool].wait_layer(layer)
+        """Make the current stream wait until ``layer`` of ``pool`` is copied (no host block);
+        nothing to wait for when this transfer does not copy ``pool``."""
+        transfer = self.transfers.get(pool)
+        if transfer is not None:
+            transfer.wait_layer(layer)
 
     def done(self) -> bool:
         return all(t.done() for t in self.transfers.values())
@@ -69,25 +79,29 @@ class HiCacheController:
         self.host_pools = dict(host_pools)
         owners = [n for n, p in self.host_pools.items() if p.spec.shares_slots_with is None]
         self.anchor = owners[0]
+        # Owner -> the pools its slots address (itself first), moved together.
+        self.groups: dict[str, list[str]] = {name: [name] for name in owners}
         for name, pool in self.host_pools.items():
-            if name != self.anchor and pool.spec.shares_slots_with != self.anchor:
-                raise ConfigError(
-                    f"pool {name!r} has slots of its own; the controller moves one pool group "
-                    f"(the anchor {self.anchor!r} and the sidecars sharing its slots)"
-                )
+            if pool.spec.shares_slots_with is not None:
+                self.groups[pool.spec.shares_slots_with].append(name)
         self.page_size = self.host_pools[self.anchor].page_size
         check_config(config, self.page_size)
         self.metrics = metrics or HiCacheMetrics()
         device = next(iter(self.device_pools.values())).device
         self._d2h = TransferStream(device)
         self._h2d = TransferStream(device)
-        self.page_bytes = sum(p.spec.page_bytes for p in self.host_pools.values())
+        # Bytes of one token page of the anchor's group (what a token costs in every tier).
+        self.page_bytes = self.group_page_bytes(self.anchor)
         storage = config.storage
         self.bundler = PageBundler(
             storage.model_id, self.host_pools, storage.shard, storage.compress, self.metrics
         )
         self.storage = StorageTier(config.storage, config.prefetch, self.bundler, self.metrics)
         self.metrics.gauge("l3_enabled", lambda: float(self.storage.enabled))
+
+    def group_page_bytes(self, owner: str) -> int:
+        """Bytes of one page (a snapshot, for a state pool) of ``owner``'s group."""
+        return sum(self.host_pools[name].spec.page_bytes for name in self.groups[owner])
 
     @property
     def anchor_host(self) -> HostPool:
@@ -155,22 +169,33 @@ class HiCacheController:
                 logger.warning("closing L3 failed: %s", exc)
 
     # ----- device <-> host ------------------------------------------------------------------
-    def write(self, device_slots: torch.Tensor, host_pages: torch.Tensor) -> GroupTransfer:
-        """Back up device slots (whole pages) into host pages, every pool of the group."""
+    def write(
+        self, device_slots: torch.Tensor, host_pages: torch.Tensor, owner: str | None = None
+    ) -> GroupTransfer:
+        """Back up device slots (whole pages) into host pages, every pool of ``owner``'s group
+        (default: the anchor's)."""
+        group = self.groups[owner or self.anchor]
         transfers = {
-            name: host.backup(self.device_pools[name], device_slots, host_pages, stream=self._d2h)
-            for name, host in self.host_pools.items()
+            name: self.host_pools[name].backup(
+                self.device_pools[name], device_slots, host_pages, stream=self._d2h
+            )
+            for name in group
         }
-        self.metrics.add("bytes_device_to_host", len(host_pages) * self.page_bytes)
+        self.metrics.add("bytes_device_to_host", len(host_pages) * self.group_page_bytes(group[0]))
         return GroupTransfer(transfers)
 
-    def load(self, host_pages: torch.Tensor, device_slots: torch.Tensor) -> GroupTransfer:
-        """Load host pages into device slots, every pool of the group; wait per layer."""
+    def load(
+        self, host_pages: torch.Tensor, device_slots: torch.Tensor, owner: str | None = None
+    ) -> GroupTransfer:
+        """Load host pages into device slots, every pool of ``owner``'s group; wait per layer."""
+        group = self.groups[owner or self.anchor]
         transfers = {
-            name: host.load(host_pages, self.device_pools[name], device_slots, stream=self._h2d)
-            for name, host in self.host_pools.items()
+            name: self.host_pools[name].load(
+                host_pages, self.device_pools[name], device_slots, stream=self._h2d
+            )
+            for name in group
         }
-        self.metrics.add("bytes_host_to_device", len(host_pages) * self.page_bytes)
+        self.metrics.add("bytes_host_to_device", len(host_pages) * self.group_page_bytes(group[0]))
         return GroupTransfer(transfers)
 
     def stats(self) -> dict[str, Any]:

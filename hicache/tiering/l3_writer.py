@@ -2,20 +2,28 @@
 
 A node is written once it is on host (backed up from the device) and L3 admission lets it in:
 every node (``ALL``), or one reused by enough requests (``HIT_THRESHOLD``, checked again on
-every hit). Its host pages are protected from host eviction until the write is acknowledged;
-an acknowledged, fully written node is marked ``in_storage``.
+every hit). What is written is what of the node's host copy L3 lacks: the anchor's pages (with
+their sidecars) until the node is ``in_storage``, and each extra pool's host copy (an SWA window's
+pages, a state snapshot at the node's last page) until the pool is in ``node.pool_stored``. The
+host pages written are protected from host eviction until the write is acknowledged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from hicache.pools.host import HostPool
+import torch
+
 from hicache.radix.node import TreeNode
 from hicache.tiering.bundler import PageHasher
 from hicache.tiering.config import StorageConfig
 from hicache.tiering.policies import admit_to_l3
-from hicache.tiering.storage_tier import StorageTier, WriteJob
+from hicache.tiering.pool_host import host_pools_of
+from hicache.tiering.storage_tier import WriteJob
+
+if TYPE_CHECKING:
+    from hicache.tiering.cache import HiRadixCache
 
 __all__ = ["L3Writer"]
 
@@ -23,11 +31,9 @@ __all__ = ["L3Writer"]
 class L3Writer:
     """Submits host copies of nodes to the storage tier and applies its acknowledgements."""
 
-    def __init__(
-        self, storage: StorageTier, host: HostPool, hasher: PageHasher, config: StorageConfig
-    ) -> None:
-        self.storage = storage
-        self.host = host
+    def __init__(self, tree: HiRadixCache, hasher: PageHasher, config: StorageConfig) -> None:
+        self._tree = tree
+        self.storage = tree.storage
         self.hasher = hasher
         self.config = config
 
@@ -41,25 +47,54 @@ class L3Writer:
         if not self.storage.enabled:
             return
         for node in path:
-            if node.host_value is not None and not node.in_storage:
+            if node.host_value is not None and self._unwritten(node):
                 self.after_backup(node)
 
+    def _unwritten(self, node: TreeNode) -> dict[str, torch.Tensor]:
+        """Per owner pool, the host pages of ``node`` that L3 does not hold yet."""
+        out: dict[str, torch.Tensor] = {}
+        if not node.in_storage and node.host_value is not None:
+            out[self._tree.roles.anchor] = node.host_value
+        for pool, pages in host_pools_of(node):
+            if pool not in node.pool_stored:
+                out[pool] = pages
+        return out
+
     def submit(self, node: TreeNode) -> None:
-        if not self.storage.enabled or node.in_storage or node.host_value is None:
+        if not self.storage.enabled or node.host_value is None:
             return
-        pages = node.host_value
-        if bool(self.host.is_protected(pages).any()):
-            return  # a write of these pages is already on its way
-        bundle = self.hasher.node_bundle(node, pages.tolist())
-        self.host.protect(pages)
-        self.storage.submit_write(WriteJob(bundle, float(node.hit_count), (node, pages)))
+        plan = self._unwritten(node)
+        hosts = self._tree.controller.host_pools
+        if not plan or any(bool(hosts[p].is_protected(pages).any()) for p, pages in plan.items()):
+            return  # nothing to write, or a write of these pages is already on its way
+        bundle = self.hasher.node_bundle(node, self._per_page(node, plan))
+        for pool, pages in plan.items():
+            hosts[pool].protect(pages)
+        self.storage.submit_write(WriteJob(bundle, float(node.hit_count), (node, plan)))
+
+    def _per_page(self, node: TreeNode, plan: dict[str, torch.Tensor]) -> list[dict[str, int]]:
+        """Each token page's host page per pool to write (sidecars share their owner's)."""
+        groups, roles = self._tree.controller.groups, self._tree.roles
+        n_pages = node.length // self._tree.page_size
+        per_page: list[dict[str, int]] = [{} for _ in range(n_pages)]
+        for owner, pages in plan.items():
+            listed = pages.tolist()
+            at = [n_pages - 1] if owner in roles.state_pools else range(n_pages)
+            for i, host_page in zip(at, listed, strict=True):
+                per_page[i].update(dict.fromkeys(groups[owner], host_page))
+        return per_page
 
     def apply_acks(self) -> None:
-        """Release the host pages of acknowledged writes; mark fully written nodes."""
+        """Release the host pages of acknowledged writes; mark what is fully written."""
         acks = self.storage.write_acks
+        hosts = self._tree.controller.host_pools
         while acks:
             job = acks.popleft()
-            node, pages = job.owner
-            self.host.release(pages)
-            if job.ok and all(job.ok):
+            node, plan = job.owner
+            for pool, pages in plan.items():
+                hosts[pool].release(pages)
+            if not (job.ok and all(job.ok)):
+                continue
+            if self._tree.roles.anchor in plan:
                 node.in_storage = True
+            node.pool_stored = node.pool_stored | (set(plan) - {self._tree.roles.anchor})

@@ -8,15 +8,16 @@ page given to someone else.
 
 Host pages are granted to a prefetch the moment L3 has said how many leading pages it holds
 (:meth:`Prefetcher.grant`, called by the storage tier on the scheduler's event loop), within
-``capacity_share`` of the host pool, evicting host-only leaves if needed.
+``capacity_share`` of the host pool, evicting host-only leaves if needed. How many leading pages
+are usable, and which pools each of them needs read, follows every pool's hit rule
+(:func:`~hicache.tiering.prefetch_plan.plan_reads`): an SWA pool's window at the end of the hit,
+a state pool's snapshot at its last page.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING
 
 from hicache.keys import RadixKey
 from hicache.radix.node import TreeNode
@@ -26,18 +27,14 @@ from hicache.tiering.config import PrefetchConfig
 from hicache.tiering.host_eviction import HostEvictor
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.policies import TerminationReason, can_terminate, prefetch_timeout
+from hicache.tiering.prefetch_insert import free_bundle
+from hicache.tiering.prefetch_plan import plan_reads
 from hicache.tiering.storage_tier import PrefetchOp, StorageTier
 
-__all__ = ["PrefetchTarget", "Prefetcher"]
+if TYPE_CHECKING:
+    from hicache.tiering.cache import HiRadixCache
 
-
-class PrefetchTarget(Protocol):
-    """What the prefetcher needs of the tree it fills (the tiered cache)."""
-
-    def insert_prefetched(
-        self, key: RadixKey, start: int, pages: list[int], candidates: list[BundlePage]
-    ) -> int:
-        """Hang prefetched pages under the tree; how many were inserted (the rest is freed)."""
+__all__ = ["Prefetcher"]
 
 
 class Prefetcher:
@@ -45,7 +42,7 @@ class Prefetcher:
 
     def __init__(
         self,
-        target: PrefetchTarget,
+        target: HiRadixCache,
         host: HostEvictor,
         storage: StorageTier,
         hasher: PageHasher,
@@ -82,15 +79,29 @@ class Prefetcher:
             return False
         last: TreeNode = match.last_host_node or match.last_device_node
         candidates = self._hasher.candidates(key, start, end, last)
-        op = PrefetchOp(rid, candidates, self.grant, self._clock(), (last, key, start))
+        reads: list[frozenset[str]] = []
+
+        def plan(found: list[dict[str, bool]]) -> int:
+            hit, needed = plan_reads(self._target.roles, found)
+            reads[:] = needed
+            return hit
+
+        def grant(n_pages: int) -> list[BundlePage] | None:
+            return self.grant(candidates, reads[:n_pages])
+
+        op = PrefetchOp(rid, candidates, grant, self._clock(), plan, (last, key, start))
         self.anchors[last.id] += 1
         self.running[rid] = op
         self._storage.start_prefetch(op)
         return True
 
-    def grant(self, n_pages: int) -> list[int] | None:
-        """Host pages for a prefetch that found ``n_pages`` in L3: as many as the capacity
-        share and the host pool allow, or None."""
+    def grant(
+        self, candidates: list[BundlePage], reads: list[frozenset[str]]
+    ) -> list[BundlePage] | None:
+        """Host pages for a prefetch whose first ``len(reads)`` candidate pages L3 can serve:
+        as many leading pages as the capacity share and the host pools allow, each with a host
+        page for every pool it reads; or None."""
+        n_pages = len(reads)
         room = int(self.config.capacity_share * self._host.num_pages) - self.pages_in_use
         if room < n_pages:
             self.metrics.add("prefetch_skipped_capacity")
@@ -103,8 +114,30 @@ class Prefetcher:
             pages = self._host.alloc(n_pages) if n_pages else None
         if pages is None:
             return None
-        self.pages_in_use += len(pages)
-        return [int(p) for p in pages.tolist()]
+        groups = self._target.controller.groups
+        host_pages: list[dict[str, int]] = [
+            dict.fromkeys(groups[self._target.roles.anchor], page) for page in pages.tolist()
+        ]
+        if not self._grant_extras(host_pages, reads):
+            free_bundle(self._target, _pages(candidates, host_pages))
+            return None
+        self.pages_in_use += len(host_pages)
+        return _pages(candidates, host_pages)
+
+    def _grant_extras(self, host_pages: list[dict[str, int]], reads: list[frozenset[str]]) -> bool:
+        """Host pages of every extra pool the granted pages read; False if one ran out (what
+        was granted stays in ``host_pages``, for the caller to free)."""
+        groups = self._target.controller.groups
+        for owner in self._target.roles.extra:
+            at = [i for i in range(len(host_pages)) if owner in reads[i]]
+            if not at:
+                continue
+            got = self._evictor.alloc_pool(owner, len(at))
+            if got is None:
+                return False
+            for i, page in zip(at, got.tolist(), strict=True):
+                host_pages[i].update(dict.fromkeys(groups[owner], page))
+        return True
 
     # ----- stopping -------------------------------------------------------------------------
     def may_run(self, rid: str) -> bool:
@@ -159,8 +192,7 @@ class Prefetcher:
             del self.anchors[last.id]
         inserted = 0
         if taken:
-            pages, candidates = op.host_pages[:taken], op.candidates[:taken]
-            inserted = self._target.insert_prefetched(key, start, pages, candidates)
+            inserted = self._target.insert_prefetched(key, start, op.host_pages[:taken])
         self.pages_in_use -= taken
         self.metrics.add("l3_hit_tokens", inserted * self.page_size)
         self.inserted_tokens[op.rid] = inserted * self.page_size
@@ -171,7 +203,14 @@ class Prefetcher:
         if op.taken_pages is None or self.running.get(op.rid) is not op:
             return
         tail = op.host_pages[op.taken_pages :]
-        if tail:
-            self._host.free(torch.tensor(tail, dtype=torch.int64))
+        free_bundle(self._target, tail)
         self.pages_in_use -= len(tail)
         del self.running[op.rid]
+
+
+def _pages(candidates: list[BundlePage], host_pages: list[dict[str, int]]) -> list[BundlePage]:
+    """The first ``len(host_pages)`` candidates with their granted host pages."""
+    return [
+        BundlePage(c.namespace, c.page_hash, pages, c.page_index, c.parent_hash)
+        for c, pages in zip(candidates, host_pages, strict=False)
+    ]

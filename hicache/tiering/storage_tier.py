@@ -37,7 +37,10 @@ __all__ = ["PrefetchOp", "StorageTier", "WriteJob"]
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-HostAllocator = Callable[[int], "list[int] | None"]
+# Host pages for the first n usable pages, per pool: bundle pages with their host pages set.
+HostAllocator = Callable[[int], "list[BundlePage] | None"]
+# From which objects L3 holds per candidate page (by pool), how many leading pages to read.
+ReadPlanner = Callable[[list[dict[str, bool]]], int]
 
 
 @dataclass(eq=False, slots=True)
@@ -59,9 +62,10 @@ class PrefetchOp:
     candidates: list[BundlePage]  # host pages -1: they are taken once L3 answered
     alloc_host: HostAllocator
     start_s: float
+    plan: ReadPlanner
     owner: Any = None
     hit_pages: int | None = None  # None until L3 answered how many leading pages it holds
-    host_pages: list[int] = field(default_factory=list)
+    host_pages: list[BundlePage] = field(default_factory=list)  # granted, per pool
     completed_pages: int = 0  # read and checked, batch by batch
     stop_requested: bool = False
     reads_finished: bool = False  # no read is in flight and none will start
@@ -245,8 +249,9 @@ class StorageTier:
                 if good:
                     self.suspects.discard(keys[i].values())
             written = sum(landed or [])
+            nbytes = sum(self.bundler.bytes_of(p) for p, good in zip(pages, landed or []) if good)
             self.metrics.add("pages_written_l3", written)
-            self.metrics.add("bytes_host_to_l3", written * self.page_bytes)
+            self.metrics.add("bytes_host_to_l3", nbytes)
             self.metrics.add("l3_write_failures", len(batch) - written)
         return ok
 
@@ -290,7 +295,7 @@ class StorageTier:
         assert self.backend is not None
         backend = self.backend
         keys = [self.bundler.keys(p) for p in op.candidates]
-        hits = await self._bounded(self._leading_pages(backend, keys), op)
+        hits = await self._bounded(self._usable_pages(backend, keys, op), op)
         if hits is None:  # nothing is known of these pages: every one is a failed read
             self.metrics.add("l3_read_failures", len(op.candidates))
         op.hit_pages = hits or 0
@@ -310,22 +315,21 @@ class StorageTier:
         for lo in range(0, len(pages), step):
             if op.stop_requested:
                 return
-            into = pages[lo : lo + step]
-            batch = op.candidates[lo : lo + len(into)]
+            batch = pages[lo : lo + step]
             started = time.perf_counter()
             corrupt: list[str] = []
-            loaded = await self._bounded(
-                self.bundler.read(backend, batch, keys[lo : lo + len(into)], into, corrupt), op
-            )
+            loaded = await self._bounded(self.bundler.read(backend, batch, None, None, corrupt), op)
             if corrupt:
                 await self._remove_corrupt(backend, corrupt)
-            self._observe_read(len(into) * self.page_bytes, time.perf_counter() - started)
+            nbytes = sum(self.bundler.bytes_of(p) for p in batch)
+            self._observe_read(nbytes, time.perf_counter() - started)
             if loaded is None:
                 self.metrics.add("l3_read_failures", len(pages) - lo)  # this batch and the rest
                 return
             if not op.stop_requested:
                 op.completed_pages += loaded
-                self.metrics.add("bytes_l3_to_host", loaded * self.page_bytes)
+                arrived = sum(self.bundler.bytes_of(p) for p in batch[:loaded])
+                self.metrics.add("bytes_l3_to_host", arrived)
             if loaded < len(batch):
                 return
 
@@ -342,18 +346,13 @@ class StorageTier:
         old = self.read_bytes_per_s
         self.read_bytes_per_s = rate if old is None else 0.7 * old + 0.3 * rate
 
-    async def _leading_pages(
-        self, backend: StorageBackend, keys: Sequence[Mapping[str, str]]
+    async def _usable_pages(
+        self, backend: StorageBackend, keys: Sequence[Mapping[str, str]], op: PrefetchOp
     ) -> int:
-        """How many pages from the start have every object in L3."""
-        hits = await backend.leading_hits([k for ks in keys for k in ks.values()])
-        whole, pos = 0, 0
-        for ks in keys:
-            pos += len(ks)
-            if pos > hits:
-                break
-            whole += 1
-        return whole
+        """How many leading pages L3 can serve, by the op's planner (every pool's hit rule)."""
+        flat = [k for ks in keys for k in ks.values()]
+        found = iter(await backend.exists(flat))
+        return op.plan([{name: next(found) for name in ks} for ks in keys])
 
     # ----- deadlines ------------------------------------------------------------------------
     async def _bounded(self, call: Awaitable[T], op: PrefetchOp | None) -> T | None:

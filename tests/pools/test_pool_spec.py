@@ -248,3 +248,24 @@ def test_preset_rejects_bad_arguments() -> None:
         preset(PoolPreset.DENSE, {"layers": 2})  # type: ignore[arg-type]
     with pytest.raises(LayoutError):
         preset(PoolPreset.DENSE, ModelShape(heads=0))
+
+
+def test_dsv4_preset_compresses_into_the_token_slots() -> None:
+    model = preset(PoolPreset.DSV4)
+    assert model.names == ("c4", "indexer", "c128", "swa")
+    c4, indexer, c128, swa = model.pools
+    assert (indexer.shares_slots_with, c128.shares_slots_with, swa.shares_slots_with) == (
+        "c4", "c4", None,
+    )  # fmt: skip
+    shape = ModelShape()
+    # A page of 128 tokens: 32 C4 entries and one C128 entry per layer.
+    assert c4.page_bytes == shape.layers * 32 * shape.c4_dim * 2
+    assert c128.page_bytes == shape.layers * 1 * shape.c128_dim * 2
+    assert swa.hit_rule == HitRule.trailing(1) and c4.hit_rule == ALL_PAGES
+    for bad in (
+        ModelShape(page_size=64, window=128),
+        ModelShape(page_size=128, window=64),
+        ModelShape(page_size=128, window=128, c4_dim=30),
+    ):
+        with pytest.raises(InvalidArgumentError):
+            preset(PoolPreset.DSV4, bad)

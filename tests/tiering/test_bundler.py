@@ -149,7 +149,7 @@ def test_node_bundle_chains_parents_and_continues_its_parent_node() -> None:
     tree.insert(RadixKey(tokens[:8]))
     tree.insert(RadixKey(tokens))
     lower = tree.match_prefix(RadixKey(tokens)).path[-1]
-    bundle = hasher.node_bundle(lower, [5, 6, 7, 8])
+    bundle = hasher.node_bundle(lower, [{"kv": h} for h in (5, 6, 7, 8)])
     hashes = chain_page_hashes(RadixKey(tokens), 4, namespace_digest("tiny-model", None))
     assert [p.page_hash for p in bundle] == hashes[2:]
     assert [p.parent_hash for p in bundle] == hashes[1:-1]

@@ -1,0 +1,103 @@
+"""Device-to-host copies of a tiered tree's nodes, every pool, and the copies in flight.
+
+A backup brings a node's host copy up to date with its device data: the anchor pool's pages
+first (``node.host_value``), then each extra pool whose device data the host lacks (an SWA
+window, a state snapshot). An extra pool is copied only once the anchor is on host, so what is
+on host stays a tree. Outside eviction the copy runs on the transfer stream while the node is
+locked (the tree lock for the anchor, a pool lock per extra pool); an evicted node is copied
+synchronously, since its device slots are freed right after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.radix.node import TreeNode
+from hicache.tiering.controller import GroupTransfer
+from hicache.tiering.pool_host import host_of, set_host
+
+if TYPE_CHECKING:
+    from hicache.tiering.cache import HiRadixCache
+
+__all__ = ["Backups"]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    transfer: GroupTransfer
+    node: TreeNode
+    pool_locks: list[tuple[str, int | None]]  # (extra pool, lock pages) held for the copy
+
+
+class Backups:
+    """Starts backups of one tiered tree's nodes and settles them (:meth:`settle`)."""
+
+    def __init__(self, tree: HiRadixCache) -> None:
+        self._tree = tree
+        self.in_flight: list[_InFlight] = []
+
+    def backup(self, node: TreeNode, evicting: bool = False) -> bool:
+        """Copy what of ``node`` the host lacks; whether its anchor is on host (or on its way).
+
+        Outside eviction a node's anchor is backed up only after its parent's, so what is on
+        host is a prefix of the tree.
+        """
+        tree = self._tree
+        parts: list[GroupTransfer] = []
+        if node.host_value is None:
+            pages = self._anchor_pages(node, evicting)
+            if pages is None:
+                return False
+            assert node.value is not None  # _anchor_pages
+            node.host_value = pages
+            parts.append(tree.controller.write(node.value, pages))
+        locks: list[tuple[str, int | None]] = []
+        for pool in tree.roles.extra:
+            data = tree.ledger.data(node, pool)
+            if data is None or host_of(node, pool) is not None:
+                continue
+            token_pool = pool in tree.roles.token_pools
+            count = len(data) // tree.page_size if token_pool else len(data)
+            pages = tree.host_evictor.alloc_pool(pool, count)
+            if pages is None:
+                continue  # on the device only: a later backup tries again
+            set_host(node, pool, pages)
+            parts.append(tree.controller.write(data, pages, owner=pool))
+            locks.append((pool, node.length // tree.page_size if token_pool else None))
+        if not parts:
+            return True
+        transfer = GroupTransfer.merged(parts)
+        if evicting:
+            transfer.synchronize()
+            tree.writer.after_backup(node)
+            return True
+        tree.inc_lock_ref(node)  # the device slots are read until the copy is done
+        for pool, pages_locked in locks:
+            tree.ledger.lock(node, pool, pages_locked)
+        self.in_flight.append(_InFlight(transfer, node, locks))
+        return True
+
+    def _anchor_pages(self, node: TreeNode, evicting: bool) -> torch.Tensor | None:
+        tree = self._tree
+        parent = node.parent
+        if node.value is None or parent is None or not tree.tiers.host_enabled:
+            return None
+        if not evicting and parent.parent is not None and parent.host_value is None:
+            return None
+        return tree.host_evictor.alloc(node.length // tree.page_size)
+
+    def settle(self) -> None:
+        """Release the locks of finished copies and offer their nodes to L3."""
+        tree, still = self._tree, []
+        for entry in self.in_flight:
+            if not entry.transfer.done():
+                still.append(entry)
+                continue
+            tree.dec_lock_ref(entry.node)
+            for pool, pages in entry.pool_locks:
+                tree.ledger.unlock(entry.node, pool, pages)
+            tree.writer.after_backup(entry.node)
+        self.in_flight = still

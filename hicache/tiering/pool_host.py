@@ -1,0 +1,97 @@
+"""The host side of a tiered tree's extra pools: each node's host copy per pool.
+
+The anchor pool's host copy is ``node.host_value`` (one host page per token page). An extra pool
+(an SWA window pool, a state pool; see :mod:`hicache.radix.shadow_rules`) keeps its host copy in
+``node.pool_host[pool]``: a token pool's host pages (one per token page of the node's span), a
+state pool's one host page (the snapshot at the node's end), or ``None``. A node holds an extra
+pool's host copy only while its anchor is on host too, so what is on host stays a tree.
+
+Which nodes a pool needs for a prefix ending at a node (:func:`needed_nodes`) follows the pool's
+hit rule: every node for ALL_PAGES, the nodes of the trailing window for TRAILING_PAGES, the end
+node for a state pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from hicache.pools.pool_spec import HitRuleKind
+from hicache.radix.node import TreeNode
+from hicache.radix.shadow_rules import PoolRoles
+
+__all__ = [
+    "drop_host",
+    "held_anywhere",
+    "host_of",
+    "host_pools_of",
+    "needed_nodes",
+    "set_host",
+    "split_host",
+]
+
+
+def host_of(node: TreeNode, pool: str) -> torch.Tensor | None:
+    """``pool``'s host pages on ``node`` (an extra owner pool), or None."""
+    return None if node.pool_host is None else node.pool_host.get(pool)
+
+
+def set_host(node: TreeNode, pool: str, pages: torch.Tensor | None) -> None:
+    if node.pool_host is None:
+        node.pool_host = {}
+    node.pool_host[pool] = pages
+
+
+def drop_host(node: TreeNode, pool: str) -> torch.Tensor | None:
+    """Take ``pool``'s host pages off ``node`` (the caller frees them); None if it had none."""
+    pages = host_of(node, pool)
+    if pages is not None:
+        set_host(node, pool, None)
+        node.pool_stored = node.pool_stored - {pool}
+    return pages
+
+
+def host_pools_of(node: TreeNode) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every extra pool's host pages on ``node``."""
+    for pool, pages in (node.pool_host or {}).items():
+        if pages is not None:
+            yield pool, pages
+
+
+def held_anywhere(node: TreeNode, pool: str) -> bool:
+    """Whether ``node`` holds ``pool``'s data on the device or on host."""
+    values = node.pool_values
+    on_device = values is not None and values.get(pool) is not None
+    return on_device or host_of(node, pool) is not None
+
+
+def split_host(roles: PoolRoles, child: TreeNode, upper: TreeNode, pages: int) -> None:
+    """Follow the tree's split of ``child`` after ``pages`` token pages into ``upper``: token
+    pools' host pages are cut there, a snapshot stays with ``child`` (it is at its end)."""
+    upper.pool_stored = child.pool_stored - set(roles.state_pools)
+    if not child.pool_host:
+        return
+    upper.pool_host = {}
+    for pool in roles.token_pools:
+        host = child.pool_host.get(pool)
+        if host is not None:
+            upper.pool_host[pool], child.pool_host[pool] = host[:pages], host[pages:]
+
+
+def needed_nodes(roles: PoolRoles, pool: str, end_node: TreeNode, page_size: int) -> list[TreeNode]:
+    """The nodes of the path ending at ``end_node`` whose ``pool`` data a prefix ending there
+    needs (nearest first): all of them, a window's, or the end node only (state)."""
+    path = end_node.path_to_root()
+    if pool in roles.state_pools:
+        return path[:1]
+    rule = roles.rules[pool]
+    if rule.kind is not HitRuleKind.TRAILING_PAGES:
+        return path
+    need, out = rule.pages * page_size, []
+    for node in path:
+        if need <= 0:
+            break
+        out.append(node)
+        need -= node.length
+    return out

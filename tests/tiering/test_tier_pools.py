@@ -1,0 +1,171 @@
+"""Per-pool lifecycles in the tiered cache: an SWA pool keeps only its windows, a state pool its
+snapshots, on every tier; a hit holds only where every pool's hit rule holds on the tier it is
+read from; and every allocator holds exactly what the tree's nodes hold."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from pool_kit import WINDOW, PoolKit, nodes_holding
+from tier_harness import PAGE
+
+from hicache.keys import RadixKey
+from hicache.pools.pool_spec import PoolPreset
+from hicache.tiering.config import TierConfig
+from hicache.tiering.policies import WritePolicy
+from hicache.tiering.pool_host import host_of
+
+
+def _tokens(n: int, base: int = 0) -> list[int]:
+    return [base + 7 * i + 1 for i in range(n)]
+
+
+async def test_swa_keeps_only_the_window_and_serves_a_hit_from_host() -> None:
+    kit = await PoolKit.build(PoolPreset.SWA)
+    try:
+        tokens = _tokens(24)
+        kit.cache(tokens)
+        holding = nodes_holding(kit.tree, "swa")
+        assert sum(n.length for n in holding) == WINDOW  # the window, not all 24 tokens
+        assert kit.fetch(tokens) == (24, 0)
+        kit.recount()
+        kit.tree.evict(10_000)  # everything to host (write-through backed it up)
+        assert kit.tree.ledger.size("swa") == 0
+        assert [host_of(n, "swa") is not None for n in holding] == [True]
+        kit.recount()
+        assert kit.fetch(tokens) == (0, 24)  # anchor and window loaded back, data checked
+        kit.recount()
+    finally:
+        await kit.close()
+
+
+async def test_swa_prefix_without_its_window_is_no_hit() -> None:
+    kit = await PoolKit.build(PoolPreset.SWA)
+    try:
+        tokens = _tokens(24)
+        kit.cache(tokens)
+        other = [*tokens[:16], *_tokens(8, base=5000)]  # shares 16 tokens: no window there
+        assert kit.tree.match_prefix(RadixKey(other)).prefix_len == 0
+        assert kit.cache(tokens[:16])  # a request that cached exactly the 16: its window is there
+        assert kit.fetch(other) == (16, 0)
+        kit.recount()
+    finally:
+        await kit.close()
+
+
+async def test_a_window_needed_on_device_is_loaded_from_host_alone() -> None:
+    """The anchor is on the device but the window only on host: load-back copies the window."""
+    kit = await PoolKit.build(PoolPreset.SWA)
+    try:
+        tokens = _tokens(24)
+        kit.cache(tokens)
+        assert kit.tree.evict_pool("swa", 1) == WINDOW  # backed up, then freed on the device
+        match = kit.tree.match_prefix(RadixKey(tokens), count_hits=False)
+        # No window on the device: no device hit at all; with the host's window, all of it.
+        assert (match.prefix_len, match.host_hit_length) == (0, 24)
+        assert kit.fetch(tokens) == (0, 24)
+        assert kit.tree.ledger.size("kv") == 24
+        assert kit.tree.ledger.size("swa") == WINDOW
+        kit.recount()
+    finally:
+        await kit.close()
+
+
+async def test_hybrid_hit_ends_at_the_last_snapshot_on_every_tier() -> None:
+    kit = await PoolKit.build(PoolPreset.HYBRID)
+    try:
+        tokens = _tokens(32)
+        kit.cache(tokens, snapshots=(16,))
+        assert kit.tree.ledger.size("conv") == 2  # two snapshots, not one per token
+        query = [*tokens[:28], *_tokens(8, base=9000)]
+        assert kit.fetch(query) == (16, 0)  # 28 shared tokens, the last snapshot at 16
+        kit.tree.evict(10_000)
+        assert kit.tree.ledger.size("conv") == 0
+        kit.recount()
+        assert kit.fetch(query) == (0, 16)
+        assert kit.fetch(tokens) == (16, 16)
+        kit.recount()
+    finally:
+        await kit.close()
+
+
+@pytest.mark.parametrize("kind", [PoolPreset.SWA, PoolPreset.HYBRID, PoolPreset.DSA])
+async def test_device_eviction_under_write_back_keeps_every_pool(kind: PoolPreset) -> None:
+    tiers = TierConfig(write_policy=WritePolicy.WRITE_BACK)
+    kit = await PoolKit.build(kind, tiers=tiers, sizes={"kv": 32, "latent": 32})
+    try:
+        first, second = _tokens(24), _tokens(24, base=3000)
+        kit.cache(first)
+        kit.cache(second)  # evicts the first to host (write_back backs it up then)
+        kit.recount()
+        device, host = kit.fetch(first)
+        assert device + host == 24 and host > 0
+        kit.recount()
+    finally:
+        await kit.close()
+
+
+@pytest.mark.parametrize("kind", [PoolPreset.SWA, PoolPreset.HYBRID])
+async def test_l3_stores_each_pool_by_its_rule_and_a_restart_serves_it(
+    kind: PoolPreset, tmp_path: pathlib.Path
+) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    tokens = _tokens(48)
+    kit = await PoolKit.build(kind, url=url)
+    try:
+        kit.cache(tokens, snapshots=(16, 32))
+        await kit.tree.quiesce(10)
+        stored = await _objects_per_pool(kit)
+    finally:
+        await kit.close()
+    assert stored[kit.tree.roles.anchor] == 12
+    extra = "swa" if kind is PoolPreset.SWA else "conv"
+    # A window's 2 pages, or 1 snapshot, at each of the three ends 16, 32 and 48.
+    assert stored[extra] == (3 * WINDOW // PAGE if kind is PoolPreset.SWA else 3)
+    again = await PoolKit.build(kind, url=url)
+    try:
+        tree = again.tree
+        query = [*tokens[:44], *_tokens(4, base=7000)]
+        match = tree.match_prefix(RadixKey(query), count_hits=False)
+        assert tree.prefetcher.start("r1", RadixKey(query), match)
+        await tree.quiesce(10)
+        assert again.fetch(query) == (0, 32)  # 44 shared, the last usable end in L3 at 32
+        again.recount()
+    finally:
+        await again.close()
+
+
+async def _objects_per_pool(kit: PoolKit) -> dict[str, int]:
+    """Objects in L3 by pool (the format digest in each key names the pool)."""
+    backend = kit.tree.storage.backend
+    assert backend is not None
+    by_digest = {fmt.digest: name for name, fmt in kit.controller.bundler.formats.items()}
+    counts = dict.fromkeys(by_digest.values(), 0)
+    async for info in backend.scan():
+        counts[by_digest[info.key.split("-")[1]]] += 1
+    return counts
+
+
+async def test_dsv4_pools_keep_compressed_entries_everywhere_and_the_window_at_ends(
+    tmp_path: pathlib.Path,
+) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    tokens = _tokens(512)
+    kit = await PoolKit.build(PoolPreset.DSV4, url=url, page=128, window=128)
+    try:
+        assert kit.cache(tokens)
+        assert kit.tree.ledger.size("swa") == 128  # one window page of four
+        assert kit.fetch(tokens) == (512, 0)
+        await kit.tree.quiesce(10)
+        stored = await _objects_per_pool(kit)
+        kit.tree.evict(10_000)
+        assert kit.fetch(tokens) == (0, 512)
+        kit.recount()
+    finally:
+        await kit.close()
+    assert stored == {"c4": 4, "indexer": 4, "c128": 4, "swa": 1}
+    # A page of 128 tokens holds 32 C4 entries and one C128 entry per layer.
+    shape = kit.model.pool("c4").layout
+    assert kit.model.pool("c4").page_bytes == shape.layers * (128 // 4) * 32 * 2
+    assert kit.model.pool("c128").page_bytes == shape.layers * 1 * 128 * 2
