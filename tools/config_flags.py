@@ -39,6 +39,7 @@ _FLAGS: dict[str, tuple[str, str, str]] = {
     "--prefetch-timeout-max": ("prefetch", "timeout_max_s", "seconds"),
     "--l3-admission": ("storage", "admission", "all | hit_threshold"),
     "--l3-hit-threshold": ("storage", "admission_hit_threshold", "hits before a page goes to L3"),
+    "--l3-windows": ("storage", "window_admission", "reused | all: SWA windows written to L3"),
     "--l3-compress": ("storage", "compress", "zstd byte planes for L3 pages (true/false)"),
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,9 +28,16 @@ from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.arrivals import TraceReplay
 from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.model import TinyTransformer
-from hicache.serving.presets import MODEL_LIMITS, SEED_MAX, ModelConfig, ModelPreset
+from hicache.serving.pool_report import pool_bytes, state_snapshots
+from hicache.serving.presets import (
+    MODEL_LIMITS,
+    SEED_MAX,
+    ModelConfig,
+    ModelPreset,
+    check_whole_pages,
+)
 from hicache.serving.report import oracle_hit_rate, print_table, summarize
-from hicache.serving.setup import host_pages, open_engine, resolve_device
+from hicache.serving.setup import device_slots, host_pages, open_engine, resolve_device
 from hicache.serving.traces import TraceRequest, load_trace
 from hicache.serving.workloads import (
     ChatConfig,
@@ -78,6 +86,29 @@ def _plot_file(text: str) -> str:
     return path
 
 
+def _add_pool_flags(m: Any) -> None:
+    """The sizes of the swa and hybrid presets' own pools (their defaults: ModelConfig's)."""
+    defaults = ModelConfig()
+    m.add_argument(
+        "--window",
+        type=int_range(1, MODEL_LIMITS["window"]),
+        help="swa preset: the sliding window in tokens, a multiple of --page-size "
+        f"(default {defaults.window})",
+    )
+    m.add_argument(
+        "--window-interval",
+        type=int_range(1, MODEL_LIMITS["window_interval"]),
+        help="swa preset: tokens between the windows kept in the cache (besides those at "
+        f"prompt ends), a multiple of --page-size (default {defaults.window_interval})",
+    )
+    m.add_argument(
+        "--state-interval",
+        type=int_range(1, MODEL_LIMITS["state_interval"]),
+        help="hybrid preset: tokens between recurrent-state snapshots, a multiple of "
+        f"--page-size (default {defaults.state_interval})",
+    )
+
+
 def _add_model_and_workload(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--preset", choices=[x.value for x in ModelPreset], default="dense")
@@ -87,6 +118,7 @@ def _add_model_and_workload(p: argparse.ArgumentParser) -> None:
         limit = MODEL_LIMITS["vocab_size" if flag == "vocab" else flag.replace("-", "_")]
         m.add_argument(f"--{flag}", type=int_range(1, limit), default=default)
     m.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
+    _add_pool_flags(m)
     w = p.add_argument_group("workload")
     w.add_argument(
         "--trace",
@@ -151,11 +183,19 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
     device = resolve_device(args.device)
+    given = {
+        "window": args.window,
+        "state_interval": args.state_interval,
+        "window_interval": args.window_interval,
+    }
+    given = {name: value for name, value in given.items() if value is not None}
+    for name, value in given.items():  # a flag given is meant: refused whatever the preset
+        check_whole_pages(name, value, args.page_size)
     return ModelConfig(
         preset=ModelPreset(args.preset), vocab_size=args.vocab, hidden=args.hidden,
         layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         page_size=args.page_size, seed=args.seed,
-        kv_dtype=DType.BFLOAT16 if device.type == "cuda" else DType.FLOAT32,
+        kv_dtype=DType.BFLOAT16 if device.type == "cuda" else DType.FLOAT32, **given,
     )  # fmt: skip
 
 
@@ -204,14 +244,18 @@ def _memory_needed(
     pools, the request table, and the scratch of a chunk over the longest prompt that fits."""
     c = model
     q, kv, h = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.hidden
-    per_layer = 6 * h * h + 2 * h * (q + kv + c.state_dim + c.index_dim + c.latent_dim)
+    recurrent = c.state_inner + c.state_dim  # w_in, w_out; w_b, w_c
+    per_layer = 6 * h * h + 2 * h * (q + kv + recurrent + c.index_dim + c.latent_dim)
     weights = 2 * c.vocab_size * h + c.layers * (per_layer + 2 * c.latent_dim * q)
     element = 8 if device.type == "cpu" else 4  # the model computes in float64 on the CPU
     token_bytes = sum(spec.layout.token_bytes for spec in c.pools())
+    engine = EngineConfig(max_running=args.max_running, chunk_tokens=args.chunk_tokens)
+    slots = device_slots(c, args.device_tokens, engine)
+    pools = sum(slots[p.shares_slots_with or p.name] * p.layout.token_bytes for p in c.pools())
     context = args.device_tokens  # the longest prompt a request can have
     chunk = min(args.chunk_tokens, context)
     scratch = chunk * (context * c.heads + c.vocab_size + 8 * h) * element
-    on_device = weights * element + args.device_tokens * token_bytes + scratch
+    on_device = weights * element + pools + scratch
     host = 0
     if hicache.tiers.host_enabled:
         host = host_pages(hicache, args.device_tokens, args.page_size) * args.page_size
@@ -299,6 +343,10 @@ async def _run_one(
     try:
         records = await setup.engine.run(source)
         l3 = await setup.l3_stats()
+        if setup.cache is not None:  # what is queued for L3 lands before L3 is counted
+            with contextlib.suppress(TimeoutError):  # a slow L3: count what is there
+                await setup.cache.quiesce(_SETTLE_S)
+        sizes = await pool_bytes(setup.engine.pools, setup.cache)
     finally:
         await setup.close()
     wall = time.perf_counter() - started
@@ -311,6 +359,10 @@ async def _run_one(
     )
     run.row = summarize(mode.value, records, wall, metrics)
     run.row["rounds_ttft_ms"] = _ttft_by_round(records)
+    run.row["pool_bytes"] = sizes
+    snapshots = state_snapshots(setup.engine.pools, sizes)
+    if snapshots is not None:
+        run.row["state_snapshots"] = snapshots
     run.first_error = next((r.error for r in records if r.error is not None), None)
     return run
 
@@ -341,7 +393,9 @@ async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_Config
                                                      "kv_dtype": model_config.kv_dtype.label},
         "l3": hicache.storage.url,
         "configs": [run.row for run in runs],
-        "oracle_hit_rate": oracle_hit_rate(prompts, model_config.page_size),
+        "oracle_hit_rate": oracle_hit_rate(
+            prompts, model_config.page_size, model_config.keep_interval
+        ),
         "outputs_identical": _identical([run.outputs for run in runs]),
         "working_set_tokens": _unique_tokens(prompts, model_config.page_size),
         "device_tokens": args.device_tokens,

@@ -5,7 +5,9 @@ scheduler's order (a request whose L3 prefetch the stop policy says to wait for 
 does not hold up others), then run one chunk of every running request: a prefill chunk of the
 uncached suffix, or one decode token. A request takes its cached prefix (device hit, plus host
 pages loaded back, whose per-layer events the forward pass waits on) and slots for the rest of its
-prompt and output, all at admission, so a running request never waits for memory.
+prompt and output, all at admission, so a running request never waits for memory. The model's
+extra pools (an SWA window pool, recurrent-state snapshots) have lifecycles of their own
+(:mod:`hicache.serving.pool_slots`): admission reserves what a request will hold there at most.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import torch
 from hicache.errors import InvalidArgumentError
 from hicache.pools.req_to_token import ReqToTokenPool
 from hicache.radix.lifecycle import CachedRequest
+from hicache.radix.pool_lifecycle import path_anchor
 from hicache.radix.tree import RadixCache
 from hicache.scheduling.scheduler import PrefixScheduler, SchedulePolicy, SchedulerConfig
 from hicache.serving.model import ChunkInput, TinyTransformer
+from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestRecord, RequestState, ServeRequest
 from hicache.tiering.cache import HiRadixCache
 
@@ -94,6 +98,7 @@ class Engine:
         if tree is not None:
             tree.req_to_token = self.req_to_token
         self.scheduler = PrefixScheduler(tree, SchedulerConfig(policy=config.schedule))
+        self.pool_slots = PoolSlots(model.config, pools, tree, config.chunk_tokens)
         self.records: list[RequestRecord] = []
         self.prefill_tokens_per_s: float | None = None
         self._t0 = 0.0
@@ -199,7 +204,7 @@ class Engine:
                 f"prompt of {len(request.prompt)} tokens plus {request.max_new_tokens} to "
                 f"generate do not fit the device pool ({self.anchor.size} tokens)"
             )
-        return None
+        return self.pool_slots.refusal(request)
 
     def _prefetch_pays(self, tokens: int) -> bool:
         """Whether reading ``tokens`` from L3 is expected to beat computing them."""
@@ -237,10 +242,14 @@ class Engine:
         if tree is not None and last is not None:
             tree.inc_lock_ref(last)
         slots = self._alloc(need)
-        if slots is None:
+        extra = None if slots is None else self.pool_slots.admit(request, len(prefix), last)
+        if slots is None or extra is None:
+            if slots is not None:
+                self.anchor.free(slots)
             if tree is not None and last is not None:
                 tree.dec_lock_ref(last)
             return False
+        request.pool_state = extra
         row = self.req_to_token.alloc()
         assert row is not None  # max_running rows, and running is below max_running
         self.req_to_token.table[row, : len(prefix)] = prefix
@@ -270,13 +279,17 @@ class Engine:
         from_l3 = tree.prefetcher.inserted_tokens.get(request.rid, 0) if tree is not None else 0
         if tree is None or not match.host_hit_length or match.last_host_node is None:
             return prefix, last, (match.prefix_len, 0, 0)
-        loaded, node = tree.init_load_back(match.last_host_node)
-        if not len(loaded):
+        anchor_loaded, node = tree.init_load_back(match.last_host_node)
+        if node is not match.last_host_node:  # not loaded (or not all): the device hit only
             return prefix, last, (match.prefix_len, 0, 0)
         request.pending_loads = tree.ready_to_load_host_cache()
-        l3 = min(from_l3, len(loaded))
-        hits = (match.prefix_len, len(loaded) - l3, l3)
-        return torch.cat([prefix, loaded]), node, hits
+        # The prefix's anchor slots from its nodes: a load may have brought only some of them
+        # (or only another pool's window or snapshot) to the device. Tokens whose anchor was on
+        # the device count as device hits, those it loaded as host (or L3) hits.
+        full = path_anchor(node)
+        loaded = len(anchor_loaded)
+        l3 = min(from_l3, loaded)
+        return full, node, (len(full) - loaded, loaded - l3, l3)
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         if n == 0:
@@ -320,7 +333,9 @@ class Engine:
             tokens = [request.generated[-1]]
         row = self.req_to_token.table[cached.req_pool_idx]
         ids = torch.tensor(tokens, dtype=torch.int64)
-        return ChunkInput(ids, start, row[: start + len(tokens)])
+        chunk = ChunkInput(ids, start, row[: start + len(tokens)])
+        self.pool_slots.fill(request.pool_state, chunk)
+        return chunk
 
     def _after_chunk(self, request: ServeRequest, chunk: ChunkInput, logits: torch.Tensor) -> bool:
         """Account for a chunk that ran; whether the request has finished."""
@@ -330,8 +345,13 @@ class Engine:
         cached.kv_len = chunk.start + len(chunk.tokens)
         if chunk.start < prompt_len:
             request.record.computed_tokens += len(chunk.tokens)
-        if cached.kv_len < prompt_len:
+        # A chunk ending inside the prompt, or computing a position where the request leaves a
+        # window or a snapshot in the tree, commits; before the trim lets go of that window.
+        keep = self.pool_slots.keep_point_in(request.pool_state, chunk.start, cached.kv_len)
+        if cached.kv_len < prompt_len or keep:
             self._cache_progress(request)
+        self.pool_slots.after_chunk(request.pool_state, cached.kv_len)
+        if cached.kv_len < prompt_len:
             return False
         request.generated.append(self._sample(request, logits))
         if len(request.generated) == 1:
@@ -356,10 +376,10 @@ class Engine:
             self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
 
     def _cache_progress(self, request: ServeRequest) -> None:
-        """Commit a long prompt's computed pages so that others can share them meanwhile."""
+        """Commit the pages computed so far so that others can share them meanwhile."""
         if self.tree is not None and request.cached is not None:
-            request.cached.token_ids = request.prompt
-            self.tree.cache_unfinished_req(request.cached)
+            request.cached.token_ids = request.all_tokens
+            self.pool_slots.commit(request.cached, request.pool_state)
 
     def _sample(self, request: ServeRequest, logits: torch.Tensor) -> int:
         if self.config.temperature <= 0:
@@ -375,12 +395,12 @@ class Engine:
         cached = request.cached
         assert cached is not None
         cached.token_ids = request.all_tokens
-        if self.tree is not None:
-            self.tree.cache_finished_req(cached)
-        else:
+        if self.tree is None:
             row = self.req_to_token.table[cached.req_pool_idx]
             self.anchor.free(row[: cached.allocated].clone())
             self.req_to_token.free(cached.req_pool_idx)
+        self.pool_slots.finish(cached, request.pool_state)
+        request.pool_state = None
         request.state = RequestState.FINISHED
         rec = request.record
         rec.finished_s, rec.output_tokens = self.now(), len(request.generated)

@@ -1,9 +1,12 @@
 """A small decoder-only transformer over the paged device pools, with seeded random weights.
 
-RMSNorm, RoPE, attention whose K/V (or MLA latent, DSA indexer keys, recurrent state) live in the
-device pools, and a SwiGLU MLP. A forward pass writes the new tokens' cached state into their
-slots and then reads every context token's state back from the pool, so a prefix computed now and
-one loaded from host or L3 are read the same way.
+RMSNorm, RoPE, attention whose K/V (or MLA latent, DSA indexer keys, sliding-window K/V) live in
+the device pools, Mamba-like recurrent layers whose state lives in the state pools, and a SwiGLU
+MLP. A forward pass writes the new tokens' cached state into their slots and then reads every
+context token's state back from the pool, so a prefix computed now and one loaded from host or L3
+are read the same way. Sliding-window layers read only their window, through the ``swa`` pool's
+own slots; recurrent layers start from the request's working state slot and leave the state
+there, copying it into snapshot slots at the positions the chunk asks for.
 
 Why outputs do not depend on the cache: on the CPU, matmuls and reductions run in float64 and
 everything stored is rounded to the pool's dtype (float32), so the order in which a kernel sums
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,8 +29,9 @@ from hicache.serving.model_layers import (
     attention_layer,
     latent_layer,
     recurrent_layer,
+    window_layer,
 )
-from hicache.serving.presets import LayerKind, ModelConfig, pool_of
+from hicache.serving.presets import LayerKind, ModelConfig, pool_of, pools_of
 
 __all__ = ["ChunkInput", "TinyTransformer"]
 
@@ -37,11 +41,30 @@ LayerWait = Callable[[str, int], None]  # (pool, layer in pool): wait until load
 @dataclass(slots=True)
 class ChunkInput:
     """New tokens of one request at positions ``start ...``, and the slots of every position
-    from 0 through the last new one (the cached prefix's, then the new tokens')."""
+    from 0 through the last new one (the cached prefix's, then the new tokens').
+
+    The extra pools, for models that have them: ``pool_slots`` gives each extra per-token pool
+    (``swa``) its slots of positions ``0 .. start + n - 1``, -1 where the pool holds nothing (a
+    window layer reads only its window, and a -1 there is an error); ``state_slot`` is the
+    request's working slot in the state pools (``conv``, and ``ssm`` on the same index), holding
+    the state after ``start`` tokens (ignored when ``start`` is 0: the state starts at zeros) and
+    left holding the state after ``start + n``; ``state_from``, when set, is the slot to read
+    the state after ``start`` tokens from instead (a cached snapshot: read per layer, after any
+    load into it); ``snapshots`` maps a position ``p`` in ``start .. start + n`` to a state slot
+    that receives the state after ``p`` tokens.
+    """
 
     tokens: torch.Tensor  # (n,) int64
     start: int
     slots: torch.Tensor  # (start + n,) int64 device slots
+    pool_slots: dict[str, torch.Tensor] = field(default_factory=dict)
+    state_slot: int | None = None
+    snapshots: dict[int, int] = field(default_factory=dict)
+    state_from: int | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
 
 class TinyTransformer:
@@ -69,8 +92,11 @@ class TinyTransformer:
             p["w1"], p["w3"] = w(c.hidden, 2 * c.hidden), w(c.hidden, 2 * c.hidden)
             p["w2"] = w(2 * c.hidden, c.hidden)
             if kind is LayerKind.RECURRENT:
-                p["w_in"], p["w_out"] = w(c.hidden, c.state_dim), w(c.state_dim, c.hidden)
-                p["decay"] = torch.sigmoid(w(c.state_dim, scale=1.0) + 2.0)
+                inner = c.state_inner
+                p["w_in"], p["w_out"] = w(c.hidden, inner), w(inner, c.hidden)
+                p["conv"] = w(c.conv_kernel, inner, scale=1.0 / math.sqrt(c.conv_kernel))
+                p["w_b"], p["w_c"] = w(c.hidden, c.state_dim), w(c.hidden, c.state_dim)
+                p["decay"] = torch.sigmoid(w(inner, scale=1.0) + 2.0)
             else:
                 p["wq"], p["wo"] = w(c.hidden, q_dim), w(q_dim, c.hidden)
             if kind in (LayerKind.ATTENTION, LayerKind.WINDOW):
@@ -124,7 +150,13 @@ class TinyTransformer:
             if len(tokens) == 0 or int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
                 raise ValueError(f"token ids must be in [0, {c.vocab_size}), at least one")
             positions = torch.arange(chunk.start, chunk.start + len(tokens), device=self.device)
-            inputs.append(AttentionInputs(chunk.slots.to(self.device), chunk.start, positions))
+            inputs.append(
+                AttentionInputs(
+                    chunk.slots.to(self.device), chunk.start, positions,
+                    {name: s.to(self.device) for name, s in chunk.pool_slots.items()},
+                    chunk.state_slot, dict(chunk.snapshots), chunk.state_from,
+                )
+            )  # fmt: skip
             token_ids.append(tokens)
         bounds = [0]
         for tokens in token_ids:
@@ -133,7 +165,8 @@ class TinyTransformer:
         for index, (kind, p) in enumerate(zip(c.layer_kinds(), self.layers, strict=True)):
             pool_name, layer = pool_of(kind), c.pool_layer(index)
             if wait is not None:
-                wait(pool_name, layer)
+                for name in pools_of(kind):
+                    wait(name, layer)
             h = self.rms_norm(x, p["norm1"])
             outs = [
                 self._mix(kind, p, h[lo:hi], pools, pool_name, layer, inp)
@@ -158,7 +191,9 @@ class TinyTransformer:
     ) -> torch.Tensor:
         """The token-mixing half of a layer for one request."""
         if kind is LayerKind.RECURRENT:
-            return recurrent_layer(self, p, h, pools["state"], layer, inp)
+            return recurrent_layer(self, p, h, pools, layer, inp)
         if kind in (LayerKind.LATENT, LayerKind.SPARSE_LATENT):
             return latent_layer(self, p, h, pools, layer, inp, kind)
-        return attention_layer(self, p, h, pools[pool_name], layer, inp, kind)
+        if kind is LayerKind.WINDOW:
+            return window_layer(self, p, h, pools[pool_name], layer, inp)
+        return attention_layer(self, p, h, pools[pool_name], layer, inp)

@@ -1,11 +1,13 @@
 """The layer kinds of the serving model: each writes the new tokens' state into its pool, then
-reads the whole context back from the pool (see :mod:`hicache.serving.model`)."""
+reads what it attends to back from the pool (see :mod:`hicache.serving.model`): the whole context
+for full attention, the window for sliding-window layers; recurrent layers carry a state from
+the request's working slot instead."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +18,13 @@ from hicache.serving.presets import LayerKind
 if TYPE_CHECKING:
     from hicache.serving.model import TinyTransformer
 
-__all__ = ["AttentionInputs", "attention_layer", "latent_layer", "recurrent_layer"]
+__all__ = [
+    "AttentionInputs",
+    "attention_layer",
+    "latent_layer",
+    "recurrent_layer",
+    "window_layer",
+]
 
 _FP8_MAX = 448.0  # largest float8_e4m3fn value
 
@@ -26,6 +34,10 @@ class AttentionInputs:
     slots: torch.Tensor  # (T,) slots of positions 0 .. T-1
     start: int  # first new position
     positions: torch.Tensor  # (n,) new positions
+    pool_slots: dict[str, torch.Tensor] = field(default_factory=dict)  # see ChunkInput
+    state_slot: int | None = None
+    snapshots: dict[int, int] = field(default_factory=dict)
+    state_from: int | None = None
 
     @property
     def new_slots(self) -> torch.Tensor:
@@ -40,13 +52,15 @@ def _attend(
     inp: AttentionInputs,
     window: int | None = None,
     allowed: torch.Tensor | None = None,
+    key_start: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of queries (n, H, D) over keys and values (T, Hk, D); (n, H*D)."""
+    """Causal attention of queries (n, H, D) over keys and values (T, Hk, D) of positions
+    ``key_start ..``; (n, H*D)."""
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
     grouped = q.view(n, kv_heads, heads // kv_heads, dim)  # query heads sharing a KV head
     scores = torch.einsum("nkgd,tkd->kgnt", grouped, k) / math.sqrt(dim)
-    key_pos = torch.arange(k.shape[0], device=q.device)
+    key_pos = torch.arange(key_start, key_start + k.shape[0], device=q.device)
     mask = key_pos[None, :] <= inp.positions[:, None]
     if window is not None:
         mask &= key_pos[None, :] > inp.positions[:, None] - window
@@ -63,21 +77,63 @@ def attention_layer(
     pool: DevicePool,
     layer: int,
     inp: AttentionInputs,
-    kind: LayerKind,
 ) -> torch.Tensor:
-    """GQA attention (a window of ``config.window`` tokens for WINDOW layers)."""
-    c = model.config
-    n = h.shape[0]
-    q = model.rope((h @ p["wq"]).view(n, c.heads, c.head_dim), inp.positions)
-    k = model.rope((h @ p["wk"]).view(n, c.kv_heads, c.head_dim), inp.positions)
-    v = (h @ p["wv"]).view(n, c.kv_heads, c.head_dim)
+    """GQA attention over the whole context, through the anchor pool's slots."""
+    q, k, v = _qkv(model, p, h, inp)
     store = pool.buffer.dtype
     pool.buffer[0, layer, inp.new_slots] = k.to(store)
     pool.buffer[1, layer, inp.new_slots] = v.to(store)
     keys = pool.buffer[0, layer, inp.slots].to(model.dtype)
     values = pool.buffer[1, layer, inp.slots].to(model.dtype)
-    window = c.window if kind is LayerKind.WINDOW else None
-    return _attend(model, q, keys, values, inp, window) @ p["wo"]
+    return _attend(model, q, keys, values, inp) @ p["wo"]
+
+
+def window_layer(
+    model: TinyTransformer,
+    p: dict[str, torch.Tensor],
+    h: torch.Tensor,
+    pool: DevicePool,
+    layer: int,
+    inp: AttentionInputs,
+) -> torch.Tensor:
+    """Sliding-window attention over the last ``config.window`` positions (a query at ``q``
+    sees ``q - window + 1 .. q``), read through the window pool's own slots
+    (``inp.pool_slots[pool]``). A slot of -1 inside a window the chunk needs raises."""
+    name, window = pool.spec.name, model.config.window
+    slots = inp.pool_slots.get(name)
+    end = inp.start + len(inp.positions)
+    if slots is None or len(slots) != end:
+        got = "none" if slots is None else f"{len(slots)}"
+        raise ValueError(
+            f"window layers need {end} {name!r} slots (positions 0..{end - 1}), got {got}"
+        )
+    lo = max(0, inp.start - window + 1)
+    seen = slots[lo:end]
+    if bool((seen < 0).any()):
+        missing = (lo + torch.nonzero(seen < 0)[0]).item()
+        raise RuntimeError(
+            f"pool {name!r} holds no slot for position {missing}, inside the window of the "
+            f"chunk at {inp.start}..{end - 1}"
+        )
+    q, k, v = _qkv(model, p, h, inp)
+    store = pool.buffer.dtype
+    pool.buffer[0, layer, slots[inp.start :]] = k.to(store)
+    pool.buffer[1, layer, slots[inp.start :]] = v.to(store)
+    keys = pool.buffer[0, layer, seen].to(model.dtype)
+    values = pool.buffer[1, layer, seen].to(model.dtype)
+    return _attend(model, q, keys, values, inp, window, key_start=lo) @ p["wo"]
+
+
+def _qkv(
+    model: TinyTransformer, p: dict[str, torch.Tensor], h: torch.Tensor, inp: AttentionInputs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries and keys (rotated) and values of the new tokens."""
+    c = model.config
+    n = h.shape[0]
+    q = model.rope((h @ p["wq"]).view(n, c.heads, c.head_dim), inp.positions)
+    k = model.rope((h @ p["wk"]).view(n, c.kv_heads, c.head_dim), inp.positions)
+    v = (h @ p["wv"]).view(n, c.kv_heads, c.head_dim)
+    return q, k, v
 
 
 def latent_layer(
@@ -145,23 +201,83 @@ def recurrent_layer(
     model: TinyTransformer,
     p: dict[str, torch.Tensor],
     h: torch.Tensor,
-    pool: DevicePool,
+    pools: Mapping[str, DevicePool],
     layer: int,
     inp: AttentionInputs,
 ) -> torch.Tensor:
-    """A diagonal linear recurrence; the state after every token is cached in its slot, rounded
-    to the pool's dtype at each step so that resuming from a cached state is exact."""
-    inputs = h @ p["w_in"]
-    store = pool.buffer.dtype
-    if inp.start > 0:
-        state = pool.buffer[0, layer, inp.slots[inp.start - 1]].to(model.dtype)
-    else:
-        state = torch.zeros(inputs.shape[1], dtype=model.dtype, device=h.device)
-    decay = p["decay"]
-    states = []
-    for t in range(inputs.shape[0]):
-        state = (decay * state + inputs[t]).to(store).to(model.dtype)
-        states.append(state)
-    stacked = torch.stack(states)
-    pool.buffer[0, layer, inp.new_slots] = stacked.to(store)
-    return stacked @ p["w_out"]
+    """A Mamba-like layer: ``x = h @ w_in``; a causal depthwise convolution of width
+    ``conv_kernel`` over ``x`` (its state: the last ``kernel - 1`` inputs, pool ``conv``);
+    ``u = silu(conv)``; a per-channel state ``S`` (pool ``ssm``) updated per token as
+    ``S = decay * S + u B_t^T`` and read as ``y = S C_t``; out ``y @ w_out``.
+
+    The conv inputs and ``S`` are rounded to the pools' dtype at every step, so a state
+    resumed from its slot (or from a snapshot) continues exactly as if computed through.
+    """
+    store = pools["conv"].buffer.dtype
+    conv_state, state = _initial_state(model, pools, layer, inp)
+    kernel = model.config.conv_kernel
+    x = (h @ p["w_in"]).to(store).to(model.dtype)
+    xs = torch.cat([conv_state, x])  # (kernel - 1 + n, inner): inputs from position start - k + 1
+    n = x.shape[0]
+    conv = xs[:n] * p["conv"][0]
+    for k in range(1, kernel):  # in a fixed order: the same sums whatever the chunk
+        conv = conv + xs[k : k + n] * p["conv"][k]
+    u = torch.nn.functional.silu(conv)
+    b, c = h @ p["w_b"], h @ p["w_c"]
+    decay = p["decay"][:, None]
+    snapshots = _snapshots_by_step(inp, n)
+    outs = []
+    if 0 in snapshots:
+        _write_state(pools, layer, snapshots[0], xs[: kernel - 1], state)
+    for t in range(n):
+        state = (decay * state + u[t][:, None] * b[t][None, :]).to(store).to(model.dtype)
+        outs.append(state @ c[t])
+        if t + 1 in snapshots:
+            _write_state(pools, layer, snapshots[t + 1], xs[t + 1 : t + kernel], state)
+    assert inp.state_slot is not None  # _initial_state checked it
+    _write_state(pools, layer, inp.state_slot, xs[n:], state)
+    return torch.stack(outs) @ p["w_out"]
+
+
+def _initial_state(
+    model: TinyTransformer, pools: Mapping[str, DevicePool], layer: int, inp: AttentionInputs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv state (kernel - 1, inner), SSM state (inner, state_dim)) after ``inp.start``
+    tokens: zeros at the start of a sequence, else the ``state_from`` slot's (a cached snapshot),
+    else the working slot's."""
+    c = model.config
+    size = pools["conv"].size
+    if inp.state_slot is None or not 0 <= inp.state_slot < size:
+        raise ValueError(f"recurrent layers need a working state slot, got {inp.state_slot!r}")
+    slot = inp.state_slot if inp.state_from is None else inp.state_from
+    if not 0 <= slot < size:
+        raise ValueError(f"state_from {slot!r} is not a slot of the state pools")
+    if inp.start == 0:
+        conv = torch.zeros(c.conv_kernel - 1, c.state_inner, dtype=model.dtype, device=model.device)
+        return conv, torch.zeros(c.state_inner, c.state_dim, dtype=model.dtype, device=model.device)
+    conv = pools["conv"].buffer[0, layer, slot].to(model.dtype)
+    return conv, pools["ssm"].buffer[0, layer, slot].to(model.dtype)
+
+
+def _snapshots_by_step(inp: AttentionInputs, n: int) -> dict[int, int]:
+    """The chunk's snapshots keyed by tokens computed in it (0 .. n)."""
+    out = {}
+    for position, slot in inp.snapshots.items():
+        if not inp.start <= position <= inp.start + n:
+            raise ValueError(
+                f"a snapshot at {position} is outside the chunk {inp.start}..{inp.start + n}"
+            )
+        out[position - inp.start] = slot
+    return out
+
+
+def _write_state(
+    pools: Mapping[str, DevicePool],
+    layer: int,
+    slot: int,
+    conv: torch.Tensor,
+    state: torch.Tensor,
+) -> None:
+    conv_pool, ssm_pool = pools["conv"], pools["ssm"]
+    conv_pool.buffer[0, layer, slot] = conv.to(conv_pool.buffer.dtype)
+    ssm_pool.buffer[0, layer, slot] = state.to(ssm_pool.buffer.dtype)

@@ -78,17 +78,58 @@ def summarize(
     }
 
 
-def oracle_hit_rate(prompts: Sequence[tuple[str | None, list[int], list[int]]], page: int) -> float:
+def oracle_hit_rate(
+    prompts: Sequence[tuple[str | None, list[int], list[int]]],
+    page: int,
+    keep_interval: int | None = None,
+) -> float:
     """The hit rate of an unbounded cache over ``(namespace, prompt, output)`` in arrival order:
-    each prompt reuses its longest page-aligned cached prefix (never its last token)."""
+    each prompt reuses its longest page-aligned cached prefix (never its last token).
+
+    ``keep_interval``: for a model whose window or state pool keeps its data only at some ends
+    (an SWA window, a Mamba snapshot), the same hit rule: a prefix is usable only up to an end
+    where an earlier request left that data, as the engine leaves it (every ``keep_interval``
+    tokens, at its reusable prompt's end, at its final end and where its prompt left what was
+    cached, after what it hit).
+    """
     tree = RadixCache(RadixCacheConfig(page_size=page, simulated=True))
+    ends: set[tuple[str | None, int]] = set()  # (namespace, hash of the prefix) where data is
     hit = total = 0
     for namespace, prompt, output in prompts:
         total += len(prompt)
+        reused = shared = 0
         if len(prompt) > 1:
-            hit += tree.match_prefix(RadixKey(prompt[:-1], namespace)).prefix_len
-        tree.insert(RadixKey(prompt + output[:-1], namespace))
+            shared = reused = tree.match_prefix(RadixKey(prompt[:-1], namespace)).prefix_len
+            if keep_interval is not None:
+                reused = _usable_end(ends, namespace, prompt, shared, page)
+        hit += reused
+        cached = prompt + output[:-1]
+        tree.insert(RadixKey(cached, namespace))
+        if keep_interval is not None:
+            points = _keep_points(len(prompt), len(cached), reused, page, keep_interval)
+            for end in {*points, shared} - {0}:
+                if end > reused:
+                    ends.add((namespace, hash(tuple(cached[:end]))))
     return round(hit / total, 4) if total else 0.0
+
+
+def _usable_end(
+    ends: set[tuple[str | None, int]],
+    namespace: str | None,
+    prompt: list[int],
+    shared: int,
+    page: int,
+) -> int:
+    for end in range(shared - shared % page, 0, -page):
+        if (namespace, hash(tuple(prompt[:end]))) in ends:
+            return end
+    return 0
+
+
+def _keep_points(prompt_len: int, cached: int, after: int, page: int, interval: int) -> list[int]:
+    final = cached // page * page
+    points = {(prompt_len - 1) // page * page, final, *range(interval, final + 1, interval)}
+    return [p for p in points if after < p <= final]
 
 
 _COLUMNS = [

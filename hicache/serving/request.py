@@ -59,6 +59,7 @@ class ServeRequest:
     generated: list[int] = field(default_factory=list)
     cached: CachedRequest | None = None
     pending_loads: list[Any] = field(default_factory=list)
+    pool_state: Any = None  # its slots in the model's extra pools (a PoolRequest), once running
     cached_at_submit: int = 1 << 62  # device + host tokens when last checked for a prefetch
     record: RequestRecord = field(init=False)
     _key: RadixKey | None = field(default=None, init=False, repr=False)

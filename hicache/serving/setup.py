@@ -9,14 +9,24 @@ import torch
 
 from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
-from hicache.radix.tree import RadixCache, RadixCacheConfig
+from hicache.radix.shadow import ShadowRadixCache
+from hicache.radix.tree import RadixCacheConfig
 from hicache.serving.engine import CacheMode, Engine, EngineConfig
 from hicache.serving.model import TinyTransformer
+from hicache.serving.pool_slots import swa_reserve
+from hicache.serving.presets import ModelConfig
 from hicache.tiering.cache import HiRadixCache
 from hicache.tiering.config import HiCacheConfig
 from hicache.tiering.controller import HiCacheController
 
-__all__ = ["ServingSetup", "host_pages", "open_engine", "resolve_device"]
+__all__ = [
+    "ServingSetup",
+    "device_slots",
+    "host_page_counts",
+    "host_pages",
+    "open_engine",
+    "resolve_device",
+]
 
 
 @dataclass(slots=True)
@@ -53,6 +63,61 @@ def host_pages(hicache: HiCacheConfig, device_tokens: int, page_size: int) -> in
     return tiers.host_pages or max(1, int(device_tokens // page_size * tiers.host_ratio))
 
 
+def device_slots(
+    config: ModelConfig, device_tokens: int, engine: EngineConfig, tree: bool = True
+) -> dict[str, int]:
+    """Device slots of each slot-owning pool of ``config``'s model.
+
+    * the anchor (``kv`` / ``latent``, with the DSA indexer on its slots): ``device_tokens``;
+    * ``swa`` (own slots, the window layers): the reservations of ``max_running`` requests
+      (:func:`~hicache.serving.pool_slots.swa_reserve`: the window, a chunk and a page of their
+      own, plus the tree window their lock pins, with ``chunk = min(chunk_tokens,
+      device_tokens)``) and room for the windows the tree keeps: an eighth of the anchor's
+      tokens, or four windows per running request if more (a window pool much smaller than
+      that loses windows, and so hits, long before the anchor loses the prefixes they end);
+    * ``conv`` (snapshots; ``ssm`` on the same slots): a working slot per running request, a
+      snapshot every ``state_interval`` tokens of the anchor pool, and a few per request for its
+      prompt end, its final end and a locked hit: ``max_running + device_tokens //
+      state_interval + 4 * max_running``.
+    """
+    spec = config.pools()
+    ps, running = config.page_size, engine.max_running
+    slots = {spec.names[0]: device_tokens}
+    for pool in spec:
+        if pool.shares_slots_with is not None or pool.name in slots:
+            continue
+        if pool.name == "swa":
+            chunk = min(engine.chunk_tokens, device_tokens)
+            one = swa_reserve(config.window, chunk, ps, tree)
+            room = max(device_tokens // 8, 4 * running * config.window) if tree else 0
+            slots["swa"] = -(-(running * one + room) // ps) * ps
+        elif pool.name == "conv":
+            slots["conv"] = running + device_tokens // config.state_interval + 4 * running
+        else:
+            slots[pool.name] = device_tokens
+    return slots
+
+
+def host_page_counts(config: ModelConfig, slots: dict[str, int], pages: int) -> dict[str, int]:
+    """Host pages of each slot-owning pool: ``pages`` for the anchor; an extra pool as many as
+    the anchor's host tier holds in the proportion the device pools have (an SWA pool's share
+    of the anchor's tokens; for the snapshot pool, a snapshot per ``state_interval`` tokens of
+    the anchor's host pages plus its device count), so host holds what device eviction sends
+    it."""
+    anchor = config.pools().names[0]
+    tokens = pages * config.page_size
+    counts = {anchor: pages}
+    for name, size in slots.items():
+        if name == anchor:
+            continue
+        if name == "conv":
+            counts[name] = tokens // config.state_interval + size
+        else:  # a per-token pool: pages in the device pools' proportion, one window at least
+            share = -(-tokens * size // slots[anchor]) // config.page_size
+            counts[name] = max(share, -(-config.window // config.page_size))
+    return counts
+
+
 async def open_engine(
     model: TinyTransformer,
     mode: CacheMode,
@@ -60,23 +125,29 @@ async def open_engine(
     device_tokens: int,
     engine_config: EngineConfig | None = None,
 ) -> ServingSetup:
-    """An engine over fresh pools of ``device_tokens`` slots, caching as ``mode`` says.
+    """An engine over fresh pools (``device_tokens`` slots for the anchor, the others as
+    :func:`device_slots` says), caching as ``mode`` says: none, a
+    :class:`~hicache.radix.shadow.ShadowRadixCache` over the device pools, or the tiered cache.
 
     The host tier has ``tiers.host_pages`` pages, or ``host_ratio`` times the device pool.
     """
     config = model.config
     pools_spec = config.pools()
-    anchor = pools_spec.names[0]
-    device = device_pools(pools_spec, {anchor: device_tokens}, model.device)
     engine_config = engine_config or EngineConfig()
+    sizes = device_slots(config, device_tokens, engine_config, mode is not CacheMode.NONE)
+    device = device_pools(pools_spec, sizes, model.device)
     radix = RadixCacheConfig(page_size=config.page_size)
     if mode is CacheMode.NONE:
         return ServingSetup(Engine(model, device, None, engine_config), None)
     if mode is CacheMode.DEVICE:
-        tree = RadixCache(radix, device[anchor])
-        return ServingSetup(Engine(model, device, tree, engine_config), None)
+        owners = {
+            p.name: device[p.name].allocator for p in pools_spec if p.shares_slots_with is None
+        }
+        shadow = ShadowRadixCache(pools_spec, owners, radix)
+        return ServingSetup(Engine(model, device, shadow, engine_config), None)
     pages = host_pages(hicache, device_tokens, config.page_size)
-    host = host_pools(pools_spec, {anchor: pages}, hicache.tiers.host_layout)
+    counts = host_page_counts(config, sizes, pages)
+    host = host_pools(pools_spec, counts, hicache.tiers.host_layout)
     if mode is CacheMode.DEVICE_HOST:
         hicache = dataclasses.replace(
             hicache, storage=dataclasses.replace(hicache.storage, url=None)

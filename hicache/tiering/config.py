@@ -32,7 +32,12 @@ from typing import Any
 
 from hicache.errors import BackendError, ConfigError
 from hicache.layouts import Layout
-from hicache.tiering.policies import L3Admission, PrefetchStopPolicy, WritePolicy
+from hicache.tiering.policies import (
+    L3Admission,
+    PrefetchStopPolicy,
+    WindowAdmission,
+    WritePolicy,
+)
 from hicache.typed_config import build_config
 
 __all__ = [
@@ -85,6 +90,9 @@ class StorageConfig:
     required: bool = False  # refuse to start when L3 is unreachable (else start with L3 off)
     admission: L3Admission = L3Admission.ALL
     admission_hit_threshold: int = 2
+    # A window pool's windows (SWA): a request leaves one at each of its ends, and one that no
+    # later request extends costs about its own tokens again; REUSED stores those reused.
+    window_admission: WindowAdmission = WindowAdmission.REUSED
     write_batch_pages: int = 32
     write_queue_pages: int = 4096  # pages waiting for L3; past it the least valuable is dropped
     op_deadline_s: float = 30.0  # one backend call; past it the call counts as failed

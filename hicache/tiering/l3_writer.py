@@ -6,6 +6,14 @@ every hit). What is written is what of the node's host copy L3 lacks: the anchor
 their sidecars) until the node is ``in_storage``, and each extra pool's host copy (an SWA window's
 pages, a state snapshot at the node's last page) until the pool is in ``node.pool_stored``. The
 host pages written are protected from host eviction until the write is acknowledged.
+
+With ``storage.window_admission`` REUSED (the default), a window pool's pages (SWA) go to L3
+only once a request has reused the node (``hit_count``, checked again on every hit): a request
+leaves a window at each of its ends, and one whose prefix nobody extends (a question asked once
+about a shared document) would otherwise store about as many window bytes as it has tokens of
+its own. The price: a prompt revisited only after device and host lost it finds no window in
+L3 and is recomputed (ALL stores every window). The anchor's pages and snapshots are written by
+the admission policy alone.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import torch
 from hicache.radix.node import TreeNode
 from hicache.tiering.bundler import PageHasher
 from hicache.tiering.config import StorageConfig
-from hicache.tiering.policies import admit_to_l3
+from hicache.tiering.policies import admit_to_l3, admit_window
 from hicache.tiering.pool_host import host_pools_of
 from hicache.tiering.storage_tier import WriteJob
 
@@ -55,18 +63,27 @@ class L3Writer:
         out: dict[str, torch.Tensor] = {}
         if not node.in_storage and node.host_value is not None:
             out[self._tree.roles.anchor] = node.host_value
+        windows = self._tree.roles.token_pools
+        admission = self.config.window_admission
         for pool, pages in host_pools_of(node):
-            if pool not in node.pool_stored:
-                out[pool] = pages
+            if pool in node.pool_stored:
+                continue
+            if pool in windows and not admit_window(admission, node.hit_count):
+                continue  # under REUSED, a window goes once a request reused it
+            out[pool] = pages
         return out
 
     def submit(self, node: TreeNode) -> None:
         if not self.storage.enabled or node.host_value is None:
             return
-        plan = self._unwritten(node)
         hosts = self._tree.controller.host_pools
-        if not plan or any(bool(hosts[p].is_protected(pages).any()) for p, pages in plan.items()):
-            return  # nothing to write, or a write of these pages is already on its way
+        plan = {  # what is not on its way to L3 already (protected until acknowledged)
+            pool: pages
+            for pool, pages in self._unwritten(node).items()
+            if not bool(hosts[pool].is_protected(pages).any())
+        }
+        if not plan:
+            return
         bundle = self.hasher.node_bundle(node, self._per_page(node, plan))
         for pool, pages in plan.items():
             hosts[pool].protect(pages)

@@ -14,11 +14,13 @@ __all__ = [
     "L3Admission",
     "PrefetchStopPolicy",
     "TerminationReason",
+    "WindowAdmission",
     "WritePolicy",
     "backup_on_hit",
     "can_terminate",
     "prefetch_timeout",
     "admit_to_l3",
+    "admit_window",
 ]
 
 
@@ -43,6 +45,13 @@ class L3Admission(enum.Enum):
 
     ALL = "all"  # every page backed up to host
     HIT_THRESHOLD = "hit_threshold"  # pages of nodes hit at least the L3 threshold
+
+
+class WindowAdmission(enum.Enum):
+    """Which windows of a window pool (SWA) are written to L3, beside the anchor's pages."""
+
+    REUSED = "reused"  # a node's window once a request reused the node (hit it)
+    ALL = "all"  # every window backed up to host (revisits after long absences hit L3)
 
 
 class TerminationReason(enum.Enum):
@@ -76,6 +85,11 @@ def backup_on_hit(policy: WritePolicy, hit_count: int, threshold: int) -> bool:
 def admit_to_l3(admission: L3Admission, hit_count: int, threshold: int) -> bool:
     """Whether a page on host is written to L3 now."""
     return admission is L3Admission.ALL or hit_count >= threshold
+
+
+def admit_window(admission: WindowAdmission, hit_count: int) -> bool:
+    """Whether a node's window (on host) is written to L3 now."""
+    return admission is WindowAdmission.ALL or hit_count >= 1
 
 
 def can_terminate(

@@ -143,6 +143,9 @@ def test_one_configuration_compares_nothing(capsys: pytest.CaptureFixture[str]) 
 
 
 # ----- usage errors ------------------------------------------------------------------------------
+PAGES_16 = ["--page-size", "16", "--prefetch-threshold", "16"]
+
+
 def _nested_trace(path: pathlib.Path) -> None:
     path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
 
@@ -167,6 +170,13 @@ def _binary_trace(path: pathlib.Path) -> None:
         (["--prefetch-timeout-base", "-1"], "timeout_base_s"),
         (["--head-dim", "7"], "even"),
         (["--device-tokens", "130"], "multiple of --page-size"),
+        ([*PAGES_16, "--window", "20"], "--window"),
+        ([*PAGES_16, "--preset", "swa", "--window", "20"], "--window"),
+        (["--preset", "swa", "--page-size", "48", "--prefetch-threshold", "48"], "--window"),
+        ([*PAGES_16, "--state-interval", "24"], "--state-interval"),
+        (["--preset", "hybrid", "--state-interval", "6"], "--state-interval"),
+        (["--window", "0"], "--window"),
+        (["--state-interval", str(1 << 31)], "--state-interval"),
         (["--vocab", str(1 << 32), "--hidden", str(1 << 16)], "GiB"),
         (["--trace", "{binary}"], "not UTF-8"),
         (["--trace", "{nested}"], "nested too deeply"),

@@ -52,13 +52,14 @@ class PoolKit:
         tiers: TierConfig | None = None,
         page: int = PAGE,
         window: int = WINDOW,
+        storage: StorageConfig | None = None,
     ) -> PoolKit:
         model = preset(kind, ModelShape(page_size=page, window=window, full_layers=1))
         owners = [s.name for s in model if s.shares_slots_with is None]
         device_sizes = {name: (sizes or {}).get(name, 16 * page) for name in owners}
         device = device_pools(model, device_sizes, "cpu")
         host = host_pools(model, {name: (host_sizes or {}).get(name, 64) for name in owners})
-        storage = StorageConfig(url=url)
+        storage = dataclasses.replace(storage or StorageConfig(), url=url)
         config = HiCacheConfig(
             tiers or TierConfig(), PrefetchConfig(threshold_tokens=page, timeout_base_s=5), storage
         )

@@ -12,8 +12,8 @@ from tier_harness import PAGE
 
 from hicache.keys import RadixKey
 from hicache.pools.pool_spec import PoolPreset
-from hicache.tiering.config import TierConfig
-from hicache.tiering.policies import WritePolicy
+from hicache.tiering.config import StorageConfig, TierConfig
+from hicache.tiering.policies import WindowAdmission, WritePolicy
 from hicache.tiering.pool_host import host_of
 
 
@@ -115,6 +115,7 @@ async def test_l3_stores_each_pool_by_its_rule_and_a_restart_serves_it(
     kit = await PoolKit.build(kind, url=url)
     try:
         kit.cache(tokens, snapshots=(16, 32))
+        assert kit.fetch(tokens) == (48, 0)  # a reuse: each window on the path may go to L3
         await kit.tree.quiesce(10)
         stored = await _objects_per_pool(kit)
     finally:
@@ -169,3 +170,28 @@ async def test_dsv4_pools_keep_compressed_entries_everywhere_and_the_window_at_e
     shape = kit.model.pool("c4").layout
     assert kit.model.pool("c4").page_bytes == shape.layers * (128 // 4) * 32 * 2
     assert kit.model.pool("c128").page_bytes == shape.layers * 1 * 128 * 2
+
+
+async def test_a_window_goes_to_l3_once_reused(tmp_path: pathlib.Path) -> None:
+    """Under the default window admission a window no request reused stays out of L3 (the
+    anchor's pages go); the first hit on its node writes it. ALL writes every window."""
+    tokens = _tokens(24)
+    kit = await PoolKit.build(PoolPreset.SWA, url=f"file://{tmp_path / 'reused'}")
+    try:
+        kit.cache(tokens)
+        await kit.tree.quiesce(10)
+        assert (await _objects_per_pool(kit)) == {"kv": 6, "swa": 0}
+        kit.fetch(tokens)
+        await kit.tree.quiesce(10)
+        assert (await _objects_per_pool(kit)) == {"kv": 6, "swa": WINDOW // PAGE}
+    finally:
+        await kit.close()
+    storage = StorageConfig(window_admission=WindowAdmission.ALL)
+    url = f"file://{tmp_path / 'all'}"
+    kit = await PoolKit.build(PoolPreset.SWA, url=url, storage=storage)
+    try:
+        kit.cache(tokens)
+        await kit.tree.quiesce(10)
+        assert (await _objects_per_pool(kit)) == {"kv": 6, "swa": WINDOW // PAGE}
+    finally:
+        await kit.close()
