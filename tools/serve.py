@@ -19,11 +19,8 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
-from hicache.dtypes import DType
-from hicache.errors import BackendError, ConfigError, InvalidArgumentError
+from hicache.errors import BackendError, InvalidArgumentError
 from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.arrivals import TraceReplay
 from hicache.serving.engine import CacheMode, EngineConfig
@@ -34,10 +31,9 @@ from hicache.serving.presets import (
     SEED_MAX,
     ModelConfig,
     ModelPreset,
-    check_whole_pages,
 )
 from hicache.serving.report import oracle_hit_rate, print_table, summarize
-from hicache.serving.setup import device_slots, host_pages, open_engine, resolve_device
+from hicache.serving.setup import host_pages, open_engine, resolve_device
 from hicache.serving.traces import TraceRequest, load_trace
 from hicache.serving.workloads import (
     ChatConfig,
@@ -45,8 +41,7 @@ from hicache.serving.workloads import (
     SharedPrefixConfig,
     shared_prefix_trace,
 )
-from hicache.tiering.config import HiCacheConfig, check_config
-from hicache.tools import cli_parsing
+from hicache.tiering.config import HiCacheConfig
 from hicache.tools.cli_parsing import (
     CommandFailed,
     arg_type,
@@ -56,7 +51,9 @@ from hicache.tools.cli_parsing import (
     output_file,
     path_arg,
 )
-from hicache.tools.config_flags import add_hicache_flags, config_from_args
+from hicache.tools.config_flags import add_hicache_flags
+from hicache.tools.serve_config import check_sizes, hicache_config
+from hicache.tools.serve_config import model_config as config_of_model
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -65,7 +62,6 @@ DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hicache", "
 
 # Upper bounds of the workload: far past a benchmark, low enough that a typo is refused.
 _MAX_CLIENTS = 100_000
-_MAX_REQUESTS = 1_000_000  # clients x rounds
 _MAX_TOKENS = 1 << 20  # per span: system prompt, turn, answer
 _MIN_RATE = 1e-3  # a lower rate than one arrival per 1000 s is a typo, and never ends
 
@@ -87,19 +83,21 @@ def _plot_file(text: str) -> str:
 
 
 def _add_pool_flags(m: Any) -> None:
-    """The sizes of the swa and hybrid presets' own pools (their defaults: ModelConfig's)."""
+    """The sizes of the swa, dsv4 and hybrid presets' own pools (their defaults: ModelConfig's;
+    dsv4's window: see :func:`~hicache.serving.presets.dsv4_defaults`)."""
     defaults = ModelConfig()
     m.add_argument(
         "--window",
         type=int_range(1, MODEL_LIMITS["window"]),
-        help="swa preset: the sliding window in tokens, a multiple of --page-size "
-        f"(default {defaults.window})",
+        help="swa and dsv4 presets: the sliding window in tokens, a multiple of --page-size "
+        f"(default {defaults.window}; dsv4: one page, and at least 128)",
     )
     m.add_argument(
         "--window-interval",
         type=int_range(1, MODEL_LIMITS["window_interval"]),
-        help="swa preset: tokens between the windows kept in the cache (besides those at "
-        f"prompt ends), a multiple of --page-size (default {defaults.window_interval})",
+        help="swa and dsv4 presets: tokens between the windows kept in the cache (besides those "
+        f"at prompt ends), a multiple of --page-size (default {defaults.window_interval}; "
+        "dsv4: rounded up to whole pages)",
     )
     m.add_argument(
         "--state-interval",
@@ -179,88 +177,6 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     o.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=run_serve)
     return p
-
-
-def _model_config(args: argparse.Namespace) -> ModelConfig:
-    device = resolve_device(args.device)
-    given = {
-        "window": args.window,
-        "state_interval": args.state_interval,
-        "window_interval": args.window_interval,
-    }
-    given = {name: value for name, value in given.items() if value is not None}
-    for name, value in given.items():  # a flag given is meant: refused whatever the preset
-        check_whole_pages(name, value, args.page_size)
-    return ModelConfig(
-        preset=ModelPreset(args.preset), vocab_size=args.vocab, hidden=args.hidden,
-        layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        page_size=args.page_size, seed=args.seed,
-        kv_dtype=DType.BFLOAT16 if device.type == "cuda" else DType.FLOAT32, **given,
-    )  # fmt: skip
-
-
-def _hicache_config(args: argparse.Namespace) -> HiCacheConfig:
-    base = HiCacheConfig()
-    base = base.with_changes("tiers", host_ratio=2.0)
-    base = base.with_changes("storage", url=f"file://{os.path.abspath(args.cache_dir)}")
-    base = base.with_changes("prefetch", threshold_tokens=max(args.page_size, 64))
-    config = config_from_args(args, base)
-    check_config(config, args.page_size)
-    return config
-
-
-def _check_sizes(args: argparse.Namespace, model: ModelConfig, hicache: HiCacheConfig) -> None:
-    """Refuse sizes that cannot work together, before anything is allocated."""
-    if args.device_tokens % args.page_size:
-        raise ConfigError(
-            f"--device-tokens {args.device_tokens} must be a multiple of --page-size "
-            f"{args.page_size}"
-        )
-    if args.clients * args.rounds > _MAX_REQUESTS:
-        raise ConfigError(f"--clients x --rounds must be at most {_MAX_REQUESTS} requests")
-    device = resolve_device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available (try --device cpu)")
-    need_device, need_host = _memory_needed(args, model, hicache, device)
-    ram = cli_parsing.host_memory()
-    if device.type == "cuda":
-        gpu = torch.cuda.get_device_properties(device).total_memory
-        budgets = [("GPU", need_device, gpu), ("host", need_host, ram)]
-    else:
-        budgets = [("host", need_device + need_host, ram)]
-    for where, need, have in budgets:
-        if need > have:
-            raise ConfigError(
-                f"the model, pools and workload need about {need / 2**30:.1f} GiB of {where} "
-                f"memory, more than the {have / 2**30:.1f} GiB here; lower --layers, --hidden, "
-                "--vocab, --device-tokens or the host tier's size"
-            )
-
-
-def _memory_needed(
-    args: argparse.Namespace, model: ModelConfig, hicache: HiCacheConfig, device: torch.device
-) -> tuple[int, int]:
-    """Bytes the run may allocate, (on the device, on the host), estimated from above: weights,
-    pools, the request table, and the scratch of a chunk over the longest prompt that fits."""
-    c = model
-    q, kv, h = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.hidden
-    recurrent = c.state_inner + c.state_dim  # w_in, w_out; w_b, w_c
-    per_layer = 6 * h * h + 2 * h * (q + kv + recurrent + c.index_dim + c.latent_dim)
-    weights = 2 * c.vocab_size * h + c.layers * (per_layer + 2 * c.latent_dim * q)
-    element = 8 if device.type == "cpu" else 4  # the model computes in float64 on the CPU
-    token_bytes = sum(spec.layout.token_bytes for spec in c.pools())
-    engine = EngineConfig(max_running=args.max_running, chunk_tokens=args.chunk_tokens)
-    slots = device_slots(c, args.device_tokens, engine)
-    pools = sum(slots[p.shares_slots_with or p.name] * p.layout.token_bytes for p in c.pools())
-    context = args.device_tokens  # the longest prompt a request can have
-    chunk = min(args.chunk_tokens, context)
-    scratch = chunk * (context * c.heads + c.vocab_size + 8 * h) * element
-    on_device = weights * element + pools + scratch
-    host = 0
-    if hicache.tiers.host_enabled:
-        host = host_pages(hicache, args.device_tokens, args.page_size) * args.page_size
-    on_host = host * token_bytes + args.max_running * context * 8  # + the request table
-    return on_device, on_host
 
 
 def _load_trace(args: argparse.Namespace) -> list[TraceRequest] | None:
@@ -376,9 +292,9 @@ def _ttft_by_round(records: list[Any]) -> list[float]:
 
 
 async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_ConfigRun]]:
-    hicache = _hicache_config(args)
-    model_config = _model_config(args)
-    _check_sizes(args, model_config, hicache)
+    hicache = hicache_config(args)
+    model_config = config_of_model(args)
+    check_sizes(args, model_config, hicache)
     trace = _load_trace(args)
     model = TinyTransformer(model_config, resolve_device(args.device))
     main = CacheMode.DEVICE_HOST if hicache.storage.url is None else CacheMode.DEVICE_HOST_L3

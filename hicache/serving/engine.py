@@ -239,10 +239,13 @@ class Engine:
         total = len(request.prompt) + request.max_new_tokens
         page = self.anchor.page_size
         need = -(-(total - len(prefix)) // page) * page
+        shared = self.pool_slots.shared_end(request)  # before evicting for the request
         if tree is not None and last is not None:
             tree.inc_lock_ref(last)
         slots = self._alloc(need)
-        extra = None if slots is None else self.pool_slots.admit(request, len(prefix), last)
+        extra = None
+        if slots is not None:
+            extra = self.pool_slots.admit(request, len(prefix), last, shared)
         if slots is None or extra is None:
             if slots is not None:
                 self.anchor.free(slots)

@@ -1,12 +1,13 @@
 """A small decoder-only transformer over the paged device pools, with seeded random weights.
 
-RMSNorm, RoPE, attention whose K/V (or MLA latent, DSA indexer keys, sliding-window K/V) live in
-the device pools, Mamba-like recurrent layers whose state lives in the state pools, and a SwiGLU
-MLP. A forward pass writes the new tokens' cached state into their slots and then reads every
-context token's state back from the pool, so a prefix computed now and one loaded from host or L3
-are read the same way. Sliding-window layers read only their window, through the ``swa`` pool's
-own slots; recurrent layers start from the request's working state slot and leave the state
-there, copying it into snapshot slots at the positions the chunk asks for.
+RMSNorm, RoPE, attention whose K/V (or MLA latent, DSA indexer keys, sliding-window K/V, dsv4's
+compressed entries and their indexer keys) live in the device pools, Mamba-like recurrent layers
+whose state lives in the state pools, and a SwiGLU MLP. A forward pass writes the new tokens'
+cached state into their slots and then reads every context token's state back from the pool, so a
+prefix computed now and one loaded from host or L3 are read the same way. Sliding-window layers
+(and dsv4's layers, for their window) read only their window, through the ``swa`` pool's own
+slots; recurrent layers start from the request's working state slot and leave the state there,
+copying it into snapshot slots at the positions the chunk asks for.
 
 Why outputs do not depend on the cache: on the CPU, matmuls and reductions run in float64 and
 everything stored is rounded to the pool's dtype (float32), so the order in which a kernel sums
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.pools.device import DevicePool
+from hicache.serving.model_compressed import compressed_layer
 from hicache.serving.model_layers import (
     AttentionInputs,
     attention_layer,
@@ -31,7 +33,7 @@ from hicache.serving.model_layers import (
     recurrent_layer,
     window_layer,
 )
-from hicache.serving.presets import LayerKind, ModelConfig, pool_of, pools_of
+from hicache.serving.presets import LayerKind, ModelConfig, layer_group, pool_of
 
 __all__ = ["ChunkInput", "TinyTransformer"]
 
@@ -106,6 +108,15 @@ class TinyTransformer:
                 p["w_uk"], p["w_uv"] = w(c.latent_dim, q_dim), w(c.latent_dim, q_dim)
             if kind is LayerKind.SPARSE_LATENT:
                 p["w_iq"], p["w_ik"] = w(c.hidden, c.index_dim), w(c.hidden, c.index_dim)
+            group = layer_group(kind)
+            if group is not None:  # dsv4: window K/V, and entries compressed from them
+                p["wk"], p["wv"] = w(c.hidden, kv_dim), w(c.hidden, kv_dim)
+                ratio = group[1]
+                dim = c.c4_dim if kind is LayerKind.COMPRESSED_SPARSE else c.c128_dim
+                p["w_comp"] = w(2 * ratio * kv_dim, dim)  # a group's K then V -> its entry
+                p["w_uk"], p["w_uv"] = w(dim, kv_dim), w(dim, kv_dim)
+                if kind is LayerKind.COMPRESSED_SPARSE:
+                    p["w_iq"], p["w_ik"] = w(c.hidden, c.index_dim), w(dim, c.index_dim)
             self.layers.append(p)
         inv = 1.0 / (10000 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         self._inv_freq = inv.to(self.device, self.dtype)
@@ -163,13 +174,13 @@ class TinyTransformer:
             bounds.append(bounds[-1] + len(tokens))
         x = self.embed[torch.cat(token_ids)]
         for index, (kind, p) in enumerate(zip(c.layer_kinds(), self.layers, strict=True)):
-            pool_name, layer = pool_of(kind), c.pool_layer(index)
+            layer_pools = c.layer_pools(index)
             if wait is not None:
-                for name in pools_of(kind):
-                    wait(name, layer)
+                for name, number in layer_pools.items():
+                    wait(name, number)
             h = self.rms_norm(x, p["norm1"])
             outs = [
-                self._mix(kind, p, h[lo:hi], pools, pool_name, layer, inp)
+                self._mix(kind, p, h[lo:hi], pools, layer_pools, inp)
                 for lo, hi, inp in zip(bounds, bounds[1:], inputs, strict=False)
             ]
             x = x + torch.cat(outs)
@@ -185,11 +196,15 @@ class TinyTransformer:
         p: dict[str, torch.Tensor],
         h: torch.Tensor,
         pools: Mapping[str, DevicePool],
-        pool_name: str,
-        layer: int,
+        layer_pools: dict[str, int],
         inp: AttentionInputs,
     ) -> torch.Tensor:
-        """The token-mixing half of a layer for one request."""
+        """The token-mixing half of a layer for one request (``layer_pools``: the layer's number
+        in each pool it reads)."""
+        if layer_group(kind) is not None:
+            return compressed_layer(self, p, h, pools, layer_pools, inp, kind)
+        pool_name = pool_of(kind)
+        layer = layer_pools[pool_name]
         if kind is LayerKind.RECURRENT:
             return recurrent_layer(self, p, h, pools, layer, inp)
         if kind in (LayerKind.LATENT, LayerKind.SPARSE_LATENT):

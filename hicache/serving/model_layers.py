@@ -1,7 +1,7 @@
 """The layer kinds of the serving model: each writes the new tokens' state into its pool, then
 reads what it attends to back from the pool (see :mod:`hicache.serving.model`): the whole context
-for full attention, the window for sliding-window layers; recurrent layers carry a state from
-the request's working slot instead."""
+for full attention, the window for sliding-window layers, the window and the compressed entries
+for dsv4's layers; recurrent layers carry a state from the request's working slot instead."""
 
 from __future__ import annotations
 
@@ -56,16 +56,24 @@ def _attend(
 ) -> torch.Tensor:
     """Causal attention of queries (n, H, D) over keys and values (T, Hk, D) of positions
     ``key_start ..``; (n, H*D)."""
-    n, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    grouped = q.view(n, kv_heads, heads // kv_heads, dim)  # query heads sharing a KV head
-    scores = torch.einsum("nkgd,tkd->kgnt", grouped, k) / math.sqrt(dim)
     key_pos = torch.arange(key_start, key_start + k.shape[0], device=q.device)
     mask = key_pos[None, :] <= inp.positions[:, None]
     if window is not None:
         mask &= key_pos[None, :] > inp.positions[:, None] - window
     if allowed is not None:
         mask &= allowed
+    return _attend_masked(q, k, v, mask)
+
+
+def _attend_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention of queries (n, H, D) over keys and values (T, Hk, D) where ``mask`` (n, T)
+    allows; (n, H*D)."""
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.view(n, kv_heads, heads // kv_heads, dim)  # query heads sharing a KV head
+    scores = torch.einsum("nkgd,tkd->kgnt", grouped, k) / math.sqrt(dim)
     probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
     return torch.einsum("kgnt,tkd->nkgd", probs, v).reshape(n, heads * dim)
 
@@ -99,7 +107,22 @@ def window_layer(
     """Sliding-window attention over the last ``config.window`` positions (a query at ``q``
     sees ``q - window + 1 .. q``), read through the window pool's own slots
     (``inp.pool_slots[pool]``). A slot of -1 inside a window the chunk needs raises."""
-    name, window = pool.spec.name, model.config.window
+    window = model.config.window
+    slots, lo, seen = _window_slots(pool.spec.name, window, inp)
+    q, k, v = _qkv(model, p, h, inp)
+    store = pool.buffer.dtype
+    pool.buffer[0, layer, slots[inp.start :]] = k.to(store)
+    pool.buffer[1, layer, slots[inp.start :]] = v.to(store)
+    keys = pool.buffer[0, layer, seen].to(model.dtype)
+    values = pool.buffer[1, layer, seen].to(model.dtype)
+    return _attend(model, q, keys, values, inp, window, key_start=lo) @ p["wo"]
+
+
+def _window_slots(
+    name: str, window: int, inp: AttentionInputs
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The window pool's slots of positions ``0 .. end - 1``, the first position the chunk's
+    window reaches, and the slots from there on (raises for a -1 there)."""
     slots = inp.pool_slots.get(name)
     end = inp.start + len(inp.positions)
     if slots is None or len(slots) != end:
@@ -115,13 +138,7 @@ def window_layer(
             f"pool {name!r} holds no slot for position {missing}, inside the window of the "
             f"chunk at {inp.start}..{end - 1}"
         )
-    q, k, v = _qkv(model, p, h, inp)
-    store = pool.buffer.dtype
-    pool.buffer[0, layer, slots[inp.start :]] = k.to(store)
-    pool.buffer[1, layer, slots[inp.start :]] = v.to(store)
-    keys = pool.buffer[0, layer, seen].to(model.dtype)
-    values = pool.buffer[1, layer, seen].to(model.dtype)
-    return _attend(model, q, keys, values, inp, window, key_start=lo) @ p["wo"]
+    return slots, lo, seen
 
 
 def _qkv(

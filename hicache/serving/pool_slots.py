@@ -104,16 +104,18 @@ class PoolSlots:
                 return f"its window and chunk need {need} slots; the {name} pool has {size}"
         state = self.state_pool
         if state is not None:
-            need, size = 1 + len(self._snapshot_positions(request, 0)), self.pools[state].size
+            need = 1 + len(self._keep_points(request, 0, self.interval, 0))
+            size = self.pools[state].size
             if need > size:
                 return f"its state and snapshots need {need} slots; the {state} pool has {size}"
         return None
 
     def admit(
-        self, request: ServeRequest, prefix_len: int, last: TreeNode | None
+        self, request: ServeRequest, prefix_len: int, last: TreeNode | None, shared: int = 0
     ) -> PoolRequest | None:
         """The request's extra-pool state once admitted with a cached prefix of ``prefix_len``
-        tokens ending at ``last``; None (nothing taken) when the pools cannot take it now."""
+        tokens ending at ``last``; ``shared``: :meth:`shared_end`, taken before the engine
+        evicted for the request. None (nothing taken) when the pools cannot take it now."""
         state = PoolRequest(filled=prefix_len)
         if not self.active:
             return state
@@ -122,13 +124,14 @@ class PoolSlots:
             if self.reserved[name] + need > self.pools[name].size:
                 return None
             state.reserved[name] = need
-        if self.state_pool is not None and not self._admit_state(state, request, prefix_len, last):
+        points = self._keep_points(request, prefix_len, self.interval, shared)
+        if self.state_pool is not None and not self._admit_state(state, points, prefix_len, last):
             return None
         for name, need in state.reserved.items():
             self.reserved[name] += need
         if self.windows:
             self._admit_windows(state, prefix_len, last)
-            state.keep_points = self._keep_points(request, prefix_len, self.window_interval)
+            state.keep_points = self._keep_points(request, prefix_len, self.window_interval, shared)
         return state
 
     def _admit_windows(self, state: PoolRequest, prefix_len: int, last: TreeNode | None) -> None:
@@ -151,13 +154,12 @@ class PoolSlots:
             lock_windows(self.tree, state, last)
 
     def _admit_state(
-        self, state: PoolRequest, request: ServeRequest, prefix_len: int, last: TreeNode | None
+        self, state: PoolRequest, positions: list[int], prefix_len: int, last: TreeNode | None
     ) -> bool:
         """Take the working slot and the snapshot slots; the prefix's snapshot, if any, stays
         locked for the first chunk to start from."""
         name = self.state_pool
         assert name is not None
-        positions = self._snapshot_positions(request, prefix_len)
         hit = None
         if prefix_len and last is not None:
             hit = self.tree.ledger.data(last, name)
@@ -175,28 +177,26 @@ class PoolSlots:
             state.state_from, state.state_lock = int(hit[0]), last
         return True
 
-    def _snapshot_positions(self, request: ServeRequest, prefix_len: int) -> list[int]:
-        """Where the request snapshots its state (see the module docstring); none without a
-        tree."""
-        return self._keep_points(request, prefix_len, self.interval)
-
-    def _keep_points(self, request: ServeRequest, prefix_len: int, interval: int) -> list[int]:
+    def _keep_points(
+        self, request: ServeRequest, prefix_len: int, interval: int, shared: int
+    ) -> list[int]:
         """The positions after ``prefix_len`` where the request leaves an extra pool's data in
-        the tree: every ``interval`` tokens, its reusable prompt's end and its final end; none
-        without a tree."""
+        the tree: every ``interval`` tokens, its reusable prompt's end, ``shared`` (see
+        :meth:`shared_end`) and its final end; none without a tree."""
         if self.tree is None:
             return []
         ps = self.page_size
         final = (len(request.prompt) + request.max_new_tokens - 1) // ps * ps
-        ends = {(len(request.prompt) - 1) // ps * ps, final, self._shared_end(request)}
+        ends = {(len(request.prompt) - 1) // ps * ps, final, shared}
         ends.update(range(interval, final + 1, interval))
         return sorted(p for p in ends if prefix_len < p <= final)
 
-    def _shared_end(self, request: ServeRequest) -> int:
+    def shared_end(self, request: ServeRequest) -> int:
         """Where the request's prompt leaves what the tree holds of the anchor, whatever the
         other pools hold there: a prefix others share (a system prompt) that has no window or
-        snapshot at its end gets one from the first request that recomputes it."""
-        if not len(request.key):
+        snapshot at its end gets one from the first request that recomputes it. Taken before
+        the engine evicts for the request, which may take that prefix."""
+        if self.tree is None or not len(request.key):
             return 0
         shared, _ = RadixCache.peek_prefix(self.tree, request.key)
         return shared // self.page_size * self.page_size

@@ -7,6 +7,13 @@ keeps only what a window needs (a request frees the pages that left its window, 
 the pages before a cached prefix's end that its window covers); the recurrent layers' state
 (``conv``, with ``ssm`` on the same slots) is kept as snapshots taken every ``state_interval``
 tokens and at request ends, not after every token.
+
+The ``dsv4`` preset (DeepSeek-V4-style hybrid attention) has no per-token KV of its own: its anchor
+is ``c4``, the 4:1 compressed entries, each spread over the slots of its group's 4 tokens (a
+quarter per token); the indexer keys of those entries (``indexer``) and the 128:1 compressed
+entries (``c128``, 1/128 per token) share the anchor's slots, and every layer's raw K/V lives in
+the ``swa`` window pool. A group never straddles a page (the page size is a multiple of 128), so a
+page's entries move with it.
 """
 
 from __future__ import annotations
@@ -20,16 +27,21 @@ from hicache.layouts.spec import LayoutSpec
 from hicache.pools.pool_spec import STATE_AT_END, Granularity, HitRule, ModelPools, PoolSpec
 
 __all__ = [
+    "DSV4_RATIOS",
     "MODEL_LIMITS",
     "SEED_MAX",
     "LayerKind",
     "ModelConfig",
     "ModelPreset",
+    "check_dsv4_page_size",
     "check_whole_pages",
+    "dsv4_defaults",
+    "layer_group",
     "pools_of",
 ]
 
 INDEXER_SCALE_BYTES = 4
+DSV4_RATIOS = (4, 128)  # tokens per compressed entry: C4 (sparse layers), C128 (dense layers)
 # Upper bounds of the sizes (each at least 1): far past any model this runs, and low enough that
 # a typo is refused instead of allocating without end. What the sizes need together is checked
 # against the machine's memory by whoever allocates (``hicache serve``).
@@ -50,6 +62,8 @@ MODEL_LIMITS: dict[str, int] = {
     "window_interval": 1 << 30,
     "conv_kernel": 64,
     "state_inner": 1 << 16,
+    "c4_dim": 1 << 16,
+    "c128_dim": 1 << 20,
 }
 SEED_MAX = (1 << 32) - 1  # numpy's seeds are uint32
 # The command-line flag of the fields that must be whole pages (for errors a user can act on),
@@ -59,6 +73,25 @@ _WHOLE_PAGES = {
     "state_interval": ("--state-interval", "state snapshots are taken at page ends"),
     "window_interval": ("--window-interval", "windows are kept at page ends"),
 }
+
+
+def check_dsv4_page_size(page_size: int) -> None:
+    """Raise ConfigError (naming ``--page-size``) unless a dsv4 page holds whole 128:1 groups."""
+    group = DSV4_RATIOS[-1]
+    if page_size % group:
+        raise ConfigError(
+            f"--page-size (model page_size) {page_size} must be a multiple of {group} for the "
+            f"dsv4 preset: a {group}-token group never straddles a page"
+        )
+
+
+def dsv4_defaults(page_size: int, window_interval: int = 512) -> dict[str, int]:
+    """The dsv4 window sizes where none are given: the smallest window its 128:1 groups allow
+    (one page, at least 128 tokens) and ``window_interval`` rounded up to whole pages."""
+    return {
+        "window": max(DSV4_RATIOS[-1], page_size),
+        "window_interval": -(-window_interval // page_size) * page_size,
+    }
 
 
 def check_whole_pages(name: str, value: int, page_size: int) -> None:
@@ -76,6 +109,7 @@ class ModelPreset(enum.Enum):
     DSA = "dsa"  # MLA plus an indexer that picks the top-k pages each query attends to
     SWA = "swa"  # sliding-window layers between full-attention layers
     HYBRID = "hybrid"  # attention layers between recurrent (Mamba-like) layers
+    DSV4 = "dsv4"  # DeepSeek-V4 style: CSA (C4 top-k) and HCA (C128) layers, each with a window
 
 
 class LayerKind(enum.Enum):
@@ -84,6 +118,8 @@ class LayerKind(enum.Enum):
     SPARSE_LATENT = "sparse_latent"  # pools "latent" and "indexer"
     WINDOW = "window"  # pool "swa"
     RECURRENT = "recurrent"  # pools "conv" and "ssm"
+    COMPRESSED_SPARSE = "compressed_sparse"  # dsv4 CSA: pools "c4", "indexer" and "swa"
+    HEAVILY_COMPRESSED = "heavily_compressed"  # dsv4 HCA: pools "c128" and "swa"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +136,10 @@ class ModelConfig:
     page_size: int = 16
     latent_dim: int = 32  # MLA
     index_dim: int = 16  # DSA indexer key width (fp8 bytes)
-    index_topk_pages: int = 4  # DSA: pages each query attends to (its own page included)
-    window: int = 64  # SWA window in tokens (a multiple of page_size for the swa preset)
+    # DSA: pages each query attends to (its own page included); dsv4: C4 entries per query
+    index_topk_pages: int = 4
+    # SWA window in tokens (a multiple of page_size for the swa and dsv4 presets; dsv4: >= 128)
+    window: int = 64
     state_dim: int = 16  # hybrid: the SSM state's width per channel (B and C projections)
     seed: int = 0
     kv_dtype: DType = DType.FLOAT32
@@ -112,6 +150,8 @@ class ModelConfig:
     # prompt's end and at each commit): a prefix that diverges from a cached one is usable up
     # to the last such window before it. A window costs ``window`` tokens of the swa pool.
     window_interval: int = 512
+    c4_dim: int = 32  # dsv4: width of a 4:1 compressed entry (a multiple of 4)
+    c128_dim: int = 128  # dsv4: width of a 128:1 compressed entry (a multiple of 128)
 
     def __post_init__(self) -> None:
         for name, limit in MODEL_LIMITS.items():
@@ -124,7 +164,9 @@ class ModelConfig:
             raise ConfigError(f"head_dim {self.head_dim} must be even (rotary embedding pairs)")
         if self.heads % self.kv_heads:
             raise ConfigError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
-        if self.preset in (ModelPreset.SWA, ModelPreset.HYBRID) and self.layers < 2:
+        if self.preset in (ModelPreset.SWA, ModelPreset.HYBRID, ModelPreset.DSV4) and (
+            self.layers < 2
+        ):
             raise ConfigError(f"the {self.preset.value} preset needs at least 2 layers")
         if self.conv_kernel < 2:
             raise ConfigError(f"model conv_kernel must be at least 2, got {self.conv_kernel}")
@@ -133,12 +175,38 @@ class ModelConfig:
             check_whole_pages("window_interval", self.window_interval, self.page_size)
         if self.preset is ModelPreset.HYBRID:
             check_whole_pages("state_interval", self.state_interval, self.page_size)
+        if self.preset is ModelPreset.DSV4:
+            self._check_dsv4()
+
+    def _check_dsv4(self) -> None:
+        """A page holds whole 128:1 groups, the window covers one (its entry is compressed from
+        the window pool's K/V), and each entry splits evenly over its group's token slots."""
+        group = DSV4_RATIOS[-1]
+        check_dsv4_page_size(self.page_size)
+        if self.window < group:
+            raise ConfigError(
+                f"--window (model window) {self.window} must be at least {group} for the dsv4 "
+                f"preset: a {group}-token group is compressed from the window pool"
+            )
+        check_whole_pages("window", self.window, self.page_size)
+        check_whole_pages("window_interval", self.window_interval, self.page_size)
+        splits = {
+            "c4_dim": (self.c4_dim, DSV4_RATIOS[0]),
+            "c128_dim": (self.c128_dim, group),
+            "index_dim + 4": (self.index_dim + INDEXER_SCALE_BYTES, DSV4_RATIOS[0]),
+        }
+        for name, (value, ratio) in splits.items():
+            if value % ratio:
+                raise ConfigError(
+                    f"model {name} ({value}) must be a multiple of {ratio} for the dsv4 preset: "
+                    f"an entry is spread over the slots of its group's {ratio} tokens"
+                )
 
     @property
     def keep_interval(self) -> int | None:
         """Tokens between the ends where the model's window or state pool keeps its data in
         the cache (None: every prefix is usable, as for dense, MLA and DSA)."""
-        if self.preset is ModelPreset.SWA:
+        if self.preset in (ModelPreset.SWA, ModelPreset.DSV4):
             return self.window_interval
         if self.preset is ModelPreset.HYBRID:
             return self.state_interval
@@ -151,6 +219,9 @@ class ModelConfig:
             return [LayerKind.LATENT] * self.layers
         if self.preset is ModelPreset.DSA:
             return [LayerKind.SPARSE_LATENT] * self.layers
+        if self.preset is ModelPreset.DSV4:
+            csa, hca = LayerKind.COMPRESSED_SPARSE, LayerKind.HEAVILY_COMPRESSED
+            return [csa if i % 2 == 0 else hca for i in range(self.layers)]
         mixed = LayerKind.WINDOW if self.preset is ModelPreset.SWA else LayerKind.RECURRENT
         return [LayerKind.ATTENTION if i % 2 == 0 else mixed for i in range(self.layers)]
 
@@ -159,8 +230,19 @@ class ModelConfig:
         kinds = self.layer_kinds()
         return sum(1 for k in kinds[:index] if _pool_of(k) == _pool_of(kinds[index]))
 
+    def layer_pools(self, index: int) -> dict[str, int]:
+        """Every pool layer ``index`` reads (:func:`pools_of`), with its layer number there."""
+        kinds = self.layer_kinds()
+        return {
+            name: sum(1 for k in kinds[:index] if name in pools_of(k))
+            for name in pools_of(kinds[index])
+        }
+
     def pools(self) -> ModelPools:
-        """The anchor pool first (``kv`` or ``latent``), then the others (see the module)."""
+        """The anchor pool first (``kv``, ``latent`` or ``c4``), then the others (see the
+        module)."""
+        if self.preset is ModelPreset.DSV4:
+            return ModelPools(self.preset.value, self.page_size, self._dsv4_pools())
         kinds = self.layer_kinds()
         count = {name: sum(1 for k in kinds if _pool_of(k) == name) for name in _POOLS}
         ps, kv = self.page_size, self.kv_dtype
@@ -185,6 +267,32 @@ class ModelConfig:
             specs.extend(self._state_pools(count["conv"]))
         return ModelPools(self.preset.value, ps, tuple(specs))
 
+    def _dsv4_pools(self) -> tuple[PoolSpec, ...]:
+        """``c4`` (the anchor: a quarter of a C4 entry per token slot, CSA layers), ``indexer``
+        (a quarter of the entry's fp8 index key and fp32 scale, CSA layers) and ``c128`` (1/128
+        of a C128 entry, HCA layers) on its slots; ``swa`` (every layer's raw K/V, a window)."""
+        kinds = self.layer_kinds()
+        csa = sum(1 for k in kinds if k is LayerKind.COMPRESSED_SPARSE)
+        hca = len(kinds) - csa
+        ps, kv = self.page_size, self.kv_dtype
+        r4, r128 = DSV4_RATIOS
+        index_item = ((self.index_dim + INDEXER_SCALE_BYTES) // r4,)
+        window = LayoutSpec.mha(len(kinds), self.kv_heads, self.head_dim, ps, kv)
+        return (
+            PoolSpec("c4", LayoutSpec(csa, ps, (self.c4_dim // r4,), kv, ("c4",))),
+            PoolSpec(
+                "indexer",
+                LayoutSpec(csa, ps, index_item, DType.UINT8, ("index",)),
+                shares_slots_with="c4",
+            ),
+            PoolSpec(
+                "c128",
+                LayoutSpec(hca, ps, (self.c128_dim // r128,), kv, ("c128",)),
+                shares_slots_with="c4",
+            ),
+            PoolSpec("swa", window, HitRule.window(self.window, ps)),
+        )
+
     def _state_pools(self, layers: int) -> tuple[PoolSpec, PoolSpec]:
         """The recurrent layers' state: one snapshot a slot (layout page_size 1), float32."""
         seq, f32 = Granularity.PER_SEQUENCE, DType.FLOAT32
@@ -206,6 +314,8 @@ def _pool_of(kind: LayerKind) -> str:
         LayerKind.SPARSE_LATENT: "latent",
         LayerKind.WINDOW: "swa",
         LayerKind.RECURRENT: "conv",
+        LayerKind.COMPRESSED_SPARSE: "c4",
+        LayerKind.HEAVILY_COMPRESSED: "c128",
     }[kind]
 
 
@@ -220,4 +330,17 @@ def pools_of(kind: LayerKind) -> tuple[str, ...]:
         return ("latent", "indexer")
     if kind is LayerKind.RECURRENT:
         return ("conv", "ssm")
+    if kind is LayerKind.COMPRESSED_SPARSE:
+        return ("c4", "indexer", "swa")
+    if kind is LayerKind.HEAVILY_COMPRESSED:
+        return ("c128", "swa")
     return (_pool_of(kind),)
+
+
+def layer_group(kind: LayerKind) -> tuple[str, int] | None:
+    """A dsv4 layer's compressed pool and the tokens per entry; None for other kinds."""
+    if kind is LayerKind.COMPRESSED_SPARSE:
+        return "c4", DSV4_RATIOS[0]
+    if kind is LayerKind.HEAVILY_COMPRESSED:
+        return "c128", DSV4_RATIOS[1]
+    return None

@@ -73,8 +73,9 @@ def device_slots(
       (:func:`~hicache.serving.pool_slots.swa_reserve`: the window, a chunk and a page of their
       own, plus the tree window their lock pins, with ``chunk = min(chunk_tokens,
       device_tokens)``) and room for the windows the tree keeps: an eighth of the anchor's
-      tokens, or four windows per running request if more (a window pool much smaller than
-      that loses windows, and so hits, long before the anchor loses the prefixes they end);
+      tokens, four windows per running request or half the reservations, whichever is most
+      (a window pool much smaller than that loses windows, and so hits, long before the
+      anchor loses the prefixes they end);
     * ``conv`` (snapshots; ``ssm`` on the same slots): a working slot per running request, a
       snapshot every ``state_interval`` tokens of the anchor pool, and a few per request for its
       prompt end, its final end and a locked hit: ``max_running + device_tokens //
@@ -89,7 +90,8 @@ def device_slots(
         if pool.name == "swa":
             chunk = min(engine.chunk_tokens, device_tokens)
             one = swa_reserve(config.window, chunk, ps, tree)
-            room = max(device_tokens // 8, 4 * running * config.window) if tree else 0
+            room = max(device_tokens // 8, 4 * running * config.window, running * one // 2)
+            room = room if tree else 0
             slots["swa"] = -(-(running * one + room) // ps) * ps
         elif pool.name == "conv":
             slots["conv"] = running + device_tokens // config.state_interval + 4 * running

@@ -127,13 +127,21 @@ async def test_policies_keep_outputs_identical(
     config = hicache_config(tmp_path / "l3", write, stop)
     first = await serve(preset, CacheMode.DEVICE_HOST_L3, workload("chat"), config)
     assert_same_run(first, want, "first run")
-    assert first.hits("device") > 0 and first.metrics["pages_written_l3"] > 0
+    # Reuse from device or host: on this tiny device (128 tokens) an SWA window pool under
+    # write_through_selective may lose every window to the device before it is reused there.
+    assert first.hits("device") + first.hits("host") > 0
+    assert first.metrics["pages_written_l3"] > 0
     restart = await serve(preset, CacheMode.DEVICE_HOST_L3, workload("chat"), config)
     assert_same_run(restart, want, "after a restart")
     if stop is not PrefetchStopPolicy.BEST_EFFORT:  # best effort may run before any read lands
         # Tokens the tree took from L3; which request the records credit them to depends on
         # who is admitted first (another may find them on host), so count them at the tree.
-        assert restart.metrics["l3_hit_tokens"] > 0
+        # An SWA or hybrid prefix is usable only up to a window or snapshot, a few pages here,
+        # which a request that did not wait for a prefetch may compute and insert first: the
+        # read then arrives as a duplicate (freed, no hit); that L3 was read is shown.
+        taken = restart.metrics["l3_hit_tokens"]
+        per_pool = preset in (ModelPreset.SWA, ModelPreset.HYBRID)
+        assert taken > 0 or (per_pool and restart.metrics["bytes_l3_to_host"] > 0)
 
 
 # ----- the model alone: a prefix from the cache gives the logits of a full recompute ----------

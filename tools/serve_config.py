@@ -1,0 +1,124 @@
+"""What ``hicache serve``'s flags describe: the model, the tiered cache's config, and a check that
+the sizes fit together and in this machine's memory before anything is allocated."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from hicache.dtypes import DType
+from hicache.errors import ConfigError
+from hicache.serving.engine import EngineConfig
+from hicache.serving.presets import (
+    ModelConfig,
+    ModelPreset,
+    check_dsv4_page_size,
+    check_whole_pages,
+    dsv4_defaults,
+)
+from hicache.serving.setup import device_slots, host_pages, resolve_device
+from hicache.tiering.config import HiCacheConfig, check_config
+from hicache.tools import cli_parsing
+from hicache.tools.config_flags import config_from_args
+
+__all__ = ["MAX_REQUESTS", "check_sizes", "hicache_config", "model_config"]
+
+MAX_REQUESTS = 1_000_000  # clients x rounds
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The model ``serve``'s flags describe; the pool flags checked against the page size."""
+    device = resolve_device(args.device)
+    given = {
+        "window": args.window,
+        "state_interval": args.state_interval,
+        "window_interval": args.window_interval,
+    }
+    given = {name: value for name, value in given.items() if value is not None}
+    preset = ModelPreset(args.preset)
+    if preset is ModelPreset.DSV4:  # --page-size 16 (the default) is refused, named
+        check_dsv4_page_size(args.page_size)
+    for name, value in given.items():  # a flag given is meant: refused whatever the preset
+        check_whole_pages(name, value, args.page_size)
+    if preset is ModelPreset.DSV4:
+        defaults = dsv4_defaults(args.page_size, ModelConfig().window_interval)
+        given = defaults | given
+    return ModelConfig(
+        preset=preset, vocab_size=args.vocab, hidden=args.hidden,
+        layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        page_size=args.page_size, seed=args.seed,
+        kv_dtype=DType.BFLOAT16 if device.type == "cuda" else DType.FLOAT32, **given,
+    )  # fmt: skip
+
+
+def hicache_config(args: argparse.Namespace) -> HiCacheConfig:
+    """The tiered cache ``serve``'s flags and config file describe (L3 on local disk by
+    default)."""
+    base = HiCacheConfig()
+    base = base.with_changes("tiers", host_ratio=2.0)
+    base = base.with_changes("storage", url=f"file://{os.path.abspath(args.cache_dir)}")
+    base = base.with_changes("prefetch", threshold_tokens=max(args.page_size, 64))
+    config = config_from_args(args, base)
+    check_config(config, args.page_size)
+    return config
+
+
+def check_sizes(args: argparse.Namespace, model: ModelConfig, hicache: HiCacheConfig) -> None:
+    """Refuse sizes that cannot work together, before anything is allocated."""
+    if args.device_tokens % args.page_size:
+        raise ConfigError(
+            f"--device-tokens {args.device_tokens} must be a multiple of --page-size "
+            f"{args.page_size}"
+        )
+    if args.clients * args.rounds > MAX_REQUESTS:
+        raise ConfigError(f"--clients x --rounds must be at most {MAX_REQUESTS} requests")
+    device = resolve_device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available (try --device cpu)")
+    need_device, need_host = _memory_needed(args, model, hicache, device)
+    ram = cli_parsing.host_memory()
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device).total_memory
+        budgets = [("GPU", need_device, gpu), ("host", need_host, ram)]
+    else:
+        budgets = [("host", need_device + need_host, ram)]
+    for where, need, have in budgets:
+        if need > have:
+            raise ConfigError(
+                f"the model, pools and workload need about {need / 2**30:.1f} GiB of {where} "
+                f"memory, more than the {have / 2**30:.1f} GiB here; lower --layers, --hidden, "
+                "--vocab, --device-tokens or the host tier's size"
+            )
+
+
+def _memory_needed(
+    args: argparse.Namespace, model: ModelConfig, hicache: HiCacheConfig, device: torch.device
+) -> tuple[int, int]:
+    """Bytes the run may allocate, (on the device, on the host), estimated from above: weights,
+    pools, the request table, and the scratch of a chunk over the longest prompt that fits."""
+    c = model
+    q, kv, h = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.hidden
+    recurrent = c.state_inner + c.state_dim  # w_in, w_out; w_b, w_c
+    per_layer = 6 * h * h + 2 * h * (q + kv + recurrent + c.index_dim + c.latent_dim)
+    # dsv4: a layer's compression of a group's K/V (128 tokens', or 4's) into an entry, the
+    # entry's up-projections to K and V, and (CSA) its index key projection
+    groups = ((128, c.c128_dim), (4, c.c4_dim))
+    compressed = max(2 * kv * d * (r + 1) for r, d in groups) + c.c4_dim * c.index_dim
+    per_layer += compressed if c.preset is ModelPreset.DSV4 else 0
+    weights = 2 * c.vocab_size * h + c.layers * (per_layer + 2 * c.latent_dim * q)
+    element = 8 if device.type == "cpu" else 4  # the model computes in float64 on the CPU
+    token_bytes = sum(spec.layout.token_bytes for spec in c.pools())
+    engine = EngineConfig(max_running=args.max_running, chunk_tokens=args.chunk_tokens)
+    slots = device_slots(c, args.device_tokens, engine)
+    pools = sum(slots[p.shares_slots_with or p.name] * p.layout.token_bytes for p in c.pools())
+    context = args.device_tokens  # the longest prompt a request can have
+    chunk = min(args.chunk_tokens, context)
+    scratch = chunk * (context * c.heads + c.vocab_size + 8 * h) * element
+    on_device = weights * element + pools + scratch
+    host = 0
+    if hicache.tiers.host_enabled:
+        host = host_pages(hicache, args.device_tokens, args.page_size) * args.page_size
+    on_host = host * token_bytes + args.max_running * context * 8  # + the request table
+    return on_device, on_host
