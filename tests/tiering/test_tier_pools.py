@@ -195,3 +195,31 @@ async def test_a_window_goes_to_l3_once_reused(tmp_path: pathlib.Path) -> None:
         assert (await _objects_per_pool(kit)) == {"kv": 6, "swa": WINDOW // PAGE}
     finally:
         await kit.close()
+
+
+async def test_a_store_written_with_another_window_serves_only_where_it_suffices(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Windows stored by a model with an 8-token window serve one with a 16-token window only
+    at an end whose 16 tokens of window pages happen to be stored: 32 here, not 48 (its 8-token
+    window only). Never a window with a hole."""
+    url = f"file://{tmp_path / 'store'}"
+    tokens = _tokens(48)
+    kit = await PoolKit.build(PoolPreset.SWA, url=url, window=8)
+    try:
+        for end in (48, 32, 24):  # windows [40, 48), [24, 32), [16, 24)
+            kit.cache(tokens[:end])
+            kit.fetch(tokens[:end])  # reused: the window may go to L3
+        await kit.tree.quiesce(10)
+    finally:
+        await kit.close()
+    wide = await PoolKit.build(PoolPreset.SWA, url=url, window=16)
+    try:
+        tree = wide.tree
+        key = RadixKey(tokens)
+        assert tree.prefetcher.start("r", key, tree.match_prefix(key, count_hits=False))
+        await tree.quiesce(10)
+        assert wide.fetch(tokens) == (0, 32)
+        wide.recount()
+    finally:
+        await wide.close()
