@@ -223,12 +223,14 @@ HOST_PAGES = 12  # fewer than the documents below need: the first ones are in L3
 ENGINE = EngineConfig(max_running=2, chunk_tokens=90, skip_slow_prefetch=False, stall_s=20.0)
 
 
-def _hicache(l3_dir: pathlib.Path | None) -> HiCacheConfig:
+def _hicache(
+    l3_dir: pathlib.Path | None,
+    write: WritePolicy = WritePolicy.WRITE_THROUGH,
+    stop: PrefetchStopPolicy = PrefetchStopPolicy.TIMEOUT,
+) -> HiCacheConfig:
     return HiCacheConfig(
-        tiers=TierConfig(
-            write_policy=WritePolicy.WRITE_THROUGH, write_threshold=1, host_pages=HOST_PAGES
-        ),
-        prefetch=PrefetchConfig(stop_policy=PrefetchStopPolicy.TIMEOUT, threshold_tokens=PAGE),
+        tiers=TierConfig(write_policy=write, write_threshold=1, host_pages=HOST_PAGES),
+        prefetch=PrefetchConfig(stop_policy=stop, threshold_tokens=PAGE),
         storage=StorageConfig(url=None if l3_dir is None else f"file://{l3_dir}"),
     )
 
@@ -253,9 +255,11 @@ async def _serve(
     l3_dir: pathlib.Path | None = None,
     engine: EngineConfig = ENGINE,
     source: RequestSource | None = None,
+    config: HiCacheConfig | None = None,
 ) -> RunResult:
     recording = Recording(source if source is not None else MultiTurnChat(CHAT))
-    setup = await open_engine(model(), mode, _hicache(l3_dir), DEVICE_TOKENS, engine)
+    config = config or _hicache(l3_dir)
+    setup = await open_engine(model(), mode, config, DEVICE_TOKENS, engine)
     logits: dict[tuple[str, int], torch.Tensor] = {}
     _capture_logits(setup, logits)
     try:
@@ -290,6 +294,22 @@ async def test_chat_outputs_identical_across_cache_modes(tmp_path: pathlib.Path)
     again = await _serve(CacheMode.DEVICE_HOST_L3, tmp_path / "l3")
     assert_same_run(again, want, "device+host+l3 after a restart")
     assert again.computed < want.computed
+
+
+@pytest.mark.parametrize("write", list(WritePolicy), ids=[w.value for w in WritePolicy])
+@pytest.mark.parametrize(
+    "stop", list(PrefetchStopPolicy), ids=[p.value for p in PrefetchStopPolicy]
+)
+async def test_every_write_and_stop_policy_keeps_outputs_identical(
+    write: WritePolicy, stop: PrefetchStopPolicy, tmp_path: pathlib.Path
+) -> None:
+    want = await _serve(CacheMode.NONE)
+    config = _hicache(tmp_path / "l3", write, stop)
+    first = await _serve(CacheMode.DEVICE_HOST_L3, config=config)
+    assert_same_run(first, want, f"{write.value}, {stop.value}")
+    assert first.metrics["pages_written_l3"] > 0
+    again = await _serve(CacheMode.DEVICE_HOST_L3, config=config)
+    assert_same_run(again, want, f"{write.value}, {stop.value}, after a restart")
 
 
 async def test_revisited_documents_come_from_each_tier_and_match(tmp_path: pathlib.Path) -> None:
