@@ -195,8 +195,8 @@ def _validated(waiting: Sequence[R]) -> list[R]:
     seen: set[Hashable] = set()
     for req in waiting:
         key = getattr(req, "key", None)
-        if not isinstance(key, RadixKey) or len(key) == 0:
-            raise InvalidArgumentError(f"request {req!r} needs a non-empty RadixKey")
+        if not isinstance(key, RadixKey):  # empty is fine: a prompt with no page to reuse
+            raise InvalidArgumentError(f"request {req!r} needs a RadixKey")
         mnt = getattr(req, "max_new_tokens", None)
         if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 0:
             raise InvalidArgumentError(f"request {req!r}: max_new_tokens must be an int >= 0")
@@ -301,7 +301,8 @@ class PrefixScheduler:
     def _plan_cache_aware(self, queue: list[R], policy: SchedulePolicy) -> SchedulePlan[R]:
         tree = self.tree
         assert tree is not None  # _effective_policy returns FCFS without a tree
-        peeks = [tree.peek_prefix(r.key) for r in queue]
+        # A one-token prompt has no reusable page (its key is empty): nothing is cached for it.
+        peeks = [tree.peek_prefix(r.key) if len(r.key) else (0, None) for r in queue]
         cached = [units for units, _ in peeks]
         deferred = self._in_batch_deferred(queue, cached) if self.config.in_batch_sharing else set()
         if policy is SchedulePolicy.LPM:
@@ -326,8 +327,8 @@ class PrefixScheduler:
         sim = RadixCache(RadixCacheConfig(page_size=self.tree.page_size, simulated=True))
         deferred: set[int] = set()
         for i, req in enumerate(queue):
-            if cached[i] >= cfg.in_batch_prefix_threshold:
-                continue  # enough of it is cached already; it gains little from waiting
+            if cached[i] >= cfg.in_batch_prefix_threshold or not len(req.key):
+                continue  # enough of it is cached already (or nothing can be), it gains little
             if sim.match_prefix(req.key).prefix_len >= cfg.in_batch_match_threshold:
                 deferred.add(i)
             else:

@@ -229,7 +229,6 @@ def test_config_errors() -> None:
     [
         [req("a", [1]), req("a", [2])],  # duplicate rid
         [WaitingRequest("a", [1, 2], 4, 0.0)],  # type: ignore[arg-type]  # not a RadixKey
-        [WaitingRequest("a", RadixKey([]), 4, 0.0)],
         [WaitingRequest("a", RadixKey([1]), -1, 0.0)],
         [WaitingRequest("a", RadixKey([1]), 4, float("inf"))],
         [WaitingRequest(None, RadixKey([1]), 4, 0.0)],
@@ -321,3 +320,13 @@ def test_plan_feeds_the_delayer() -> None:
     assert delayer.should_delay(plan.stats)
     clock.now = 100.05
     assert not delayer.should_delay(plan.stats)
+
+
+@pytest.mark.parametrize("policy", P)
+def test_a_request_with_nothing_to_reuse_is_ordered(policy: SchedulePolicy) -> None:
+    """A one-token prompt's key (its whole pages, the last token excluded) is empty."""
+    tree = lpm_tree()
+    queue = [WaitingRequest("one", RadixKey([]), 4, 0.0), req("x", [100, 101, 102], t=1)]
+    plan = sched(tree, policy, seed=3).plan(queue)
+    assert sorted(r.rid for r in plan.requests) == ["one", "x"]
+    assert plan.cached_tokens.get("one", 0) == 0

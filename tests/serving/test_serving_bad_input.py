@@ -8,7 +8,7 @@ import pathlib
 from typing import Any
 
 import pytest
-from serving_helpers import DEVICE_TOKENS, VOCAB, hicache_config, serve
+from serving_helpers import DEVICE_TOKENS, VOCAB, hicache_config, serve, trace
 
 from hicache.serving.engine import CacheMode
 from hicache.serving.presets import ModelPreset
@@ -200,3 +200,16 @@ def test_cli_missing_trace_file(capsys: pytest.CaptureFixture[str], tmp_path: pa
     with pytest.raises(SystemExit) as exited:  # a usage error, found while parsing
         main([*TINY, "--trace", str(missing), "--l3", "none", "--json"])
     assert exited.value.code == 2 and str(missing) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", [ModelPreset.DENSE, ModelPreset.SWA, ModelPreset.HYBRID])
+async def test_a_one_token_prompt_is_served(preset: ModelPreset, tmp_path: pathlib.Path) -> None:
+    """A one-token prompt has no page to reuse (its key is empty): it is scheduled and served
+    beside others, in every mode, with the outputs of no cache."""
+    prompts = [[5], _good(1, 19), [7]]
+    want = await serve(preset, CacheMode.NONE, trace(prompts))
+    assert not want.errors and len(want.outputs) == 3
+    for mode in (CacheMode.DEVICE, CacheMode.DEVICE_HOST_L3):
+        config = hicache_config(tmp_path / mode.name)
+        got = await serve(preset, mode, trace(prompts), config)
+        assert got.outputs == want.outputs and not got.errors, mode
