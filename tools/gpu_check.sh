@@ -88,6 +88,20 @@ PY
         --output-tokens 8 --device-tokens 16384 --host-ratio 2 --max-running 8 \
         --cache-dir "$l3dir")
     local serve_rc=$?
+    echo "== per-pool presets on CUDA (swa, hybrid, dsv4): outputs_identical and pool_bytes"
+    # Issue 14: each pool's own lifecycle on the device; informational, like the table above.
+    local preset extra
+    for preset in swa hybrid dsv4; do
+        extra=()
+        [ "$preset" = dsv4 ] && extra=(--page-size 128)
+        rm -rf "$l3dir"/*
+        (cd "$src" && timeout 90 "$py" -m hicache.tools.cli serve --device cuda --compare \
+            --json -q --preset "$preset" "${extra[@]}" --clients 8 --rounds 2 \
+            --cache-dir "$l3dir") | "$py" -c 'import json, sys; d = json.load(sys.stdin)
+print(sys.argv[1], "outputs_identical", d["outputs_identical"])
+for r in d["configs"]: print("  ", r["name"], r["hit_rate"], r["pool_bytes"])' "$preset" \
+            || echo "$preset: FAILED"
+    done
     rm -rf "$src" "$l3dir"
     echo "== exit: tests $tests_rc, bench $bench_rc, serve $serve_rc"
     [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
