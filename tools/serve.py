@@ -25,14 +25,14 @@ from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.arrivals import TraceReplay
 from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.model import TinyTransformer
-from hicache.serving.pool_report import pool_bytes, state_snapshots
+from hicache.serving.pool_report import pool_bytes
 from hicache.serving.presets import (
     MODEL_LIMITS,
     SEED_MAX,
     ModelConfig,
     ModelPreset,
 )
-from hicache.serving.report import oracle_hit_rate, print_table, summarize
+from hicache.serving.report import config_row, oracle_hit_rate, print_table
 from hicache.serving.setup import host_pages, open_engine, resolve_device
 from hicache.serving.traces import TraceRequest, load_trace
 from hicache.serving.workloads import (
@@ -262,33 +262,15 @@ async def _run_one(
         if setup.cache is not None:  # what is queued for L3 lands before L3 is counted
             with contextlib.suppress(TimeoutError):  # a slow L3: count what is there
                 await setup.cache.quiesce(_SETTLE_S)
+        wall = time.perf_counter() - started  # the run and its L3 writes, not the count below
         sizes = await pool_bytes(setup.engine.pools, setup.cache)
     finally:
         await setup.close()
-    wall = time.perf_counter() - started
     if not args.quiet and not args.json:
         print(file=sys.stderr)
-    metrics = setup.controller.metrics.as_dict() if setup.controller else {}
-    # A wrapped L3 (--l3-bandwidth) reports its inner backend's counters as "inner.<name>".
-    metrics["bytes_staged"] = float(
-        sum(v for k, v in l3.items() if k.rsplit(".", 1)[-1] == "bytes_staged")
-    )
-    run.row = summarize(mode.value, records, wall, metrics)
-    run.row["rounds_ttft_ms"] = _ttft_by_round(records)
-    run.row["pool_bytes"] = sizes
-    snapshots = state_snapshots(setup.engine.pools, sizes)
-    if snapshots is not None:
-        run.row["state_snapshots"] = snapshots
+    run.row = config_row(setup, mode.value, records, wall, l3, sizes)
     run.first_error = next((r.error for r in records if r.error is not None), None)
     return run
-
-
-def _ttft_by_round(records: list[Any]) -> list[float]:
-    by_round: dict[int, list[float]] = {}
-    for r in records:
-        if r.ttft_s is not None and "-r" in r.rid:
-            by_round.setdefault(int(r.rid.rsplit("-r", 1)[1]), []).append(r.ttft_s * 1000)
-    return [round(sum(v) / len(v), 2) for _, v in sorted(by_round.items())]
 
 
 async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_ConfigRun]]:

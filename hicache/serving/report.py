@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.keys import RadixKey
 from hicache.radix.tree import RadixCache, RadixCacheConfig
+from hicache.serving.pool_report import state_snapshots
 from hicache.serving.request import RequestRecord
 
-__all__ = ["oracle_hit_rate", "print_table", "summarize"]
+if TYPE_CHECKING:
+    from hicache.serving.setup import ServingSetup
+
+__all__ = ["config_row", "oracle_hit_rate", "print_table", "summarize", "ttft_by_round"]
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -175,3 +179,35 @@ def print_table(rows: Sequence[dict[str, Any]], out: Any) -> None:
                 value = value / 1e6
             cells.append(fmt.format(value))
         print("".join(cells), file=out)
+
+
+def config_row(
+    setup: ServingSetup,
+    name: str,
+    records: list[Any],
+    wall: float,
+    l3: dict[str, Any],
+    sizes: dict[str, Any],
+) -> dict[str, Any]:
+    """One configuration's JSON row: the summary, TTFT per round and what each pool holds."""
+    metrics = setup.controller.metrics.as_dict() if setup.controller else {}
+    # A wrapped L3 (--l3-bandwidth) reports its inner backend's counters as "inner.<name>".
+    metrics["bytes_staged"] = float(
+        sum(v for k, v in l3.items() if k.rsplit(".", 1)[-1] == "bytes_staged")
+    )
+    row = summarize(name, records, wall, metrics)
+    row["rounds_ttft_ms"] = ttft_by_round(records)
+    row["pool_bytes"] = sizes
+    snapshots = state_snapshots(setup.engine.pools, sizes)
+    if snapshots is not None:
+        row["state_snapshots"] = snapshots
+    return row
+
+
+def ttft_by_round(records: list[Any]) -> list[float]:
+    """Mean TTFT (ms) per chat round, from request ids ``<client>-r<round>``."""
+    by_round: dict[int, list[float]] = {}
+    for r in records:
+        if r.ttft_s is not None and "-r" in r.rid:
+            by_round.setdefault(int(r.rid.rsplit("-r", 1)[1]), []).append(r.ttft_s * 1000)
+    return [round(sum(v) / len(v), 2) for _, v in sorted(by_round.items())]
