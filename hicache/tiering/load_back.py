@@ -25,9 +25,11 @@ __all__ = ["load_back"]
 _NONE = torch.empty(0, dtype=torch.int64)
 
 
-def _plan(tree: HiRadixCache, node: TreeNode) -> tuple[list[TreeNode], dict[str, list[TreeNode]]]:
+def _plan(
+    tree: HiRadixCache, node: TreeNode
+) -> tuple[list[TreeNode], dict[str, list[TreeNode]]] | None:
     """(the anchor chain on host only, root first; per extra pool, the nodes to load, root
-    first), or an empty plan when some needed data is on neither tier."""
+    first), or None when some needed data is on neither tier."""
     chain: list[TreeNode] = []
     walk = node
     while walk.parent is not None and walk.value is None:
@@ -39,10 +41,18 @@ def _plan(tree: HiRadixCache, node: TreeNode) -> tuple[list[TreeNode], dict[str,
         nodes = needed_nodes(tree.roles, pool, node, tree.page_size)
         missing = [n for n in reversed(nodes) if tree.ledger.data(n, pool) is None]
         if any(host_of(n, pool) is None for n in missing):
-            return [], {}
+            return None
         if missing:
             extras[pool] = missing
     return chain, extras
+
+
+def _short_of(node: TreeNode, chain: list[TreeNode]) -> TreeNode:
+    """What a load-back that loads nothing returns: the node above the anchor's host-only chain,
+    or ``node``'s parent when only another pool's data was missing (never ``node`` itself,
+    which would say the prefix is on the device)."""
+    top = chain[0].parent if chain else node.parent
+    return top if top is not None else node  # a namespace root: nothing to load anyway
 
 
 def _alloc(tree: HiRadixCache, pool: str, count: int) -> torch.Tensor | None:
@@ -94,11 +104,14 @@ def load_back(
     tree: HiRadixCache, node: TreeNode, mem_quota: int | None = None
 ) -> tuple[torch.Tensor, TreeNode]:
     """Load what the prefix ending at ``node`` lacks on the device; (the anchor slots loaded,
-    the node the device prefix now ends at). See :meth:`HiRadixCache.init_load_back`."""
-    chain, extras = _plan(tree, node)
+    ``node`` when the whole prefix is on the device now (or on its way), else an ancestor of
+    it, nothing loaded). See :meth:`HiRadixCache.init_load_back`."""
+    planned = _plan(tree, node)
+    if planned is None:
+        return _NONE, _short_of(node, [])
+    chain, extras = planned
     tokens = sum(n.length for n in chain)
-    top = chain[0].parent if chain else node
-    assert top is not None
+    top = _short_of(node, chain)
     if not chain and not extras:
         return _NONE, node
     if chain and tokens < tree.tiers.load_back_threshold_tokens:

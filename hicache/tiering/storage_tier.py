@@ -89,7 +89,6 @@ class StorageTier:
         self.bundler = bundler
         self.metrics = metrics
         self.backend: StorageBackend | None = None
-        self.page_bytes = sum(p.spec.page_bytes for p in bundler.host_pools.values())
         self._queue: deque[WriteJob] = deque()
         self._queued_pages = 0
         self._writing = 0  # jobs a worker is writing now

@@ -223,3 +223,28 @@ async def test_a_store_written_with_another_window_serves_only_where_it_suffices
         wide.recount()
     finally:
         await wide.close()
+
+
+async def test_a_load_back_that_cannot_place_a_window_says_nothing_was_loaded() -> None:
+    """Only the window is missing on the device and the window pool is full of locked data:
+    nothing is loaded, and the node returned is not the prefix's end (which would claim the
+    prefix is on the device)."""
+    kit = await PoolKit.build(PoolPreset.SWA, sizes={"swa": WINDOW})
+    try:
+        first, other = _tokens(24), _tokens(24, base=5000)
+        assert kit.cache(first)
+        assert kit.tree.evict_pool("swa", 1) == WINDOW  # to host: the pool is empty again
+        assert kit.cache(other)
+        held = kit.tree.match_prefix(RadixKey(other), count_hits=False).last_device_node
+        kit.tree.ledger.lock(held, "swa")  # the pool's only window may not be evicted
+        match = kit.tree.match_prefix(RadixKey(first), count_hits=False)
+        assert (match.prefix_len, match.host_hit_length) == (0, 24)
+        end = match.last_host_node
+        assert end is not None
+        loaded, node = kit.tree.init_load_back(end)
+        assert len(loaded) == 0 and node is not end
+        assert kit.tree.ready_to_load_host_cache() == []
+        kit.tree.ledger.unlock(held, "swa")
+        kit.recount()
+    finally:
+        await kit.close()
