@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install torch==2.13.0
 	$(BIN)/python -m pip install -e '.[$(EXTRAS)]'
+	# Triton's interpreter runs the HiSparse kernel on the CPU in the tests (the version checked
+	# against torch 2.13.0's CPU build).
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install triton==3.4.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -30,6 +30,7 @@ __all__ = [
     "add_bench_backends",
     "add_bench_codec",
     "add_bench_controller",
+    "add_bench_hisparse",
     "add_bench_layouts",
     "add_bench_radix",
     "add_bench_tools",
@@ -58,6 +59,10 @@ BENCHMARKS: dict[str, Command] = {
     "controller": Command(
         "controller CPU overhead per page, and L3 round trip vs raw file I/O",
         f"{_HERE}:add_bench_controller",
+    ),
+    "hisparse": Command(
+        "long-context decode at a fixed device budget, with and without HiSparse",
+        f"{_HERE}:add_bench_hisparse",
     ),
 }
 
@@ -223,4 +228,13 @@ def add_bench_controller(bench_sub: Any) -> argparse.ArgumentParser:
 
     p = add_bench_controller_parser(bench_sub)
     p.set_defaults(bench_run=run_bench_controller)
+    return p
+
+
+def add_bench_hisparse(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add ``bench hisparse`` from :mod:`hicache.tools.bench_hisparse` (imports torch)."""
+    from hicache.tools.bench_hisparse import add_bench_hisparse_parser, run_bench_hisparse
+
+    p = add_bench_hisparse_parser(bench_sub)
+    p.set_defaults(bench_run=run_bench_hisparse)
     return p

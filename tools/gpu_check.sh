@@ -46,7 +46,7 @@ main() {
     local repo=$PWD
     # Only the directories that hold CUDA tests: the rest need packages a bare GPU image may lack.
     local dirs=() d
-    for d in tests/layouts tests/pools tests/tiering tests/serving; do [ -d "$repo/$d" ] && dirs+=("$repo/$d"); done
+    for d in tests/layouts tests/pools tests/tiering tests/serving tests/sparse; do [ -d "$repo/$d" ] && dirs+=("$repo/$d"); done
     (cd "$src" && timeout "$tests_limit" "$py" -m pytest -m cuda -q -p no:cacheprovider \
         -c "$repo/pyproject.toml" --rootdir "$repo" "${dirs[@]}")
     local tests_rc=$?
@@ -102,6 +102,16 @@ print(sys.argv[1], "outputs_identical", d["outputs_identical"])
 for r in d["configs"]: print("  ", r["name"], r["hit_rate"], r["pool_bytes"])' "$preset" \
             || echo "$preset: FAILED"
     done
+    echo "== HiSparse on CUDA: serve dsa --hisparse --compare, then bench hisparse (Triton step)"
+    # Issue 15: the Triton kernel against the torch step runs in the pytest -m cuda above
+    # (tests/sparse); here the engine decodes from the hot buffer on the GPU.
+    rm -rf "$l3dir"/*
+    (cd "$src" && timeout 90 "$py" -m hicache.tools.cli serve --device cuda --compare --json -q \
+        --preset dsa --hisparse --hot-pages 8 --clients 8 --rounds 2 --output-tokens 16 \
+        --cache-dir "$l3dir") | "$py" -c 'import json, sys; d = json.load(sys.stdin)
+print("dsa --hisparse outputs_identical", d["outputs_identical"])' || echo "dsa --hisparse: FAILED"
+    (cd "$src" && timeout 240 "$py" -m hicache.tools.cli bench hisparse --json --context 8192 \
+        --high 16 --output-tokens 48) || echo "bench hisparse: FAILED"
     rm -rf "$src" "$l3dir"
     echo "== exit: tests $tests_rc, bench $bench_rc, serve $serve_rc"
     [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

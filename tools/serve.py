@@ -52,7 +52,12 @@ from hicache.tools.cli_parsing import (
     path_arg,
 )
 from hicache.tools.config_flags import add_hicache_flags
-from hicache.tools.serve_config import check_sizes, hicache_config
+from hicache.tools.serve_config import (
+    add_hisparse_flags,
+    check_sizes,
+    hicache_config,
+    hisparse_config,
+)
 from hicache.tools.serve_config import model_config as config_of_model
 
 __all__ = ["add_serve_parser", "run_serve"]
@@ -116,6 +121,12 @@ def _add_model_and_workload(p: argparse.ArgumentParser) -> None:
         limit = MODEL_LIMITS["vocab_size" if flag == "vocab" else flag.replace("-", "_")]
         m.add_argument(f"--{flag}", type=int_range(1, limit), default=default)
     m.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
+    m.add_argument(
+        "--index-topk",
+        type=int_range(1, MODEL_LIMITS["index_topk_pages"]),
+        default=ModelConfig().index_topk_pages,
+        help="dsa preset: pages each query attends to (its own included)",
+    )
     _add_pool_flags(m)
     w = p.add_argument_group("workload")
     w.add_argument(
@@ -157,6 +168,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--chunk-tokens", type=int_range(1, 1 << 20), default=512)
     e.add_argument("--schedule", choices=[x.value for x in SchedulePolicy], default="lpm")
     e.add_argument("--temperature", type=float_range(0, 1000), default=0.0, help="0: greedy")
+    add_hisparse_flags(e)
     e.add_argument(
         "--cache-dir", type=path_arg, default=DEFAULT_CACHE_DIR, help="the default file L3"
     )
@@ -230,9 +242,12 @@ async def _run_one(
     hicache: HiCacheConfig,
     trace: list[TraceRequest] | None,
 ) -> _ConfigRun:
+    hisparse = (
+        hisparse_config(args) if mode in (CacheMode.DEVICE_HOST, CacheMode.DEVICE_HOST_L3) else None
+    )
     engine_config = EngineConfig(
         max_running=args.max_running, chunk_tokens=args.chunk_tokens,
-        schedule=SchedulePolicy(args.schedule), temperature=args.temperature,
+        schedule=SchedulePolicy(args.schedule), temperature=args.temperature, hisparse=hisparse,
     )  # fmt: skip
     source = _source(args, model.config.vocab_size, trace)
     try:
@@ -276,6 +291,9 @@ async def _run_one(
 async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_ConfigRun]]:
     hicache = hicache_config(args)
     model_config = config_of_model(args)
+    hisparse = hisparse_config(args)
+    if hisparse is not None:
+        hisparse.check(model_config)  # before anything is allocated
     check_sizes(args, model_config, hicache)
     trace = _load_trace(args)
     model = TinyTransformer(model_config, resolve_device(args.device))

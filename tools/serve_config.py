@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import torch
 
@@ -19,11 +20,20 @@ from hicache.serving.presets import (
     dsv4_defaults,
 )
 from hicache.serving.setup import device_slots, host_pages, resolve_device
+from hicache.sparse.hot_buffer import HOT_PAGES_MAX, HiSparseConfig
 from hicache.tiering.config import HiCacheConfig, check_config
 from hicache.tools import cli_parsing
+from hicache.tools.cli_parsing import int_range
 from hicache.tools.config_flags import config_from_args
 
-__all__ = ["MAX_REQUESTS", "check_sizes", "hicache_config", "model_config"]
+__all__ = [
+    "MAX_REQUESTS",
+    "add_hisparse_flags",
+    "check_sizes",
+    "hicache_config",
+    "hisparse_config",
+    "model_config",
+]
 
 MAX_REQUESTS = 1_000_000  # clients x rounds
 
@@ -48,9 +58,29 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(
         preset=preset, vocab_size=args.vocab, hidden=args.hidden,
         layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        page_size=args.page_size, seed=args.seed,
+        page_size=args.page_size, seed=args.seed, index_topk_pages=args.index_topk,
         kv_dtype=DType.BFLOAT16 if device.type == "cuda" else DType.FLOAT32, **given,
     )  # fmt: skip
+
+
+def add_hisparse_flags(group: Any) -> None:
+    group.add_argument(
+        "--hisparse",
+        action="store_true",
+        help="dsa preset: decode from a per-request device hot buffer over host memory "
+        "(the configurations with a host tier)",
+    )
+    group.add_argument(
+        "--hot-pages",
+        type=int_range(1, HOT_PAGES_MAX),
+        default=HiSparseConfig().hot_pages,
+        help="--hisparse: device pages of latent per request and layer (at least --index-topk)",
+    )
+
+
+def hisparse_config(args: argparse.Namespace) -> HiSparseConfig | None:
+    """HiSparse as ``--hisparse`` and ``--hot-pages`` say (None without ``--hisparse``)."""
+    return HiSparseConfig(hot_pages=args.hot_pages) if args.hisparse else None
 
 
 def hicache_config(args: argparse.Namespace) -> HiCacheConfig:

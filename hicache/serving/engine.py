@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import math
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -31,8 +33,13 @@ from hicache.radix.tree import RadixCache
 from hicache.scheduling.scheduler import PrefixScheduler, SchedulePolicy, SchedulerConfig
 from hicache.serving.model import ChunkInput, TinyTransformer
 from hicache.serving.pool_slots import PoolSlots
-from hicache.serving.request import RequestRecord, RequestState, ServeRequest
+from hicache.serving.request import RequestRecord, RequestState, ServeRequest, StepRecord
+from hicache.sparse.hot_buffer import HiSparseConfig
+from hicache.sparse.requests import HotEntry
 from hicache.tiering.cache import HiRadixCache
+
+if TYPE_CHECKING:
+    from hicache.sparse.requests import HiSparseRequests
 
 __all__ = ["CacheMode", "Engine", "EngineConfig", "RequestSource"]
 
@@ -53,6 +60,7 @@ class EngineConfig:
     sample_seed: int = 0
     skip_slow_prefetch: bool = True  # skip a prefetch that would take longer than prefill
     stall_s: float = 60.0  # a request that cannot be admitted with nothing running this long fails
+    hisparse: HiSparseConfig | None = None  # DSA decode from a hot buffer (needs a host tier)
 
     def __post_init__(self) -> None:
         for name, limit in (("max_running", 1 << 16), ("chunk_tokens", 1 << 30)):
@@ -100,8 +108,15 @@ class Engine:
         self.scheduler = PrefixScheduler(tree, SchedulerConfig(policy=config.schedule))
         self.pool_slots = PoolSlots(model.config, pools, tree, config.chunk_tokens)
         self.records: list[RequestRecord] = []
+        self.sparse: HiSparseRequests | None = None  # HiSparse decode (use_hisparse)
+        self.on_step: Callable[[StepRecord], None] | None = None  # told of every step
+        self._forward_pool: ThreadPoolExecutor | None = None  # while run() runs
         self.prefill_tokens_per_s: float | None = None
         self._t0 = 0.0
+
+    def use_hisparse(self, sparse: HiSparseRequests) -> None:
+        """Decode DSA requests from ``sparse``'s hot buffer once their prompt is computed."""
+        self.sparse = sparse
 
     @property
     def hiradix(self) -> HiRadixCache | None:
@@ -112,6 +127,16 @@ class Engine:
 
     # ----- the loop ---------------------------------------------------------------------------
     async def run(self, source: RequestSource) -> list[RequestRecord]:
+        # One thread runs every forward: torch's intra-op thread team is set up per calling
+        # thread, and a new one for each step costs more than a small step.
+        with ThreadPoolExecutor(1, thread_name_prefix="hicache-forward") as pool:
+            self._forward_pool = pool
+            try:
+                return await self._run(source)
+            finally:
+                self._forward_pool = None
+
+    async def _run(self, source: RequestSource) -> list[RequestRecord]:
         self._t0 = self._clock()
         waiting: list[ServeRequest] = []
         running: list[ServeRequest] = []
@@ -199,6 +224,8 @@ class Engine:
             return f"token ids must be integers in [0, {vocab})"
         if request.max_new_tokens < 1:
             return "max_new_tokens must be at least 1"
+        if self.sparse is not None:
+            return self.sparse.refusal(request, self.anchor.size)
         if len(request.prompt) + request.max_new_tokens > self.anchor.size:
             return (
                 f"prompt of {len(request.prompt)} tokens plus {request.max_new_tokens} to "
@@ -236,7 +263,10 @@ class Engine:
     def _start(self, request: ServeRequest) -> bool:
         prefix, last, hits = self._cached_prefix(request)
         tree = self.tree
-        total = len(request.prompt) + request.max_new_tokens
+        # HiSparse: the output never takes anchor slots (it decodes from the hot buffer).
+        total = len(request.prompt) + (0 if self.sparse else request.max_new_tokens)
+        if self.sparse is not None and not self.sparse.admit(request):
+            return False
         page = self.anchor.page_size
         need = -(-(total - len(prefix)) // page) * page
         shared = self.pool_slots.shared_end(request)  # before evicting for the request
@@ -251,6 +281,8 @@ class Engine:
                 self.anchor.free(slots)
             if tree is not None and last is not None:
                 tree.dec_lock_ref(last)
+            if self.sparse is not None:
+                self.sparse.release(request)
             return False
         request.pool_state = extra
         row = self.req_to_token.alloc()
@@ -305,30 +337,78 @@ class Engine:
 
     # ----- forward ----------------------------------------------------------------------------
     async def _step(self, running: list[ServeRequest]) -> list[ServeRequest]:
-        """One forward over a chunk of every running request; the ones that finished."""
-        chunks = [self._next_chunk(request) for request in running]
-        loads = [load for request in running for load in request.pending_loads]
+        """One forward over a chunk of every running request; the ones that finished (or
+        failed)."""
+        done = self._enter_hot(running)
+        active = [r for r in running if r.hot is None or r.hot.entered or not self._prefilled(r)]
+        if not active:  # all wait for host memory to take their prompt (HiSparse)
+            assert self.hiradix is not None
+            await self.hiradix.storage.wait_for_activity(0.01)
+            return done
+        chunks = [self._next_chunk(request) for request in active]
+        loads = [load for request in active for load in request.pending_loads]
         began = time.perf_counter()
+        hot = self.sparse.buffer if self.sparse is not None else None
+        if hot is not None:
+            hot.begin_step()
         # In a thread, as a GPU would run it: meanwhile the event loop moves L3 reads and
         # writes on. Nothing else touches the device pools until the forward has returned.
-        logits = await asyncio.to_thread(
-            self.model.forward_batch, chunks, self.pools, self._waiter(loads)
+        forward = functools.partial(
+            self.model.forward_batch, chunks, self.pools, self._waiter(loads), hot
         )
-        prompt_lens = [len(r.prompt) for r in running]
+        logits = await asyncio.get_running_loop().run_in_executor(self._forward_pool, forward)
+        prompt_lens = [len(r.prompt) for r in active]
         prefill = sum(len(c.tokens) for c, n in zip(chunks, prompt_lens) if c.start < n)
         self._observe_prefill(prefill, time.perf_counter() - began)
-        done = []
-        for request, chunk, out in zip(list(running), chunks, logits, strict=True):
+        decode = sum(1 for c, n in zip(chunks, prompt_lens) if c.start >= n)
+        for request, chunk, out in zip(active, chunks, logits, strict=True):
             request.pending_loads = []
             if self._after_chunk(request, chunk, out):
                 running.remove(request)
                 self._finish(request)
                 done.append(request)
+        if self.on_step is not None:
+            self.on_step(StepRecord(time.perf_counter() - began, prefill, decode))
         return done
+
+    @staticmethod
+    def _prefilled(request: ServeRequest) -> bool:
+        cached = request.cached
+        return cached is not None and cached.kv_len >= len(request.prompt)
+
+    def _enter_hot(self, running: list[ServeRequest]) -> list[ServeRequest]:
+        """HiSparse: move requests whose prompt is computed onto the hot buffer. One that
+        waited ``stall_s`` for host memory, or whose prefix the tree lost, fails (it is taken
+        out of ``running`` and returned)."""
+        failed: list[ServeRequest] = []
+        if self.sparse is None:
+            return failed
+        for request in list(running):
+            hot = request.hot
+            if hot is None or hot.entered or not self._prefilled(request):
+                continue
+            entry = self.sparse.enter(request, self.pool_slots.commit)
+            if entry is HotEntry.ENTERED:
+                continue
+            if hot.waiting_since is None:
+                hot.waiting_since = self.now()
+            if entry is HotEntry.HOST_BUSY and self.now() - hot.waiting_since < self.config.stall_s:
+                continue
+            tree = self.hiradix  # HiSparse runs over the tiered cache
+            assert tree is not None and request.cached is not None
+            tree.release_request(request.cached)
+            self.sparse.release(request)
+            running.remove(request)
+            request.state, request.record.error = RequestState.FAILED, f"HiSparse: {entry.value}"
+            failed.append(request)
+        return failed
 
     def _next_chunk(self, request: ServeRequest) -> ChunkInput:
         cached = request.cached
         assert cached is not None
+        if request.hot is not None and request.hot.entered:
+            assert self.sparse is not None
+            return self.sparse.chunk(request)
         start = cached.kv_len
         if start < len(request.prompt):
             tokens = request.prompt[start : start + self.config.chunk_tokens]
@@ -398,11 +478,19 @@ class Engine:
         cached = request.cached
         assert cached is not None
         cached.token_ids = request.all_tokens
+        if request.hot is not None and request.hot.entered:
+            self._finished(request)
+            return
         if self.tree is None:
             row = self.req_to_token.table[cached.req_pool_idx]
             self.anchor.free(row[: cached.allocated].clone())
             self.req_to_token.free(cached.req_pool_idx)
         self.pool_slots.finish(cached, request.pool_state)
+        self._finished(request)
+
+    def _finished(self, request: ServeRequest) -> None:
+        if self.sparse is not None:
+            self.sparse.release(request)
         request.pool_state = None
         request.state = RequestState.FINISHED
         rec = request.record

@@ -33,6 +33,12 @@ from hicache.serving.model_layers import (
     recurrent_layer,
     window_layer,
 )
+from hicache.serving.model_sparse import (
+    DecodePages,
+    decode_rows,
+    rope_dim,
+    sparse_latent_outputs,
+)
 from hicache.serving.presets import LayerKind, ModelConfig, layer_group, pool_of
 
 __all__ = ["ChunkInput", "TinyTransformer"]
@@ -54,6 +60,9 @@ class ChunkInput:
     the state after ``start`` tokens from instead (a cached snapshot: read per layer, after any
     load into it); ``snapshots`` maps a position ``p`` in ``start .. start + n`` to a state slot
     that receives the state after ``p`` tokens.
+
+    HiSparse (a DSA decode token, ``hot_row`` set): ``slots`` are the request's slots in the hot
+    buffer's indexer pool, and its latent is reached through its row of the hot buffer.
     """
 
     tokens: torch.Tensor  # (n,) int64
@@ -63,6 +72,7 @@ class ChunkInput:
     state_slot: int | None = None
     snapshots: dict[int, int] = field(default_factory=dict)
     state_from: int | None = None
+    hot_row: int | None = None
 
     @property
     def end(self) -> int:
@@ -106,8 +116,11 @@ class TinyTransformer:
             if kind in (LayerKind.LATENT, LayerKind.SPARSE_LATENT):
                 p["w_dkv"] = w(c.hidden, c.latent_dim)
                 p["w_uk"], p["w_uv"] = w(c.latent_dim, q_dim), w(c.latent_dim, q_dim)
-            if kind is LayerKind.SPARSE_LATENT:
+            if kind is LayerKind.SPARSE_LATENT:  # the latent's last dims are its rotary key
                 p["w_iq"], p["w_ik"] = w(c.hidden, c.index_dim), w(c.hidden, c.index_dim)
+                r = rope_dim(c.latent_dim)
+                p["w_uk"], p["w_uv"] = w(c.latent_dim - r, q_dim), w(c.latent_dim - r, q_dim)
+                p["w_qr"] = w(c.hidden, c.heads * r)
             group = layer_group(kind)
             if group is not None:  # dsv4: window K/V, and entries compressed from them
                 p["wk"], p["wv"] = w(c.hidden, kv_dim), w(c.hidden, kv_dim)
@@ -150,9 +163,11 @@ class TinyTransformer:
         chunks: Sequence[ChunkInput],
         pools: Mapping[str, DevicePool],
         wait: LayerWait | None = None,
+        hot: DecodePages | None = None,
     ) -> list[torch.Tensor]:
         """One step over several requests' chunks: the per-token work (norms, MLP, output
-        projection) runs on all tokens at once, attention per request over its own context.
+        projection) runs on all tokens at once, attention per request over its own context
+        (DSA decode tokens batched, their latent from ``hot`` for HiSparse rows).
         Returns each chunk's last-token logits (vocab,) in float32 on the CPU."""
         c = self.config
         inputs, token_ids = [], []
@@ -165,7 +180,7 @@ class TinyTransformer:
                 AttentionInputs(
                     chunk.slots.to(self.device), chunk.start, positions,
                     {name: s.to(self.device) for name, s in chunk.pool_slots.items()},
-                    chunk.state_slot, dict(chunk.snapshots), chunk.state_from,
+                    chunk.state_slot, dict(chunk.snapshots), chunk.state_from, chunk.hot_row,
                 )
             )  # fmt: skip
             token_ids.append(tokens)
@@ -173,16 +188,23 @@ class TinyTransformer:
         for tokens in token_ids:
             bounds.append(bounds[-1] + len(tokens))
         x = self.embed[torch.cat(token_ids)]
+        step = None  # the DSA layers' view of the step's chunks, built once
         for index, (kind, p) in enumerate(zip(c.layer_kinds(), self.layers, strict=True)):
             layer_pools = c.layer_pools(index)
             if wait is not None:
                 for name, number in layer_pools.items():
                     wait(name, number)
             h = self.rms_norm(x, p["norm1"])
-            outs = [
-                self._mix(kind, p, h[lo:hi], pools, layer_pools, inp)
-                for lo, hi, inp in zip(bounds, bounds[1:], inputs, strict=False)
-            ]
+            if kind is LayerKind.SPARSE_LATENT:
+                if step is None:
+                    step = (bounds, inputs, decode_rows(inputs, bounds))
+                layer = layer_pools["latent"]
+                outs = sparse_latent_outputs(self, p, h, step, pools, layer, hot)
+            else:
+                outs = [
+                    self._mix(kind, p, h[lo:hi], pools, layer_pools, inp)
+                    for lo, hi, inp in zip(bounds, bounds[1:], inputs, strict=False)
+                ]
             x = x + torch.cat(outs)
             h = self.rms_norm(x, p["norm2"])
             x = x + (torch.nn.functional.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
@@ -207,8 +229,8 @@ class TinyTransformer:
         layer = layer_pools[pool_name]
         if kind is LayerKind.RECURRENT:
             return recurrent_layer(self, p, h, pools, layer, inp)
-        if kind in (LayerKind.LATENT, LayerKind.SPARSE_LATENT):
-            return latent_layer(self, p, h, pools, layer, inp, kind)
+        if kind is LayerKind.LATENT:
+            return latent_layer(self, p, h, pools, layer, inp)
         if kind is LayerKind.WINDOW:
             return window_layer(self, p, h, pools[pool_name], layer, inp)
         return attention_layer(self, p, h, pools[pool_name], layer, inp)

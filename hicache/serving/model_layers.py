@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.pools.device import DevicePool, pack_indexer, unpack_indexer
-from hicache.serving.presets import LayerKind
+from hicache.pools.device import DevicePool
 
 if TYPE_CHECKING:
     from hicache.serving.model import TinyTransformer
@@ -38,6 +37,7 @@ class AttentionInputs:
     state_slot: int | None = None
     snapshots: dict[int, int] = field(default_factory=dict)
     state_from: int | None = None
+    hot_row: int | None = None  # HiSparse: its row of the hot buffer (see ChunkInput)
 
     @property
     def new_slots(self) -> torch.Tensor:
@@ -160,9 +160,9 @@ def latent_layer(
     pools: Mapping[str, DevicePool],
     layer: int,
     inp: AttentionInputs,
-    kind: LayerKind,
 ) -> torch.Tensor:
-    """MLA: K and V are projected from a cached latent; DSA adds page selection by an indexer."""
+    """MLA: K and V are projected from a cached latent (DSA's sparse layers:
+    :mod:`hicache.serving.model_sparse`)."""
     c = model.config
     n, total = h.shape[0], len(inp.slots)
     latent_pool = pools["latent"]
@@ -174,44 +174,7 @@ def latent_layer(
     k = model.rope((latent @ p["w_uk"]).view(total, c.heads, c.head_dim), key_pos)
     v = (latent @ p["w_uv"]).view(total, c.heads, c.head_dim)
     q = model.rope((h @ p["wq"]).view(n, c.heads, c.head_dim), inp.positions)
-    allowed = None
-    if kind is LayerKind.SPARSE_LATENT:
-        allowed = _indexer_pages(model, p, h, pools["indexer"], layer, inp)
-    return _attend(model, q, k, v, inp, None, allowed) @ p["wo"]
-
-
-def _indexer_pages(
-    model: TinyTransformer,
-    p: dict[str, torch.Tensor],
-    h: torch.Tensor,
-    pool: DevicePool,
-    layer: int,
-    inp: AttentionInputs,
-) -> torch.Tensor:
-    """Which context tokens each query may attend to: those of its top-k pages by indexer score
-    (its own page always), from fp8 indexer keys cached per token."""
-    c = model.config
-    n, total, ps = h.shape[0], len(inp.slots), c.page_size
-    keys = h @ p["w_ik"]
-    scale = keys.abs().amax(-1).clamp_min(1e-12) / _FP8_MAX
-    fp8 = (keys / scale[:, None]).to(torch.float8_e4m3fn)
-    pool.buffer[0, layer, inp.new_slots] = pack_indexer(fp8, scale.to(torch.float32))
-    stored, scales = unpack_indexer(pool.buffer[0, layer, inp.slots])
-    cached_keys = stored.to(model.dtype) * scales.to(model.dtype)[:, None]
-    scores = (h @ p["w_iq"]) @ cached_keys.T  # (n, T)
-    key_pos = torch.arange(total, device=h.device)
-    scores = scores.masked_fill(key_pos[None, :] > inp.positions[:, None], -math.inf)
-    n_pages = -(-total // ps)
-    padded = torch.full((n, n_pages * ps), -math.inf, dtype=scores.dtype, device=h.device)
-    padded[:, :total] = scores
-    page_scores = padded.view(n, n_pages, ps).amax(-1)
-    own = (inp.positions // ps)[:, None]
-    page_scores.scatter_(1, own, math.inf)
-    top = torch.argsort(page_scores, dim=-1, descending=True, stable=True)
-    top = top[:, : min(c.index_topk_pages, n_pages)]
-    chosen = torch.zeros(n, n_pages, dtype=torch.bool, device=h.device).scatter_(1, top, True)
-    chosen &= page_scores > -math.inf
-    return chosen[:, key_pos // ps]
+    return _attend(model, q, k, v, inp) @ p["wo"]
 
 
 def recurrent_layer(

@@ -175,6 +175,11 @@ class ModelConfig:
             check_whole_pages("window_interval", self.window_interval, self.page_size)
         if self.preset is ModelPreset.HYBRID:
             check_whole_pages("state_interval", self.state_interval, self.page_size)
+        if self.preset is ModelPreset.DSA and self.latent_dim < 4:
+            raise ConfigError(
+                f"model latent_dim {self.latent_dim} must be at least 4 for the dsa preset: "
+                "its last dims are the rotary key"
+            )
         if self.preset is ModelPreset.DSV4:
             self._check_dsv4()
 

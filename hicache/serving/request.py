@@ -9,7 +9,7 @@ from typing import Any
 from hicache.keys import RadixKey
 from hicache.radix.lifecycle import CachedRequest
 
-__all__ = ["RequestRecord", "RequestState", "ServeRequest"]
+__all__ = ["RequestRecord", "RequestState", "ServeRequest", "StepRecord"]
 
 
 class RequestState(enum.Enum):
@@ -45,6 +45,15 @@ class RequestRecord:
         return None if self.admitted_s is None else self.admitted_s - self.arrival_s
 
 
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step: its wall time, and the tokens it computed."""
+
+    seconds: float
+    prefill_tokens: int  # prompt tokens, in chunks of the requests still prefilling
+    decode_tokens: int  # one per request that decoded
+
+
 @dataclass(eq=False)
 class ServeRequest:
     """A prompt to serve: ``max_new_tokens`` tokens are generated after it."""
@@ -60,6 +69,7 @@ class ServeRequest:
     cached: CachedRequest | None = None
     pending_loads: list[Any] = field(default_factory=list)
     pool_state: Any = None  # its slots in the model's extra pools (a PoolRequest), once running
+    hot: Any = None  # HiSparse: what it holds of the hot buffer (a HotRequest), once admitted
     cached_at_submit: int = 1 << 62  # device + host tokens when last checked for a prefetch
     record: RequestRecord = field(init=False)
     _key: RadixKey | None = field(default=None, init=False, repr=False)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from hicache.errors import ConfigError
 from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
 from hicache.radix.shadow import ShadowRadixCache
@@ -15,6 +17,8 @@ from hicache.serving.engine import CacheMode, Engine, EngineConfig
 from hicache.serving.model import TinyTransformer
 from hicache.serving.pool_slots import swa_reserve
 from hicache.serving.presets import ModelConfig
+from hicache.sparse.hot_buffer import HotBuffer
+from hicache.sparse.requests import HiSparseRequests
 from hicache.tiering.cache import HiRadixCache
 from hicache.tiering.config import HiCacheConfig
 from hicache.tiering.controller import HiCacheController
@@ -136,6 +140,13 @@ async def open_engine(
     config = model.config
     pools_spec = config.pools()
     engine_config = engine_config or EngineConfig()
+    if engine_config.hisparse is not None:
+        engine_config.hisparse.check(config)
+        if mode in (CacheMode.NONE, CacheMode.DEVICE):
+            raise ConfigError(
+                f"--hisparse needs a host tier (cache device+host or device+host+l3), not "
+                f"{mode.value!r}: the decoding requests' latent lives in host memory"
+            )
     sizes = device_slots(config, device_tokens, engine_config, mode is not CacheMode.NONE)
     device = device_pools(pools_spec, sizes, model.device)
     radix = RadixCacheConfig(page_size=config.page_size)
@@ -155,4 +166,28 @@ async def open_engine(
             hicache, storage=dataclasses.replace(hicache.storage, url=None)
         )
     tree = await HiRadixCache.open(hicache, device, host, radix)
-    return ServingSetup(Engine(model, device, tree, engine_config), tree)
+    engine = Engine(model, device, tree, engine_config)
+    if engine_config.hisparse is not None:
+        sparse = hisparse_requests(config, engine_config, tree, device_tokens, device)
+        engine.use_hisparse(sparse)
+    return ServingSetup(engine, tree)
+
+
+def hisparse_requests(
+    model: ModelConfig,
+    engine: EngineConfig,
+    tree: HiRadixCache,
+    device_tokens: int,
+    pools: dict[str, Any],
+) -> HiSparseRequests:
+    """A hot buffer of ``engine.max_running`` rows over the tree's host pool (see
+    :class:`~hicache.sparse.hot_buffer.HiSparseConfig`)."""
+    config = engine.hisparse
+    assert config is not None
+    rows = engine.max_running
+    ps = tree.page_size
+    index_tokens = config.index_tokens or rows * device_tokens
+    index_tokens = -(-index_tokens // ps) * ps
+    anchor = pools[tree.roles.anchor]
+    buffer = HotBuffer(model, config, rows, index_tokens, tree.host, anchor.device)
+    return HiSparseRequests(buffer, tree, pools)

@@ -107,7 +107,9 @@ def test_serve_with_nixl_posix_l3_moves_pages_zero_copy(
 ) -> None:
     if not any(importlib.util.find_spec(name) for name in ("nixl_cu12", "nixl")):
         pytest.skip("NIXL is not installed (pip install 'hicache[nixl]')")
-    result = serve(capsys, "--l3", f"nixl://{tmp_path}/kv", "--compare")
+    result = serve(
+        capsys, "--l3", f"nixl://{tmp_path}/kv", "--compare", "--prefetch-policy", "wait_complete"
+    )
     assert result["outputs_identical"] is True
     l3 = by_name(result)["device+host+l3"]
     assert l3["hit_tokens_l3"] > 0 and l3["errors"] == 0
