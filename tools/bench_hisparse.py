@@ -11,9 +11,12 @@ a distinct prompt of ``--context`` tokens generating ``--output-tokens``. The de
   the rest of the budget is hot buffer rows: ``--hot-pages`` pages of latent per layer plus the
   whole context's indexer keys per request; the latent lives in host memory.
 
-``decode_tok_s`` counts the steps in which every running request decoded (no prefill chunk), as
-tokens over the steps' wall time, so the figure is decode throughput and the prompts' prefill
-(the same work in both runs) is left out. Both runs of a concurrency serve the same prompts, and
+``decode_tok_s`` counts the steps at full occupancy: ``min(concurrency, running_max)``
+requests decoding and none prefilling, as tokens over those steps' wall time. So the figure is
+decode throughput at the concurrency the budget allows, and the prompts' prefill (the same work
+in both runs, one prompt at a time in HiSparse's anchor pool) is left out; the outputs must be
+long enough for every admitted request to be decoding at once (``decode_steps`` counts them).
+Both runs of a concurrency serve the same prompts, and
 ``outputs_identical`` says whether they generated the same tokens. ``throughput_ratio`` is the
 high-concurrency point's with / without; ``low_concurrency_ratio`` the low one's.
 """
@@ -49,7 +52,7 @@ def add_bench_hisparse_parser(bench_sub: Any) -> argparse.ArgumentParser:
         "hisparse", help="long-context decode at a fixed device budget, with and without HiSparse"
     )
     p.add_argument("--context", type=int_range(256, 1 << 17), default=8192, help="prompt tokens")
-    p.add_argument("--output-tokens", type=int_range(2, 1 << 14), default=64)
+    p.add_argument("--output-tokens", type=int_range(2, 1 << 14), default=256)
     p.add_argument("--low", type=int_range(1, 256), default=2, help="the low concurrency")
     p.add_argument("--high", type=int_range(1, 256), default=16, help="the high concurrency")
     p.add_argument(
@@ -154,7 +157,8 @@ def _row(
     steps: list[StepRecord],
     records: list[RequestRecord],
 ) -> dict[str, Any]:
-    decode = [s for s in steps if s.prefill_tokens == 0 and s.decode_tokens]
+    full = min(concurrency, sizes.max_running)
+    decode = [s for s in steps if s.prefill_tokens == 0 and s.decode_tokens == full]
     tokens, seconds = sum(s.decode_tokens for s in decode), sum(s.seconds for s in decode)
     anchor_bytes = sum(
         p.buffer.numel() * p.buffer.element_size() for p in setup.engine.pools.values()
@@ -165,7 +169,7 @@ def _row(
         "concurrency": concurrency,
         "hisparse": sparse is not None,
         "running_max": sizes.max_running,
-        "running_seen": max((s.decode_tokens for s in decode), default=0),
+        "running_seen": max((s.decode_tokens for s in steps), default=0),
         "decode_tok_s": round(tokens / seconds, 1) if seconds else 0.0,
         "decode_steps": len(decode),
         "miss_rate": round(stats.miss_rate, 4) if stats else 0.0,

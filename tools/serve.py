@@ -168,6 +168,11 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--chunk-tokens", type=int_range(1, 1 << 20), default=512)
     e.add_argument("--schedule", choices=[x.value for x in SchedulePolicy], default="lpm")
     e.add_argument("--temperature", type=float_range(0, 1000), default=0.0, help="0: greedy")
+    e.add_argument(
+        "--no-prefetch-skip",
+        action="store_true",
+        help="prefetch from L3 even when the measured rates say computing is faster",
+    )
     add_hisparse_flags(e)
     e.add_argument(
         "--cache-dir", type=path_arg, default=DEFAULT_CACHE_DIR, help="the default file L3"
@@ -248,6 +253,7 @@ async def _run_one(
     engine_config = EngineConfig(
         max_running=args.max_running, chunk_tokens=args.chunk_tokens,
         schedule=SchedulePolicy(args.schedule), temperature=args.temperature, hisparse=hisparse,
+        skip_slow_prefetch=not args.no_prefetch_skip,
     )  # fmt: skip
     source = _source(args, model.config.vocab_size, trace)
     try:

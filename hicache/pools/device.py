@@ -245,6 +245,6 @@ def unpack_indexer(
     """The (keys, scales) that :func:`pack_indexer` packed."""
     if packed.dtype != torch.uint8 or packed.shape[-1] <= INDEXER_SCALE_BYTES:
         raise LayoutError("packed indexer items are uint8 with a key and a 4-byte scale")
-    keys = packed[..., :-INDEXER_SCALE_BYTES].contiguous().view(key_dtype)
+    keys = packed[..., :-INDEXER_SCALE_BYTES].view(key_dtype)  # a view: 1-byte to 1-byte
     scales = packed[..., -INDEXER_SCALE_BYTES:].contiguous().view(torch.float32).squeeze(-1)
     return keys, scales

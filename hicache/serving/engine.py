@@ -8,80 +8,37 @@ pages loaded back, whose per-layer events the forward pass waits on) and slots f
 prompt and output, all at admission, so a running request never waits for memory. The model's
 extra pools (an SWA window pool, recurrent-state snapshots) have lifecycles of their own
 (:mod:`hicache.serving.pool_slots`): admission reserves what a request will hold there at most.
+With HiSparse (a DSA model, :mod:`hicache.sparse.requests`) a request takes anchor slots for its
+prompt only and decodes from a hot buffer row over host memory once its prompt is computed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
-import math
 import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hicache.errors import InvalidArgumentError
 from hicache.pools.req_to_token import ReqToTokenPool
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.pool_lifecycle import path_anchor
 from hicache.radix.tree import RadixCache
-from hicache.scheduling.scheduler import PrefixScheduler, SchedulePolicy, SchedulerConfig
+from hicache.scheduling.scheduler import PrefixScheduler, SchedulerConfig
+from hicache.serving.engine_config import CacheMode, EngineConfig, RequestSource
 from hicache.serving.model import ChunkInput, TinyTransformer
 from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestRecord, RequestState, ServeRequest, StepRecord
-from hicache.sparse.hot_buffer import HiSparseConfig
-from hicache.sparse.requests import HotEntry
 from hicache.tiering.cache import HiRadixCache
 
 if TYPE_CHECKING:
     from hicache.sparse.requests import HiSparseRequests
 
-__all__ = ["CacheMode", "Engine", "EngineConfig", "RequestSource"]
-
-
-class CacheMode(enum.Enum):
-    NONE = "none"  # every prompt computed in full
-    DEVICE = "device"  # RadixAttention on the device pool only
-    DEVICE_HOST = "device+host"
-    DEVICE_HOST_L3 = "device+host+l3"
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    max_running: int = 8
-    chunk_tokens: int = 512  # prefill chunk
-    schedule: SchedulePolicy = SchedulePolicy.LPM
-    temperature: float = 0.0  # 0: greedy
-    sample_seed: int = 0
-    skip_slow_prefetch: bool = True  # skip a prefetch that would take longer than prefill
-    stall_s: float = 60.0  # a request that cannot be admitted with nothing running this long fails
-    hisparse: HiSparseConfig | None = None  # DSA decode from a hot buffer (needs a host tier)
-
-    def __post_init__(self) -> None:
-        for name, limit in (("max_running", 1 << 16), ("chunk_tokens", 1 << 30)):
-            value = getattr(self, name)
-            if type(value) is not int or not 1 <= value <= limit:
-                raise InvalidArgumentError(f"{name} must be an int in [1, {limit}], got {value!r}")
-        # Written so that NaN fails too.
-        if not (isinstance(self.temperature, int | float) and 0 <= self.temperature < math.inf):
-            raise InvalidArgumentError(
-                f"temperature must be finite and >= 0, got {self.temperature!r}"
-            )
-        if not (isinstance(self.stall_s, int | float) and 0 < self.stall_s < math.inf):
-            raise InvalidArgumentError(f"stall_s must be finite and > 0, got {self.stall_s!r}")
-
-
-class RequestSource(Protocol):
-    """Where requests come from: arrivals by time, and follow-ups when one finishes."""
-
-    def due(self, now: float) -> list[ServeRequest]: ...
-    def finished(self, request: ServeRequest, now: float) -> None: ...
-    def next_arrival(self) -> float | None: ...
+__all__ = ["CacheMode", "Engine", "EngineConfig", "RequestSource"]  # the config re-exported
 
 
 class Engine:
@@ -377,30 +334,17 @@ class Engine:
         return cached is not None and cached.kv_len >= len(request.prompt)
 
     def _enter_hot(self, running: list[ServeRequest]) -> list[ServeRequest]:
-        """HiSparse: move requests whose prompt is computed onto the hot buffer. One that
-        waited ``stall_s`` for host memory, or whose prefix the tree lost, fails (it is taken
-        out of ``running`` and returned)."""
-        failed: list[ServeRequest] = []
+        """HiSparse: move requests whose prompt is computed onto the hot buffer; the ones that
+        failed to (taken out of ``running``)."""
         if self.sparse is None:
-            return failed
-        for request in list(running):
-            hot = request.hot
-            if hot is None or hot.entered or not self._prefilled(request):
-                continue
-            entry = self.sparse.enter(request, self.pool_slots.commit)
-            if entry is HotEntry.ENTERED:
-                continue
-            if hot.waiting_since is None:
-                hot.waiting_since = self.now()
-            if entry is HotEntry.HOST_BUSY and self.now() - hot.waiting_since < self.config.stall_s:
-                continue
-            tree = self.hiradix  # HiSparse runs over the tiered cache
-            assert tree is not None and request.cached is not None
-            tree.release_request(request.cached)
-            self.sparse.release(request)
+            return []
+        ready = [r for r in running if r.hot is not None and not r.hot.entered]
+        ready = [r for r in ready if self._prefilled(r)]
+        failed = self.sparse.enter_all(
+            ready, self.pool_slots.commit, self.now(), self.config.stall_s
+        )
+        for request in failed:
             running.remove(request)
-            request.state, request.record.error = RequestState.FAILED, f"HiSparse: {entry.value}"
-            failed.append(request)
         return failed
 
     def _next_chunk(self, request: ServeRequest) -> ChunkInput:

@@ -173,8 +173,8 @@ class TinyTransformer:
         inputs, token_ids = [], []
         for chunk in chunks:
             tokens = chunk.tokens.to(self.device)
-            if len(tokens) == 0 or int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
-                raise ValueError(f"token ids must be in [0, {c.vocab_size}), at least one")
+            if len(tokens) == 0:
+                raise ValueError("a chunk needs at least one token")
             positions = torch.arange(chunk.start, chunk.start + len(tokens), device=self.device)
             inputs.append(
                 AttentionInputs(
@@ -187,7 +187,10 @@ class TinyTransformer:
         bounds = [0]
         for tokens in token_ids:
             bounds.append(bounds[-1] + len(tokens))
-        x = self.embed[torch.cat(token_ids)]
+        ids = torch.cat(token_ids)
+        if int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:  # once for the whole step
+            raise ValueError(f"token ids must be in [0, {c.vocab_size})")
+        x = self.embed[ids]
         step = None  # the DSA layers' view of the step's chunks, built once
         for index, (kind, p) in enumerate(zip(c.layer_kinds(), self.layers, strict=True)):
             layer_pools = c.layer_pools(index)

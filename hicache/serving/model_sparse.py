@@ -154,9 +154,15 @@ def _index_keys(
     return pack_indexer(fp8, scale.to(torch.float32)), h @ p["w_iq"]
 
 
-def _dequantized(model: TinyTransformer, packed: torch.Tensor) -> torch.Tensor:
+def _index_scores(model: TinyTransformer, packed: torch.Tensor, iq: torch.Tensor) -> torch.Tensor:
+    """Indexer scores of queries ``iq`` ((n, D), or (B, D) with ``packed`` (B, T, ...)) over
+    cached fp8 keys ``packed`` ((T, ...) or (B, T, ...)): (n, T) or (B, T). Each key's scale is
+    applied after its dot product, one multiply per token instead of one per element."""
     stored, scales = unpack_indexer(packed)
-    return stored.to(model.dtype) * scales.to(model.dtype)[..., None]
+    keys, scales = stored.to(model.dtype), scales.to(model.dtype)
+    if keys.dim() == 2:
+        return (iq @ keys.T) * scales
+    return torch.bmm(keys, iq[:, :, None])[:, :, 0] * scales
 
 
 def rope_dim(latent_dim: int) -> int:
@@ -235,7 +241,7 @@ def sparse_prefill(
     latent_pool[0, layer, inp.new_slots] = (h @ p["w_dkv"]).view(n, 1, -1).to(latent_pool.dtype)
     packed, iq = _index_keys(model, p, h)
     index_pool[0, layer, inp.new_slots] = packed
-    scores = iq @ _dequantized(model, index_pool[0, layer, inp.slots]).T
+    scores = _index_scores(model, index_pool[0, layer, inp.slots], iq)
     top = top_pages(scores, inp.positions, ps, c.index_topk_pages)
     # Each query gathers its own pages (a union over a long chunk's queries covers most of the
     # context), in blocks that bound the gathered latent's size.
@@ -276,8 +282,7 @@ def sparse_decode(
     packed, iq = _index_keys(model, p, h)
     index = pages.index[0, layer]
     index[rows.new_slots] = packed
-    keys = _dequantized(model, index[rows.slots])  # (B, T, index_dim)
-    scores = torch.bmm(keys, iq[:, :, None])[:, :, 0]
+    scores = _index_scores(model, index[rows.slots], iq)  # (B, T)
     top = top_pages(scores, pos, ps, c.index_topk_pages)
     latent = pages.gather(layer, rows, top, h @ p["w_dkv"]).to(model.dtype)
     key_pos, valid = _page_positions(top, pos, ps)

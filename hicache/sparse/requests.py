@@ -27,7 +27,7 @@ import torch
 
 from hicache.radix.node import TreeNode
 from hicache.serving.model import ChunkInput
-from hicache.serving.request import ServeRequest
+from hicache.serving.request import RequestState, ServeRequest
 from hicache.sparse.hot_buffer import HotBuffer, HotRequest
 from hicache.tiering.cache import HiRadixCache
 
@@ -123,6 +123,28 @@ class HiSparseRequests:
         self.tree.release_request(cached)  # its anchor slots, row and lock
         hot.entered = True
         return HotEntry.ENTERED
+
+    def enter_all(
+        self, requests: list[ServeRequest], commit: Any, now: float, stall_s: float
+    ) -> list[ServeRequest]:
+        """:meth:`enter` each request; the ones that failed: whose prefix the tree lost, or
+        that waited ``stall_s`` for host memory (marked failed, holding nothing)."""
+        failed = []
+        for request in requests:
+            hot = request.hot
+            assert hot is not None and request.cached is not None
+            entry = self.enter(request, commit)
+            if entry is HotEntry.ENTERED:
+                continue
+            if hot.waiting_since is None:
+                hot.waiting_since = now
+            if entry is HotEntry.HOST_BUSY and now - hot.waiting_since < stall_s:
+                continue
+            self.tree.release_request(request.cached)
+            self.release(request)
+            request.state, request.record.error = RequestState.FAILED, f"HiSparse: {entry.value}"
+            failed.append(request)
+        return failed
 
     def _on_host(self, node: TreeNode) -> bool:
         """Whether ``node``'s pages are on host once this returns (copied now if need be)."""

@@ -108,7 +108,9 @@ def test_serve_with_nixl_posix_l3_moves_pages_zero_copy(
     if not any(importlib.util.find_spec(name) for name in ("nixl_cu12", "nixl")):
         pytest.skip("NIXL is not installed (pip install 'hicache[nixl]')")
     result = serve(
-        capsys, "--l3", f"nixl://{tmp_path}/kv", "--compare", "--prefetch-policy", "wait_complete"
+        capsys,
+        *("--l3", f"nixl://{tmp_path}/kv", "--compare", "--prefetch-policy", "wait_complete"),
+        "--no-prefetch-skip",  # a tiny model computes faster than a file L3 reads
     )
     assert result["outputs_identical"] is True
     l3 = by_name(result)["device+host+l3"]
