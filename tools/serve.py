@@ -54,9 +54,12 @@ from hicache.tools.cli_parsing import (
 from hicache.tools.config_flags import add_hicache_flags
 from hicache.tools.serve_config import (
     add_hisparse_flags,
+    add_pool_flags,
     check_sizes,
     hicache_config,
     hisparse_config,
+    l3_namespace,
+    write_outputs,
 )
 from hicache.tools.serve_config import model_config as config_of_model
 
@@ -87,31 +90,6 @@ def _plot_file(text: str) -> str:
     return path
 
 
-def _add_pool_flags(m: Any) -> None:
-    """The sizes of the swa, dsv4 and hybrid presets' own pools (their defaults: ModelConfig's;
-    dsv4's window: see :func:`~hicache.serving.presets.dsv4_defaults`)."""
-    defaults = ModelConfig()
-    m.add_argument(
-        "--window",
-        type=int_range(1, MODEL_LIMITS["window"]),
-        help="swa and dsv4 presets: the sliding window in tokens, a multiple of --page-size "
-        f"(default {defaults.window}; dsv4: one page, and at least 128)",
-    )
-    m.add_argument(
-        "--window-interval",
-        type=int_range(1, MODEL_LIMITS["window_interval"]),
-        help="swa and dsv4 presets: tokens between the windows kept in the cache (besides those "
-        f"at prompt ends), a multiple of --page-size (default {defaults.window_interval}; "
-        "dsv4: rounded up to whole pages)",
-    )
-    m.add_argument(
-        "--state-interval",
-        type=int_range(1, MODEL_LIMITS["state_interval"]),
-        help="hybrid preset: tokens between recurrent-state snapshots, a multiple of "
-        f"--page-size (default {defaults.state_interval})",
-    )
-
-
 def _add_model_and_workload(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--preset", choices=[x.value for x in ModelPreset], default="dense")
@@ -127,7 +105,7 @@ def _add_model_and_workload(p: argparse.ArgumentParser) -> None:
         default=ModelConfig().index_topk_pages,
         help="dsa preset: pages each query attends to (its own included)",
     )
-    _add_pool_flags(m)
+    add_pool_flags(m)
     w = p.add_argument_group("workload")
     w.add_argument(
         "--trace",
@@ -175,6 +153,12 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     add_hisparse_flags(e)
     e.add_argument(
+        "--l3-warm",
+        action="store_true",
+        help="use the model's shared L3 namespace: read what earlier --l3-warm runs wrote "
+        "(default: an empty namespace of the run's own, so runs are reproducible)",
+    )
+    e.add_argument(
         "--cache-dir", type=path_arg, default=DEFAULT_CACHE_DIR, help="the default file L3"
     )
     e.add_argument(
@@ -190,6 +174,12 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--plot",
         type=arg_type(_plot_file),
         help="write TTFT per round per configuration to this file (.png, .svg or .pdf)",
+    )
+    o.add_argument(
+        "--dump-outputs",
+        type=output_file,
+        help="write each request's generated tokens as JSON lines {id, output_tokens} (of the "
+        "last configuration run)",
     )
     o.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=run_serve)
@@ -295,7 +285,7 @@ async def _run_one(
 
 
 async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_ConfigRun]]:
-    hicache = hicache_config(args)
+    hicache = l3_namespace(hicache_config(args), args.l3_warm)
     model_config = config_of_model(args)
     hisparse = hisparse_config(args)
     if hisparse is not None:
@@ -314,6 +304,7 @@ async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_Config
         "model": dataclasses.asdict(model_config) | {"preset": model_config.preset.value,
                                                      "kv_dtype": model_config.kv_dtype.label},
         "l3": hicache.storage.url,
+        "l3_warm": bool(args.l3_warm),
         "configs": [run.row for run in runs],
         "oracle_hit_rate": oracle_hit_rate(
             prompts, model_config.page_size, model_config.keep_interval
@@ -388,6 +379,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from hicache.serving.plot import plot_rounds
 
         plot_rounds(result["configs"], args.plot)
+    if args.dump_outputs:
+        write_outputs(args.dump_outputs, runs[-1].outputs)
     _check_outcome(result, runs)
     return 0
 

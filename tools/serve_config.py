@@ -4,7 +4,9 @@ the sizes fit together and in this machine's memory before anything is allocated
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
 from typing import Any
 
 import torch
@@ -13,6 +15,7 @@ from hicache.dtypes import DType
 from hicache.errors import ConfigError
 from hicache.serving.engine import EngineConfig
 from hicache.serving.presets import (
+    MODEL_LIMITS,
     ModelConfig,
     ModelPreset,
     check_dsv4_page_size,
@@ -29,6 +32,9 @@ from hicache.tools.config_flags import config_from_args
 __all__ = [
     "MAX_REQUESTS",
     "add_hisparse_flags",
+    "add_pool_flags",
+    "l3_namespace",
+    "write_outputs",
     "check_sizes",
     "hicache_config",
     "hisparse_config",
@@ -63,6 +69,31 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     )  # fmt: skip
 
 
+def add_pool_flags(m: Any) -> None:
+    """The sizes of the swa, dsv4 and hybrid presets' own pools (their defaults: ModelConfig's;
+    dsv4's window: see :func:`~hicache.serving.presets.dsv4_defaults`)."""
+    defaults = ModelConfig()
+    m.add_argument(
+        "--window",
+        type=int_range(1, MODEL_LIMITS["window"]),
+        help="swa and dsv4 presets: the sliding window in tokens, a multiple of --page-size "
+        f"(default {defaults.window}; dsv4: one page, and at least 128)",
+    )
+    m.add_argument(
+        "--window-interval",
+        type=int_range(1, MODEL_LIMITS["window_interval"]),
+        help="swa and dsv4 presets: tokens between the windows kept in the cache (besides those "
+        f"at prompt ends), a multiple of --page-size (default {defaults.window_interval}; "
+        "dsv4: rounded up to whole pages)",
+    )
+    m.add_argument(
+        "--state-interval",
+        type=int_range(1, MODEL_LIMITS["state_interval"]),
+        help="hybrid preset: tokens between recurrent-state snapshots, a multiple of "
+        f"--page-size (default {defaults.state_interval})",
+    )
+
+
 def add_hisparse_flags(group: Any) -> None:
     group.add_argument(
         "--hisparse",
@@ -81,6 +112,23 @@ def add_hisparse_flags(group: Any) -> None:
 def hisparse_config(args: argparse.Namespace) -> HiSparseConfig | None:
     """HiSparse as ``--hisparse`` and ``--hot-pages`` say (None without ``--hisparse``)."""
     return HiSparseConfig(hot_pages=args.hot_pages) if args.hisparse else None
+
+
+def l3_namespace(config: HiCacheConfig, warm: bool) -> HiCacheConfig:
+    """``config`` with an L3 namespace of the run's own (a model id no earlier run used: its
+    keys match no stored page), unless ``warm``: then the model's shared namespace, where
+    earlier warm runs wrote."""
+    if warm or config.storage.url is None:
+        return config
+    model_id = f"{config.storage.model_id}-run-{secrets.token_hex(6)}"
+    return config.with_changes("storage", model_id=model_id)
+
+
+def write_outputs(path: str, outputs: dict[str, list[int]]) -> None:
+    """One JSON line ``{"id", "output_tokens"}`` per request, in id order."""
+    with open(path, "w", encoding="utf-8") as out:
+        for rid in sorted(outputs):
+            out.write(json.dumps({"id": rid, "output_tokens": outputs[rid]}) + "\n")
 
 
 def hicache_config(args: argparse.Namespace) -> HiCacheConfig:

@@ -133,12 +133,35 @@ def test_cli_compare_runs_four_configs(
 
 
 def test_cli_restart_reads_l3(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    """Runs with --l3-warm share the model's L3 namespace: the second reads what the first
+    wrote. A run without it starts from an empty namespace of its own (reproducible)."""
     args = [*CHAT, "--cache-dir", str(tmp_path / "l3")]
-    first = _serve_json(capsys, *args)
-    second = _serve_json(capsys, *args)
-    assert [r["name"] for r in second["configs"]] == ["device+host+l3"]
-    assert first["configs"][0]["hit_tokens_l3"] == 0
-    assert second["configs"][0]["hit_tokens_l3"] > 0
+    first = _serve_json(capsys, *args, "--l3-warm")
+    cold = _serve_json(capsys, *args)
+    warm = _serve_json(capsys, *args, "--l3-warm")
+    assert [r["name"] for r in warm["configs"]] == ["device+host+l3"]
+    assert first["configs"][0]["hit_tokens_l3"] == 0 and first["l3_warm"] is True
+    assert cold["configs"][0]["hit_tokens_l3"] == 0 and cold["l3_warm"] is False
+    assert warm["configs"][0]["hit_tokens_l3"] > 0 and warm["l3_warm"] is True
+
+
+def test_cli_dump_outputs(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    """--dump-outputs writes one JSON line per request, the tokens the run generated."""
+    dump = tmp_path / "outputs.jsonl"
+    args = [*CHAT, "--l3", "none", "--compare", "--dump-outputs", str(dump)]
+    result = _serve_json(capsys, *args)
+    lines = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert [set(line) for line in lines] == [{"id", "output_tokens"}] * len(lines)
+    assert len(lines) == result["configs"][-1]["requests"] > 0
+    assert [line["id"] for line in lines] == sorted(line["id"] for line in lines)
+    assert all(len(line["output_tokens"]) == 2 for line in lines)  # CHAT asks for 2
+    again = tmp_path / "again.jsonl"
+    _serve_json(capsys, *args[:-1], str(again))
+    assert again.read_text() == dump.read_text()  # same tokens run after run
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:  # its directory must exist: refused while parsing
+        main([*TINY, *CHAT, "--l3", "none", "--dump-outputs", str(tmp_path / "no" / "x")])
+    assert exited.value.code == 2 and "--dump-outputs" in capsys.readouterr().err
 
 
 def test_cli_without_l3(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:

@@ -57,14 +57,15 @@ def s3_url(moto_s3: MotoServer, tmp_path: pathlib.Path) -> str:
 def test_serve_with_s3_l3_hits_and_keeps_outputs(
     s3_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    result = serve(capsys, "--l3", s3_url, "--compare")
+    # --l3-warm: both runs in the model's shared namespace, so the second reads the first's.
+    result = serve(capsys, "--l3", s3_url, "--compare", "--l3-warm")
     rows = by_name(result)
     assert result["outputs_identical"] is True
     assert set(rows) == {"none", "device", "device+host", "device+host+l3"}
     l3 = rows["device+host+l3"]
     assert l3["bytes_host_to_l3"] > 0 and l3["errors"] == 0
     # A second process over the same bucket: what the first one wrote comes back from L3.
-    again = serve(capsys, "--l3", s3_url)
+    again = serve(capsys, "--l3", s3_url, "--l3-warm", "--no-prefetch-skip")
     second = by_name(again)["device+host+l3"]
     # One configuration compares nothing: outputs_identical is None, not a vacuous True.
     assert second["hit_tokens_l3"] > 0 and again["outputs_identical"] is None
@@ -92,7 +93,10 @@ def mooncake_url(tmp_path: pathlib.Path) -> Iterator[str]:
 def test_serve_with_mooncake_l3_hits_and_keeps_outputs(
     mooncake_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    result = serve(capsys, "--l3", mooncake_url, "--compare", "--prefetch-policy", "wait_complete")
+    result = serve(
+        capsys, "--l3", mooncake_url, "--compare", "--prefetch-policy", "wait_complete",
+        "--no-prefetch-skip",
+    )  # fmt: skip
     rows = by_name(result)
     assert result["outputs_identical"] is True
     l3 = rows["device+host+l3"]
