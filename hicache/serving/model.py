@@ -31,6 +31,8 @@ from hicache.serving.model_layers import (
     attention_layer,
     latent_layer,
     recurrent_layer,
+    rotary_frequencies,
+    rotate,
     window_layer,
 )
 from hicache.serving.model_sparse import (
@@ -131,18 +133,14 @@ class TinyTransformer:
                 if kind is LayerKind.COMPRESSED_SPARSE:
                     p["w_iq"], p["w_ik"] = w(c.hidden, c.index_dim), w(dim, c.index_dim)
             self.layers.append(p)
-        inv = 1.0 / (10000 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-        self._inv_freq = inv.to(self.device, self.dtype)
+        self._inv_freq = rotary_frequencies(c.head_dim).to(self.device, self.dtype)
+        # DSA: the rotary key at the end of the latent (see model_sparse.rope_dim)
+        latent_rope = rotary_frequencies(rope_dim(c.latent_dim))
+        self.latent_rope_freq = latent_rope.to(self.device, self.dtype)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotary position embedding over the last dim of ``x`` (n, heads, head_dim)."""
-        angles = positions.to(self.dtype)[:, None] * self._inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        even, odd = x[..., 0::2], x[..., 1::2]
-        out = torch.empty_like(x)
-        out[..., 0::2] = even * cos - odd * sin
-        out[..., 1::2] = even * sin + odd * cos
-        return out
+        return rotate(x, positions[:, None], self._inv_freq)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

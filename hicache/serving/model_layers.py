@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AttentionInputs",
+    "rotary_frequencies",
+    "rotate",
     "attention_layer",
     "latent_layer",
     "recurrent_layer",
@@ -42,6 +44,23 @@ class AttentionInputs:
     @property
     def new_slots(self) -> torch.Tensor:
         return self.slots[self.start :]
+
+
+def rotary_frequencies(dim: int) -> torch.Tensor:
+    """The rotary embedding's frequency of each pair of a ``dim``-wide vector, float64."""
+    return 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over the last dim of ``x`` (..., D) at ``positions`` (broadcastable to
+    ``x.shape[:-1]``), with ``frequencies`` (D / 2) from :func:`rotary_frequencies`."""
+    angles = positions.to(x.dtype)[..., None] * frequencies
+    cos, sin = angles.cos(), angles.sin()
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out
 
 
 def _attend(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from hicache.pools.device import DevicePool, pack_indexer, unpack_indexer
-from hicache.serving.model_layers import _FP8_MAX, AttentionInputs
+from hicache.serving.model_layers import _FP8_MAX, AttentionInputs, rotate
 
 if TYPE_CHECKING:
     from hicache.serving.model import TinyTransformer
@@ -171,20 +171,6 @@ def rope_dim(latent_dim: int) -> int:
     return max(2, latent_dim // 16 * 2)
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding over the last dim of ``x`` (..., D) at ``positions`` (x.shape[:-1] or
-    broadcastable to it)."""
-    dim = x.shape[-1]
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=x.dtype, device=x.device) / dim))
-    angles = positions.to(x.dtype)[..., None] * inv
-    cos, sin = angles.cos(), angles.sin()
-    even, odd = x[..., 0::2], x[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = even * cos - odd * sin
-    out[..., 1::2] = even * sin + odd * cos
-    return out
-
-
 def _queries(
     model: TinyTransformer, p: dict[str, torch.Tensor], h: torch.Tensor, pos: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +181,7 @@ def _queries(
     q = (h @ p["wq"]).view(n, c.heads, c.head_dim)
     w_uk = p["w_uk"].view(-1, c.heads, c.head_dim)  # (latent - R, H, D)
     absorbed = torch.einsum("nhd,lhd->nhl", q, w_uk)
-    q_rope = _rotate((h @ p["w_qr"]).view(n, c.heads, r), pos[:, None])
+    q_rope = rotate((h @ p["w_qr"]).view(n, c.heads, r), pos[:, None], model.latent_rope_freq)
     return absorbed, q_rope
 
 
@@ -213,7 +199,8 @@ def _attend_latent(
     c = model.config
     r = rope_dim(c.latent_dim)
     absorbed, q_rope = queries  # (B, n, H, L - R), (B, n, H, R)
-    nope, k_rope = latent[..., :-r], _rotate(latent[..., -r:], key_pos)
+    nope = latent[..., :-r]
+    k_rope = rotate(latent[..., -r:], key_pos, model.latent_rope_freq)
     scores = torch.einsum("bnhl,btl->bhnt", absorbed, nope)
     scores = scores + torch.einsum("bnhr,btr->bhnt", q_rope, k_rope)
     scores = scores / math.sqrt(c.head_dim + r)

@@ -76,12 +76,12 @@ def canonical_pages(host: HostPool) -> torch.Tensor:
 @dataclass(slots=True)
 class HotRequest:
     """What one decoding request holds: its buffer row, its indexer slots (positions ``0 ..``),
-    and the host page of each of its logical pages (``host_pages``), of which it allocated
-    ``own_host`` and protects ``shared_host`` (the tree's)."""
+    and its host pages: the ones it allocated (``own_host``) and the tree's it protects
+    (``shared_host``, its prefix), the logical pages' order being shared, then own (the
+    buffer's ``host_table`` row)."""
 
     row: int
     index_slots: torch.Tensor
-    host_pages: torch.Tensor
     own_host: torch.Tensor
     shared_host: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     entered: bool = False  # its prompt is computed and it decodes from the buffer
@@ -167,8 +167,7 @@ class HotBuffer:
 
     def give_back(self, row: int, index_slots: torch.Tensor) -> None:
         self.index_slots.free(index_slots)
-        self.host_table[row] = -1
-        self._free_rows.append(row)
+        self._free_rows.append(row)  # its tables are reset when it is taken again
 
     @property
     def host_latent(self) -> torch.Tensor:

@@ -87,8 +87,7 @@ class HiSparseRequests:
         if own is None:
             self.buffer.give_back(row, index_slots)
             return False
-        empty = torch.empty(0, dtype=torch.int64)
-        request.hot = HotRequest(row, index_slots, empty, own)
+        request.hot = HotRequest(row, index_slots, own)
         return True
 
     def enter(self, request: ServeRequest, commit: Any) -> HotEntry:
@@ -110,8 +109,8 @@ class HiSparseRequests:
             return HotEntry.SHORT_PREFIX
         self.tree.host.protect(shared)
         hot.shared_host = shared
-        hot.host_pages = torch.cat([shared, hot.own_host])
-        self.buffer.host_table[hot.row, : len(hot.host_pages)] = hot.host_pages
+        host_pages = torch.cat([shared, hot.own_host])
+        self.buffer.host_table[hot.row, : len(host_pages)] = host_pages
         table = self.tree.req_to_token
         assert table is not None  # the engine gave the tree its table
         row = table.table[cached.req_pool_idx]

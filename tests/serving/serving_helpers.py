@@ -14,7 +14,7 @@ import asyncio
 import functools
 import pathlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,14 +157,19 @@ async def serve(
     device_tokens: int = DEVICE_TOKENS,
     engine: EngineConfig = ENGINE,
     logits: bool = False,
+    model: TinyTransformer | None = None,
+    watch: Callable[[ServingSetup], None] | None = None,
 ) -> RunResult:
-    """Serve ``source`` (the small chat by default) with a fresh engine, then close it."""
+    """Serve ``source`` (the small chat by default) with a fresh engine, then close it.
+    ``model`` replaces the preset's tiny model; ``watch`` sees the setup before the run."""
     config = config or hicache_config(None)
     recording = Recording(source if source is not None else MultiTurnChat(CHAT))
-    setup = await open_engine(tiny_model(preset), mode, config, device_tokens, engine)
+    setup = await open_engine(model or tiny_model(preset), mode, config, device_tokens, engine)
     captured: dict[tuple[str, int], torch.Tensor] = {}
     if logits:
         _capture_logits(setup, captured)
+    if watch is not None:
+        watch(setup)
     try:
         # A run that stops making progress would spin forever: fail it instead.
         records = await asyncio.wait_for(setup.engine.run(recording), RUN_TIMEOUT_S)

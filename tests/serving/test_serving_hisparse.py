@@ -9,7 +9,6 @@ the context; and bad configurations are refused before anything runs.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import pathlib
@@ -24,15 +23,13 @@ from serving_helpers import (
     DEVICE_TOKENS,
     ENGINE,
     PAGE,
-    RUN_TIMEOUT_S,
     VOCAB,
-    Recording,
     RunResult,
-    _capture_logits,
     assert_same_run,
     baseline,
     hicache_config,
     model_config,
+    serve,
     tiny_model,
     workload,
 )
@@ -126,23 +123,19 @@ async def serve_hot(
 ) -> HotRun:
     """Serve ``source`` with a fresh engine; keep the hot buffer's stats, the number of running
     requests at every step and what was still held after the cache's close."""
-    recording = Recording(source)
-    model = model or tiny_model(DSA)
-    setup = await open_engine(model, mode, config, device_tokens, engine)
-    captured: dict[tuple[str, int], torch.Tensor] = {}
-    if logits:
-        _capture_logits(setup, captured)
     running: list[int] = []
-    _count_running(setup, running)
-    if watch is not None:
-        watch(setup)
-    try:
-        records = await asyncio.wait_for(setup.engine.run(recording), RUN_TIMEOUT_S)
-    finally:
-        await setup.close()
-    controller = setup.controller
-    metrics = controller.metrics.as_dict() if controller is not None else {}
-    result = RunResult(recording.outputs, records, metrics, recording.prompts, captured)
+    setups: list[ServingSetup] = []
+
+    def install(setup: ServingSetup) -> None:
+        setups.append(setup)
+        _count_running(setup, running)
+        if watch is not None:
+            watch(setup)
+
+    result = await serve(
+        DSA, mode, source, config, device_tokens, engine, logits, model=model, watch=install
+    )
+    setup = setups[0]
     sparse = setup.engine.sparse
     stats = dataclasses.replace(sparse.buffer.stats) if sparse is not None else None
     return HotRun(result, stats, running, _leftovers(setup), setup)
