@@ -21,7 +21,15 @@ from hicache.pools._index import IndexLike, check_indices
 from hicache.pools.allocator import TokenSlotAllocator
 from hicache.pools.pool_spec import INDEXER_SCALE_BYTES, ModelPools, PoolSpec
 
-__all__ = ["DevicePool", "default_device", "device_pools", "pack_indexer", "unpack_indexer"]
+__all__ = [
+    "DevicePool",
+    "default_device",
+    "device_pools",
+    "indexer_as_float",
+    "pack_indexer",
+    "take_rows",
+    "unpack_indexer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -248,3 +256,30 @@ def unpack_indexer(
     keys = packed[..., :-INDEXER_SCALE_BYTES].view(key_dtype)  # a view: 1-byte to 1-byte
     scales = packed[..., -INDEXER_SCALE_BYTES:].contiguous().view(torch.float32).squeeze(-1)
     return keys, scales
+
+
+def indexer_as_float(
+    packed: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed indexer items as ``dtype`` (a float at least as wide as bfloat16's exponent)
+    ``(keys / 256, scales * 256)``: each product is exactly
+    the fp8 key times its scale (powers of two move exactly). The keys are decoded with integer
+    ops through float16, four times faster on a CPU than torch's fp8 conversion: e4m3's
+    exponent and mantissa are float16's shifted right by 7 bits, with a bias 8 smaller. An fp8
+    NaN reads as 480: a quantized key is NaN only where its input was not finite, and then its
+    scale (the input's absolute maximum) is not finite either."""
+    keys, scales = unpack_indexer(packed)
+    bits = keys.view(torch.int8).to(torch.int16)  # the sign extends into the high byte
+    bits <<= 7
+    bits &= _SIGN_EXPONENT_MANTISSA  # drops the extended sign's copies but the top bit
+    return bits.view(torch.float16).to(dtype), scales.to(dtype) * 256.0
+
+
+_SIGN_EXPONENT_MANTISSA = -16512  # 0xBF80 as int16: sign, four exponent bits, three mantissa
+
+
+def take_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source[index]`` for an index of any shape, through ``index_select`` over the flattened
+    index: on a CPU several times faster than advanced indexing with a 2-D index."""
+    flat = source.index_select(0, index.reshape(-1))
+    return flat.view(*index.shape, *source.shape[1:])

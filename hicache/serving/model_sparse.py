@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from hicache.pools.device import DevicePool, pack_indexer, unpack_indexer
+from hicache.pools.device import DevicePool, indexer_as_float, pack_indexer, take_rows
 from hicache.serving.model_layers import _FP8_MAX, AttentionInputs, rotate
 
 if TYPE_CHECKING:
@@ -121,7 +121,8 @@ class AnchorPages:
         latent[rows.new_slots] = latent_new.view(len(top), 1, -1).to(latent.dtype)
         key_pos, _ = _page_positions(top, rows.positions, self._page_size)
         slots = rows.slots.gather(1, key_pos.clamp_max(rows.slots.shape[1] - 1))
-        return latent[slots].flatten(2)  # positions past a row's end: masked by the caller
+        # positions past a row's end: masked by the caller
+        return take_rows(latent, slots).flatten(2)
 
 
 def top_pages(
@@ -158,8 +159,7 @@ def _index_scores(model: TinyTransformer, packed: torch.Tensor, iq: torch.Tensor
     """Indexer scores of queries ``iq`` ((n, D), or (B, D) with ``packed`` (B, T, ...)) over
     cached fp8 keys ``packed`` ((T, ...) or (B, T, ...)): (n, T) or (B, T). Each key's scale is
     applied after its dot product, one multiply per token instead of one per element."""
-    stored, scales = unpack_indexer(packed)
-    keys, scales = stored.to(model.dtype), scales.to(model.dtype)
+    keys, scales = indexer_as_float(packed, model.dtype)
     if keys.dim() == 2:
         return (iq @ keys.T) * scales
     return torch.bmm(keys, iq[:, :, None])[:, :, 0] * scales
@@ -269,7 +269,7 @@ def sparse_decode(
     packed, iq = _index_keys(model, p, h)
     index = pages.index[0, layer]
     index[rows.new_slots] = packed
-    scores = _index_scores(model, index[rows.slots], iq)  # (B, T)
+    scores = _index_scores(model, take_rows(index, rows.slots), iq)  # (B, T)
     top = top_pages(scores, pos, ps, c.index_topk_pages)
     latent = pages.gather(layer, rows, top, h @ p["w_dkv"]).to(model.dtype)
     key_pos, valid = _page_positions(top, pos, ps)

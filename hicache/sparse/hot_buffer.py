@@ -23,6 +23,7 @@ import torch
 from hicache.errors import ConfigError
 from hicache.layouts.shapes import Axis, axis_order, expanded_shape
 from hicache.pools.allocator import TokenSlotAllocator
+from hicache.pools.device import take_rows
 from hicache.pools.host import HostPool
 from hicache.serving.model_sparse import DecodeRows
 from hicache.serving.presets import ModelConfig, ModelPreset
@@ -194,7 +195,7 @@ class HotBuffer:
         buffer_rows = hot_rows[:, None] * hp + slots.clamp_min(0)
         self.stats.wanted_pages += int((wanted >= 0).sum())
         self.stats.decode_rows += len(top) if layer == 0 else 0
-        flat = self.latent[layer][buffer_rows]  # (B, K, ps, *item)
+        flat = take_rows(self.latent[layer], buffer_rows)  # (B, K, ps, *item)
         return flat.reshape(len(top), top.shape[1] * ps, -1)
 
     def _load_misses(

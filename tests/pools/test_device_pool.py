@@ -19,6 +19,7 @@ from hicache.pools import (
     preset,
     unpack_indexer,
 )
+from hicache.pools.device import indexer_as_float, take_rows
 
 PRESETS = list(PoolPreset)
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -214,6 +215,35 @@ def test_indexer_pack_round_trip_is_exact() -> None:
         pack_indexer(keys.view(torch.uint8).float(), scales)
     with pytest.raises(LayoutError):
         unpack_indexer(packed.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_indexer_as_float_is_the_fp8_value_times_the_scale(dtype: torch.dtype) -> None:
+    """Every fp8 byte (both signs, subnormals, zeros, the largest) decodes to torch's own
+    conversion; only NaN reads as 480. Products with the moved scale are exact."""
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(16, 16)
+    scales = torch.tensor([2.0**-20, 0.5, 1.0, 3.0, 1e-3, 7.25, 448.0, 1e6] * 2)
+    keys, moved = indexer_as_float(pack_indexer(every, scales), dtype)
+    assert keys.dtype == dtype and moved.dtype == dtype and keys.shape == (16, 16)
+    expected = every.to(torch.float64)
+    nan = torch.isnan(expected)
+    assert int(nan.sum()) == 2
+    assert torch.equal(keys.double()[~nan] * 256, expected[~nan])
+    assert torch.equal(keys.double()[nan].abs() * 256, torch.full((2,), 480.0, dtype=torch.float64))
+    assert torch.equal(moved.double(), scales.to(dtype).double() * 256)
+    if dtype == torch.float64:  # the product is the one an fp8-to-float conversion gives
+        direct = every.to(torch.float64) * scales.double()[:, None]
+        assert torch.equal((keys * moved[:, None])[~nan], direct[~nan])
+
+
+def test_take_rows_is_advanced_indexing() -> None:
+    source = torch.randn(50, 3, 4)
+    index = torch.randint(0, 50, (6, 7, 2))
+    assert torch.equal(take_rows(source, index), source[index])
+    strided = torch.randn(2, 50, 5)[1]  # a view, as a pool layer is
+    assert torch.equal(take_rows(strided, index[0]), strided[index[0]])
+    with pytest.raises(IndexError):
+        take_rows(source, torch.tensor([50]))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, NO_CUDA])])
