@@ -16,6 +16,7 @@ __all__ = [
     "BackendUnavailableError",
     "BadMagicError",
     "BufferSizeError",
+    "CheckpointError",
     "CodecError",
     "ConfigError",
     "DoubleFreeError",
@@ -41,6 +42,11 @@ class HiCacheError(Exception):
 
 class ConfigError(HiCacheError, ValueError):
     """A configuration value or combination is invalid; the message says what to change."""
+
+
+class CheckpointError(ConfigError):
+    """A model checkpoint directory cannot be served: its config, tensors or tokenizer name an
+    unsupported architecture, are missing, or do not match."""
 
 
 class InvalidArgumentError(HiCacheError, ValueError):

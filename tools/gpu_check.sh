@@ -112,6 +112,30 @@ for r in d["configs"]: print("  ", r["name"], r["hit_rate"], r["pool_bytes"])' "
 print("dsa --hisparse outputs_identical", d["outputs_identical"])' || echo "dsa --hisparse: FAILED"
     (cd "$src" && timeout 240 "$py" -m hicache.tools.cli bench hisparse --json --context 8192 \
         --high 16) || echo "bench hisparse: FAILED"
+    echo "== a Hugging Face checkpoint on CUDA: serve --model --compare (bf16, issue 16)"
+    # A random Qwen3 checkpoint made by transformers where it is installed (nothing downloads).
+    local ckpt="$src/ckpt"
+    if (cd "$src" && "$py" - "$ckpt" <<'PY'
+import sys, torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+torch.manual_seed(0)
+config = Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                     num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                     head_dim=64, initializer_range=0.05, dtype="bfloat16")
+Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(sys.argv[1])
+PY
+    ); then
+        rm -rf "$l3dir"/*
+        (cd "$src" && timeout "$serve_limit" "$py" -m hicache.tools.cli serve --device cuda \
+            --model "$ckpt" --compare --json -q --page-size 64 --clients 32 --rounds 4 \
+            --system-tokens 1024 --turn-tokens 256 --output-tokens 8 --device-tokens 16384 \
+            --max-running 8 --cache-dir "$l3dir") | "$py" -c 'import json, sys; d = json.load(sys.stdin)
+print("checkpoint", d["model"].get("architecture"), d["model"].get("dtype"), "outputs_identical", d["outputs_identical"], "oracle", d["oracle_hit_rate"])
+for r in d["configs"]: print("  ", r["name"], "hit_rate", r["hit_rate"], "ttft_mean_ms", r["ttft_mean_ms"])' \
+            || echo "serve --model: FAILED"
+    else
+        echo "SKIP: no transformers here to make a checkpoint"
+    fi
     rm -rf "$src" "$l3dir"
     echo "== exit: tests $tests_rc, bench $bench_rc, serve $serve_rc"
     [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -20,11 +20,13 @@ import time
 from typing import Any
 
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
+from hicache.checkpoint.loader import COMPUTE_DTYPES, CheckpointPlan, open_checkpoint
+from hicache.checkpoint.tokenizer import load_tokenizer, tokenize_trace
 from hicache.errors import BackendError, InvalidArgumentError
 from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.arrivals import TraceReplay
 from hicache.serving.engine import CacheMode, EngineConfig
-from hicache.serving.model import TinyTransformer
+from hicache.serving.model import ServingModel, TinyTransformer
 from hicache.serving.pool_report import pool_bytes
 from hicache.serving.presets import (
     MODEL_LIMITS,
@@ -92,6 +94,18 @@ def _plot_file(text: str) -> str:
 
 def _add_model_and_workload(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        type=path_arg,
+        help="serve a Hugging Face checkpoint directory (config.json and *.safetensors; "
+        "Llama, Qwen2, Qwen3); its config replaces --preset and the size flags",
+    )
+    m.add_argument(
+        "--dtype",
+        choices=sorted(COMPUTE_DTYPES),
+        help="--model: the dtype of compute and cached K/V (default: the checkpoint's on CUDA, "
+        "float32 on a CPU)",
+    )
     m.add_argument("--preset", choices=[x.value for x in ModelPreset], default="dense")
     m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     sizes = {"layers": 4, "hidden": 256, "heads": 8, "kv-heads": 2, "head-dim": 32}
@@ -186,13 +200,17 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _load_trace(args: argparse.Namespace) -> list[TraceRequest] | None:
-    """The ``--trace`` requests, read once for every configuration; None without a trace."""
+def _load_trace(args: argparse.Namespace, plan: CheckpointPlan | None) -> list[TraceRequest] | None:
+    """The ``--trace`` requests, read once for every configuration, text prompts encoded with
+    the checkpoint's tokenizer when it has one; None without a trace."""
     if not args.trace:
         return None
     requests = load_trace(args.trace)
     if not requests:
         raise InvalidArgumentError(f"trace {args.trace} holds no requests")
+    if plan is not None:
+        tokenizer = load_tokenizer(plan.directory)
+        requests = tokenize_trace(requests, tokenizer, plan.config.vocab_size)
     return requests
 
 
@@ -232,7 +250,7 @@ class _ConfigRun:
 
 async def _run_one(
     args: argparse.Namespace,
-    model: TinyTransformer,
+    model: ServingModel,
     mode: CacheMode,
     hicache: HiCacheConfig,
     trace: list[TraceRequest] | None,
@@ -260,7 +278,8 @@ async def _run_one(
 
     def on_finished(request: Any, now: float) -> None:
         run.outputs[request.rid] = list(request.generated)
-        run.prompts.append((request.namespace, request.prompt, request.generated))
+        if request.record.error is None:  # the oracle and working set count served requests
+            run.prompts.append((request.namespace, request.prompt, request.generated))
         if not args.quiet and not args.json:
             print(f"\r{mode.value:<15} {len(run.outputs)} requests done", end="", file=sys.stderr)
         finished(request, now)
@@ -286,13 +305,20 @@ async def _run_one(
 
 async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_ConfigRun]]:
     hicache = l3_namespace(hicache_config(args), args.l3_warm)
-    model_config = config_of_model(args)
+    device = resolve_device(args.device)
+    plan = None
+    if args.model is not None:  # headers only: nothing is read before the checks below
+        dtype = COMPUTE_DTYPES[args.dtype] if args.dtype else None
+        plan = open_checkpoint(args.model, device, args.page_size, dtype)
+        model_config = plan.config
+    else:
+        model_config = config_of_model(args)
     hisparse = hisparse_config(args)
     if hisparse is not None:
         hisparse.check(model_config)  # before anything is allocated
-    check_sizes(args, model_config, hicache)
-    trace = _load_trace(args)
-    model = TinyTransformer(model_config, resolve_device(args.device))
+    check_sizes(args, model_config, hicache, plan.weight_bytes if plan else None)
+    trace = _load_trace(args, plan)
+    model: ServingModel = plan.load() if plan else TinyTransformer(model_config, device)
     main = CacheMode.DEVICE_HOST if hicache.storage.url is None else CacheMode.DEVICE_HOST_L3
     modes = [main]
     if args.compare:
@@ -302,7 +328,8 @@ async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_Config
     prompts = next((run.prompts for run in runs if run.prompts), [])
     result = {
         "model": dataclasses.asdict(model_config) | {"preset": model_config.preset.value,
-                                                     "kv_dtype": model_config.kv_dtype.label},
+                                                     "kv_dtype": model_config.kv_dtype.label}
+        | (plan.describe() if plan else {}),
         "l3": hicache.storage.url,
         "l3_warm": bool(args.l3_warm),
         "configs": [run.row for run in runs],

@@ -143,8 +143,14 @@ def hicache_config(args: argparse.Namespace) -> HiCacheConfig:
     return config
 
 
-def check_sizes(args: argparse.Namespace, model: ModelConfig, hicache: HiCacheConfig) -> None:
-    """Refuse sizes that cannot work together, before anything is allocated."""
+def check_sizes(
+    args: argparse.Namespace,
+    model: ModelConfig,
+    hicache: HiCacheConfig,
+    weight_bytes: int | None = None,
+) -> None:
+    """Refuse sizes that cannot work together, before anything is allocated (``weight_bytes``:
+    a checkpoint's weights, else the seeded model's are estimated)."""
     if args.device_tokens % args.page_size:
         raise ConfigError(
             f"--device-tokens {args.device_tokens} must be a multiple of --page-size "
@@ -155,7 +161,7 @@ def check_sizes(args: argparse.Namespace, model: ModelConfig, hicache: HiCacheCo
     device = resolve_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available (try --device cpu)")
-    need_device, need_host = _memory_needed(args, model, hicache, device)
+    need_device, need_host = _memory_needed(args, model, hicache, device, weight_bytes)
     ram = cli_parsing.host_memory()
     if device.type == "cuda":
         gpu = torch.cuda.get_device_properties(device).total_memory
@@ -172,7 +178,11 @@ def check_sizes(args: argparse.Namespace, model: ModelConfig, hicache: HiCacheCo
 
 
 def _memory_needed(
-    args: argparse.Namespace, model: ModelConfig, hicache: HiCacheConfig, device: torch.device
+    args: argparse.Namespace,
+    model: ModelConfig,
+    hicache: HiCacheConfig,
+    device: torch.device,
+    weight_bytes: int | None,
 ) -> tuple[int, int]:
     """Bytes the run may allocate, (on the device, on the host), estimated from above: weights,
     pools, the request table, and the scratch of a chunk over the longest prompt that fits."""
@@ -187,6 +197,8 @@ def _memory_needed(
     per_layer += compressed if c.preset is ModelPreset.DSV4 else 0
     weights = 2 * c.vocab_size * h + c.layers * (per_layer + 2 * c.latent_dim * q)
     element = 8 if device.type == "cpu" else 4  # the model computes in float64 on the CPU
+    if weight_bytes is not None:  # a checkpoint: computes in its pools' dtype
+        element = model.kv_dtype.itemsize
     token_bytes = sum(spec.layout.token_bytes for spec in c.pools())
     engine = EngineConfig(max_running=args.max_running, chunk_tokens=args.chunk_tokens)
     slots = device_slots(c, args.device_tokens, engine)
@@ -194,7 +206,8 @@ def _memory_needed(
     context = args.device_tokens  # the longest prompt a request can have
     chunk = min(args.chunk_tokens, context)
     scratch = chunk * (context * c.heads + c.vocab_size + 8 * h) * element
-    on_device = weights * element + pools + scratch
+    weights = weight_bytes if weight_bytes is not None else weights * element
+    on_device = weights + pools + scratch
     host = 0
     if hicache.tiers.host_enabled:
         host = host_pages(hicache, args.device_tokens, args.page_size) * args.page_size

@@ -8,8 +8,8 @@ so requests that reuse the same pages are admitted together while those pages ar
 In-batch prefix sharing: two waiting requests that share a long prefix nobody has cached would
 both compute it if admitted in the same batch. Requests with little cached prefix are therefore
 run through a throwaway simulated tree of the queue (in arrival order); one that shares enough
-with an earlier such request is *deferred*: ordered after everyone else for this round, so the
-earlier one computes the prefix and the deferred one hits it next round.
+with an earlier such request is *deferred*: ordered after everyone else for this round, and held
+back (:mod:`hicache.scheduling.prefix_hold`) while a request in flight computes that prefix.
 
 The prefill delayer holds prefill for a bounded time when many waiting requests share prefixes
 and the recent hit rate is low: a burst of requests with a common prefix then gathers into one
@@ -24,13 +24,14 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.radix import RadixCache, RadixCacheConfig, TreeNode
+from hicache.scheduling.prefix_hold import PrefixHold
 
 __all__ = [
     "DelayerConfig",
@@ -100,7 +101,9 @@ class SchedulerConfig:
     requests wait: matching a long queue every round costs more than the order gains. A request
     is a candidate for in-batch sharing when its cached prefix is below
     ``in_batch_prefix_threshold`` tokens, and is deferred when it shares at least
-    ``in_batch_match_threshold`` tokens with an earlier candidate. ``seed`` seeds RANDOM.
+    ``in_batch_match_threshold`` tokens with an earlier candidate; under any policy, any request
+    is held while one in flight computes that many tokens of its prompt past its cached prefix
+    (:meth:`PrefixScheduler.hold`). ``seed`` seeds RANDOM.
     """
 
     policy: SchedulePolicy = SchedulePolicy.LPM
@@ -288,6 +291,13 @@ class PrefixScheduler:
         else:
             requests = queue
         return SchedulePlan(requests, policy, stats=QueueStats(len(queue), 0, oldest))
+
+    def hold(self, computing: Iterable[RadixKey]) -> PrefixHold | None:
+        """This round's :class:`PrefixHold`, given the keys of the requests computing their
+        prompts; None (hold nothing) without a tree or with in-batch sharing off."""
+        if self.tree is None or not self.config.in_batch_sharing:
+            return None
+        return PrefixHold(self.tree, self.config.in_batch_match_threshold, computing)
 
     def _effective_policy(self, queue_len: int) -> SchedulePolicy:
         policy = self.config.policy

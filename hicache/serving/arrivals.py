@@ -52,7 +52,8 @@ class TraceReplay:
 
     Each request arrives at its Poisson time (all at once with ``rate`` 0) with its prompt as
     given and asks for ``len(output_tokens)`` tokens (at least one); an empty namespace is the
-    default namespace.
+    default namespace. A text prompt left untokenized (see
+    :func:`~hicache.checkpoint.tokenizer.tokenize_trace`) fails when it arrives.
     """
 
     def __init__(self, requests: list[TraceRequest], rate: float = 0.0, seed: int = 0) -> None:
@@ -61,7 +62,12 @@ class TraceReplay:
         for req, at in zip(requests, times, strict=True):
             namespace = req.namespace or None
             out = max(1, len(req.output_tokens))
-            self._queue.push(ServeRequest(req.id, list(req.tokens), out, namespace, at))
+            request = ServeRequest(req.id, list(req.tokens), out, namespace, at)
+            if req.text is not None and not req.tokens:  # nothing tokenized it
+                request.refusal = (
+                    "a text prompt needs a tokenizer (the model has no tokenizer.json)"
+                )
+            self._queue.push(request)
 
     def due(self, now: float) -> list[ServeRequest]:
         return self._queue.due(now)

@@ -2,11 +2,12 @@
 
 Each step: apply what the cache's background work finished, admit waiting requests in the
 scheduler's order (a request whose L3 prefetch the stop policy says to wait for stays queued, and
-does not hold up others), then run one chunk of every running request: a prefill chunk of the
-uncached suffix, or one decode token. A request takes its cached prefix (device hit, plus host
-pages loaded back, whose per-layer events the forward pass waits on) and slots for the rest of its
-prompt and output, all at admission, so a running request never waits for memory. The model's
-extra pools (an SWA window pool, recurrent-state snapshots) have lifecycles of their own
+does not hold up others; so does one whose uncached prefix a request in flight is computing, see
+:mod:`hicache.scheduling.prefix_hold`), then run one chunk of every running request: a prefill
+chunk of the uncached suffix, or one decode token. A request takes its cached prefix (device hit,
+plus host pages loaded back, whose per-layer events the forward pass waits on) and slots for the
+rest of its prompt and output, all at admission, so a running request never waits for memory. The
+model's extra pools (an SWA window pool, recurrent-state snapshots) have lifecycles of their own
 (:mod:`hicache.serving.pool_slots`): admission reserves what a request will hold there at most.
 With HiSparse (a DSA model, :mod:`hicache.sparse.requests`) a request takes anchor slots for its
 prompt only and decodes from a hot buffer row over host memory once its prompt is computed.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -30,9 +30,10 @@ from hicache.radix.pool_lifecycle import path_anchor
 from hicache.radix.tree import RadixCache
 from hicache.scheduling.scheduler import PrefixScheduler, SchedulerConfig
 from hicache.serving.engine_config import CacheMode, EngineConfig, RequestSource
-from hicache.serving.model import ChunkInput, TinyTransformer
+from hicache.serving.model import ChunkInput, ServingModel
 from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestRecord, RequestState, ServeRequest, StepRecord
+from hicache.serving.sampling import sample_token
 from hicache.tiering.cache import HiRadixCache
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class Engine:
 
     def __init__(
         self,
-        model: TinyTransformer,
+        model: ServingModel,
         pools: dict[str, Any],
         tree: RadixCache | None,
         config: EngineConfig,
@@ -70,6 +71,7 @@ class Engine:
         self._forward_pool: ThreadPoolExecutor | None = None  # while run() runs
         self.prefill_tokens_per_s: float | None = None
         self._t0 = 0.0
+        self._holding = False  # whether a waiting request was held back when last looked at
 
     def use_hisparse(self, sparse: HiSparseRequests) -> None:
         """Decode DSA requests from ``sparse``'s hot buffer once their prompt is computed."""
@@ -175,6 +177,8 @@ class Engine:
 
     def _refusal(self, request: ServeRequest) -> str | None:
         vocab = self.model.config.vocab_size
+        if request.refusal is not None:
+            return request.refusal
         if not request.prompt:
             return "empty prompt"
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in request.prompt):
@@ -203,19 +207,28 @@ class Engine:
 
     # ----- admission --------------------------------------------------------------------------
     def _admit(self, waiting: list[ServeRequest], running: list[ServeRequest]) -> None:
+        self._holding = self._holding and bool(waiting)
         if not waiting or len(running) >= self.config.max_running:
             return
-        for request in self.scheduler.order(waiting):
+        plan = self.scheduler.plan(waiting)
+        hold = self.scheduler.hold(r.key for r in running if not self._prefilled(r))
+        for request in plan.requests:
             if len(running) >= self.config.max_running:
                 break
             tree = self.hiradix
             if tree is not None and not tree.prefetcher.may_run(request.rid):
                 continue  # its prefetch is still worth waiting for; others may go first
+            if hold is not None and hold.holds(request, plan.cached_tokens.get(request.rid)):
+                request.record.held_rounds += 1  # one in flight computes its prefix: hit it later
+                continue
             if self._maybe_prefetch(request):
                 continue  # its cached prefix was evicted while it waited: read it back first
             if self._start(request):
                 waiting.remove(request)
                 running.append(request)
+                if hold is not None:
+                    hold.claim(request.key)
+        self._holding = hold is not None and bool(hold.held)
 
     def _start(self, request: ServeRequest) -> bool:
         prefix, last, hits = self._cached_prefix(request)
@@ -372,9 +385,12 @@ class Engine:
         cached.kv_len = chunk.start + len(chunk.tokens)
         if chunk.start < prompt_len:
             request.record.computed_tokens += len(chunk.tokens)
-        # A chunk ending inside the prompt, or computing a position where the request leaves a
-        # window or a snapshot in the tree, commits; before the trim lets go of that window.
+        # A chunk ending inside the prompt, or at its end while requests are held back (they
+        # may wait for this prompt: they hit all of it while this one decodes; HiSparse commits
+        # it as the request enters the hot buffer), or computing a position where the request
+        # leaves a window or a snapshot in the tree, commits; before the trim lets go of it.
         keep = self.pool_slots.keep_point_in(request.pool_state, chunk.start, cached.kv_len)
+        keep = keep or (self._holding and cached.kv_len == prompt_len and request.hot is None)
         if cached.kv_len < prompt_len or keep:
             self._cache_progress(request)
         self.pool_slots.after_chunk(request.pool_state, cached.kv_len)
@@ -409,14 +425,8 @@ class Engine:
             self.pool_slots.commit(request.cached, request.pool_state)
 
     def _sample(self, request: ServeRequest, logits: torch.Tensor) -> int:
-        if self.config.temperature <= 0:
-            return int(torch.argmax(logits))
-        # Seeded by request and position only, so the cache cannot change a draw.
-        seed = zlib.crc32(
-            f"{self.config.sample_seed}:{request.rid}:{len(request.generated)}".encode()
-        )
-        probs = torch.softmax(logits.double() / self.config.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
+        cfg, position = self.config, len(request.generated)
+        return sample_token(logits, cfg.temperature, cfg.sample_seed, request.rid, position)
 
     def _finish(self, request: ServeRequest) -> None:
         cached = request.cached

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -43,9 +44,25 @@ from hicache.serving.model_sparse import (
 )
 from hicache.serving.presets import LayerKind, ModelConfig, layer_group, pool_of
 
-__all__ = ["ChunkInput", "TinyTransformer"]
+__all__ = ["ChunkInput", "ServingModel", "TinyTransformer"]
 
 LayerWait = Callable[[str, int], None]  # (pool, layer in pool): wait until loaded
+
+
+class ServingModel(Protocol):
+    """What the serving engine runs: this module's seeded model, or a checkpoint's
+    (:mod:`hicache.checkpoint`). ``config`` names the pools it reads and writes."""
+
+    config: ModelConfig
+    device: torch.device  # where its pools are allocated
+
+    def forward_batch(
+        self,
+        chunks: Sequence[ChunkInput],
+        pools: Mapping[str, DevicePool],
+        wait: LayerWait | None = None,
+        hot: DecodePages | None = None,
+    ) -> list[torch.Tensor]: ...
 
 
 @dataclass(slots=True)

@@ -24,7 +24,9 @@ __all__ = [
     "attention_layer",
     "latent_layer",
     "recurrent_layer",
+    "snapshots_by_step",
     "window_layer",
+    "write_state",
 ]
 
 _FP8_MAX = 448.0  # largest float8_e4m3fn value
@@ -224,17 +226,17 @@ def recurrent_layer(
     u = torch.nn.functional.silu(conv)
     b, c = h @ p["w_b"], h @ p["w_c"]
     decay = p["decay"][:, None]
-    snapshots = _snapshots_by_step(inp, n)
+    snapshots = snapshots_by_step(inp.snapshots, inp.start, n)
     outs = []
     if 0 in snapshots:
-        _write_state(pools, layer, snapshots[0], xs[: kernel - 1], state)
+        write_state(pools, layer, snapshots[0], xs[: kernel - 1], state)
     for t in range(n):
         state = (decay * state + u[t][:, None] * b[t][None, :]).to(store).to(model.dtype)
         outs.append(state @ c[t])
         if t + 1 in snapshots:
-            _write_state(pools, layer, snapshots[t + 1], xs[t + 1 : t + kernel], state)
+            write_state(pools, layer, snapshots[t + 1], xs[t + 1 : t + kernel], state)
     assert inp.state_slot is not None  # _initial_state checked it
-    _write_state(pools, layer, inp.state_slot, xs[n:], state)
+    write_state(pools, layer, inp.state_slot, xs[n:], state)
     return torch.stack(outs) @ p["w_out"]
 
 
@@ -258,19 +260,17 @@ def _initial_state(
     return conv, pools["ssm"].buffer[0, layer, slot].to(model.dtype)
 
 
-def _snapshots_by_step(inp: AttentionInputs, n: int) -> dict[int, int]:
-    """The chunk's snapshots keyed by tokens computed in it (0 .. n)."""
+def snapshots_by_step(snapshots: Mapping[int, int], start: int, n: int) -> dict[int, int]:
+    """A chunk's snapshot slots (position -> slot) keyed by tokens computed in it (0 .. n)."""
     out = {}
-    for position, slot in inp.snapshots.items():
-        if not inp.start <= position <= inp.start + n:
-            raise ValueError(
-                f"a snapshot at {position} is outside the chunk {inp.start}..{inp.start + n}"
-            )
-        out[position - inp.start] = slot
+    for position, slot in snapshots.items():
+        if not start <= position <= start + n:
+            raise ValueError(f"a snapshot at {position} is outside the chunk {start}..{start + n}")
+        out[position - start] = slot
     return out
 
 
-def _write_state(
+def write_state(
     pools: Mapping[str, DevicePool],
     layer: int,
     slot: int,

@@ -152,6 +152,9 @@ class ModelConfig:
     window_interval: int = 512
     c4_dim: int = 32  # dsv4: width of a 4:1 compressed entry (a multiple of 4)
     c128_dim: int = 128  # dsv4: width of a 128:1 compressed entry (a multiple of 128)
+    # hybrid: layer i is attention iff i % attention_period == attention_offset, else recurrent
+    attention_period: int = 2
+    attention_offset: int = 0
 
     def __post_init__(self) -> None:
         for name, limit in MODEL_LIMITS.items():
@@ -175,6 +178,7 @@ class ModelConfig:
             check_whole_pages("window_interval", self.window_interval, self.page_size)
         if self.preset is ModelPreset.HYBRID:
             check_whole_pages("state_interval", self.state_interval, self.page_size)
+            self._check_layer_pattern()
         if self.preset is ModelPreset.DSA and self.latent_dim < 4:
             raise ConfigError(
                 f"model latent_dim {self.latent_dim} must be at least 4 for the dsa preset: "
@@ -182,6 +186,27 @@ class ModelConfig:
             )
         if self.preset is ModelPreset.DSV4:
             self._check_dsv4()
+
+    def _check_layer_pattern(self) -> None:
+        """The hybrid's attention pattern is well formed and gives layers of both kinds (the
+        ``kv`` pool anchors the cache; the state pools need a recurrent layer)."""
+        period, offset = self.attention_period, self.attention_offset
+        limit = MODEL_LIMITS["layers"]
+        if type(period) is not int or not 1 <= period <= limit:
+            raise ConfigError(
+                f"model attention_period must be an int in [1, {limit}], got {period!r}"
+            )
+        if type(offset) is not int or not 0 <= offset < period:
+            raise ConfigError(
+                f"model attention_offset must be an int in [0, {period - 1}], got {offset!r}"
+            )
+        kinds = set(self.layer_kinds())
+        if kinds != {LayerKind.ATTENTION, LayerKind.RECURRENT}:
+            raise ConfigError(
+                f"the hybrid preset needs attention and recurrent layers: attention_period "
+                f"{period} with attention_offset {offset} over {self.layers} layers gives "
+                f"{sorted(k.value for k in kinds)} only"
+            )
 
     def _check_dsv4(self) -> None:
         """A page holds whole 128:1 groups, the window covers one (its entry is compressed from
@@ -227,8 +252,13 @@ class ModelConfig:
         if self.preset is ModelPreset.DSV4:
             csa, hca = LayerKind.COMPRESSED_SPARSE, LayerKind.HEAVILY_COMPRESSED
             return [csa if i % 2 == 0 else hca for i in range(self.layers)]
-        mixed = LayerKind.WINDOW if self.preset is ModelPreset.SWA else LayerKind.RECURRENT
-        return [LayerKind.ATTENTION if i % 2 == 0 else mixed for i in range(self.layers)]
+        if self.preset is ModelPreset.HYBRID:
+            period, offset = self.attention_period, self.attention_offset
+            return [
+                LayerKind.ATTENTION if i % period == offset else LayerKind.RECURRENT
+                for i in range(self.layers)
+            ]
+        return [LayerKind.ATTENTION if i % 2 == 0 else LayerKind.WINDOW for i in range(self.layers)]
 
     def pool_layer(self, index: int) -> int:
         """Layer ``index``'s layer number within its pool."""

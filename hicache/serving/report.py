@@ -44,7 +44,9 @@ def summarize(
     - ``l3_write_failures``: pages not written to L3 (the call failed, timed out or said no);
     - ``l3_unavailable``: 1 when an L3 was configured but could not be opened, so the run went
       on with L3 off;
-    - ``corrupt_pages``: L3 pages that failed their checks and were treated as misses.
+    - ``corrupt_pages``: L3 pages that failed their checks and were treated as misses;
+    - ``held_requests``, ``held_rounds``: requests admission held back for a prefix another
+      request was computing (:mod:`hicache.scheduling.prefix_hold`), and rounds they waited.
     """
     ok = [r for r in records if r.error is None and r.first_token_s is not None]
     ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
@@ -79,6 +81,8 @@ def summarize(
         "l3_write_failures": int(metrics.get("l3_write_failures", 0)),
         "l3_unavailable": int(metrics.get("l3_unavailable", 0)),
         "prefetch_skipped_slow": int(metrics.get("prefetch_skipped_slow", 0)),
+        "held_requests": sum(1 for r in ok if r.held_rounds),
+        "held_rounds": sum(r.held_rounds for r in ok),
     }
 
 

@@ -33,6 +33,7 @@ class RequestRecord:
     hit_host: int = 0
     hit_l3: int = 0
     computed_tokens: int = 0
+    held_rounds: int = 0  # admission rounds it waited for a prefix another request computed
     output_tokens: int = 0
     error: str | None = None
 
@@ -71,6 +72,7 @@ class ServeRequest:
     pool_state: Any = None  # its slots in the model's extra pools (a PoolRequest), once running
     hot: Any = None  # HiSparse: what it holds of the hot buffer (a HotRequest), once admitted
     cached_at_submit: int = 1 << 62  # device + host tokens when last checked for a prefetch
+    refusal: str | None = None  # why it cannot be served, known before it arrives
     record: RequestRecord = field(init=False)
     _key: RadixKey | None = field(default=None, init=False, repr=False)
 

@@ -14,7 +14,7 @@ from hicache.pools.host import host_pools
 from hicache.radix.shadow import ShadowRadixCache
 from hicache.radix.tree import RadixCacheConfig
 from hicache.serving.engine import CacheMode, Engine, EngineConfig
-from hicache.serving.model import TinyTransformer
+from hicache.serving.model import ServingModel
 from hicache.serving.pool_slots import swa_reserve
 from hicache.serving.presets import ModelConfig
 from hicache.sparse.hot_buffer import HotBuffer
@@ -125,7 +125,7 @@ def host_page_counts(config: ModelConfig, slots: dict[str, int], pages: int) -> 
 
 
 async def open_engine(
-    model: TinyTransformer,
+    model: ServingModel,
     mode: CacheMode,
     hicache: HiCacheConfig,
     device_tokens: int,

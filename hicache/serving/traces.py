@@ -1,9 +1,10 @@
 """Request traces: the ``TraceRequest`` record and its JSONL files.
 
 A trace is a list of requests ``{"id", "namespace", "tokens", "output_tokens"}``, one JSON object
-per line on disk; an empty namespace is the default one. Reading checks every line and raises
-:class:`~hicache.errors.TraceFormatError` naming the first bad line. The generators that make
-traces live in :mod:`hicache.serving.workloads`.
+per line on disk; an empty namespace is the default one. A request may give its prompt as
+``"text"`` instead of ``"tokens"``, for a model with a tokenizer to encode. Reading checks every
+line and raises :class:`~hicache.errors.TraceFormatError` naming the first bad line. The
+generators that make traces live in :mod:`hicache.serving.workloads`.
 """
 
 from __future__ import annotations
@@ -34,20 +35,18 @@ class TraceRequest:
 
     id: str
     namespace: str
-    tokens: list[int]
+    tokens: list[int]  # empty for a text prompt not tokenized yet
     output_tokens: list[int]
+    text: str | None = None  # the prompt as text, when the trace gave it so
 
 
 # ----- JSONL ----------------------------------------------------------------------------------
 def format_trace(requests: Iterable[TraceRequest]) -> Iterator[str]:
     """Each request as one JSON line (with its newline)."""
     for req in requests:
-        row = {
-            "id": req.id,
-            "namespace": req.namespace,
-            "tokens": req.tokens,
-            "output_tokens": req.output_tokens,
-        }
+        row: dict[str, Any] = {"id": req.id, "namespace": req.namespace}
+        row |= {"tokens": req.tokens} if req.text is None else {"text": req.text}
+        row["output_tokens"] = req.output_tokens
         yield json.dumps(row, separators=(",", ":")) + "\n"
 
 
@@ -79,18 +78,25 @@ def _parse_line(text: str, line: int) -> TraceRequest:
         raise TraceFormatError(line, "JSON nested too deeply") from None
     if not isinstance(row, dict):
         raise TraceFormatError(line, f"expected a JSON object, got {type(row).__name__}")
-    for name in ("id", "namespace", "tokens", "output_tokens"):
+    for name in ("id", "namespace", "output_tokens"):
         if name not in row:
             raise TraceFormatError(line, f"missing field {name!r}")
-    for name in ("id", "namespace"):
+    if ("tokens" in row) == ("text" in row):
+        raise TraceFormatError(line, "give the prompt as 'tokens' or as 'text', one of them")
+    texts = ("id", "namespace", "text") if "text" in row else ("id", "namespace")
+    for name in texts:
         if not isinstance(row[name], str):
             raise TraceFormatError(line, f"{name!r} must be a string")
         try:
             row[name].encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate escape, e.g. "\ud800"
             raise TraceFormatError(line, f"{name!r} is not valid Unicode") from None
-    tokens = _token_list(row, "tokens", line, allow_empty=False)
     output = _token_list(row, "output_tokens", line, allow_empty=True)
+    if "text" in row:
+        if not row["text"]:
+            raise TraceFormatError(line, "'text' is empty: a prompt needs at least one token")
+        return TraceRequest(row["id"], row["namespace"], [], output, row["text"])
+    tokens = _token_list(row, "tokens", line, allow_empty=False)
     return TraceRequest(row["id"], row["namespace"], tokens, output)
 
 

@@ -10,6 +10,9 @@ history (system prompt, earlier turns and answers) followed by a new user turn.
 
 - :func:`multiturn_trace` (open loop): answers are drawn tokens, requests are interleaved round
   by round (round 0 of every client, then round 1, ...), and everything comes from one stream.
+- :func:`burst_conversations_trace` (open loop): long conversations (contexts of 2k-8k tokens
+  with :data:`BURST_CHAT`) whose every turn is in the trace; replayed at rate 0, they arrive
+  together, and a turn's prompt holds the previous turn's prompt, as a restart's backlog does.
 - :class:`MultiTurnChat` (closed loop): a turn's answer is what the model generated. Round 0
   arrives at Poisson times; each later turn when the client's previous answer is complete (with
   ``barrier``, once the whole previous round is). Each client draws its turns from a stream of
@@ -40,6 +43,7 @@ from hicache.serving.request import ServeRequest
 from hicache.serving.traces import TOKEN_LIMIT, TraceRequest
 
 __all__ = [
+    "BURST_CHAT",
     "ChatConfig",
     "MultiTurnChat",
     "SharedPrefixConfig",
@@ -47,6 +51,7 @@ __all__ = [
     "TokenCount",
     "WorkloadConfig",
     "WorkloadKind",
+    "burst_conversations_trace",
     "generate_trace",
     "multiturn_trace",
     "shared_prefix_trace",
@@ -171,6 +176,25 @@ def multiturn_trace(config: ChatConfig) -> list[TraceRequest]:
             histories[c] = prompt + answer
             out.append(TraceRequest(prompts.rid(c, r), prompts.tenant(c), prompt, answer))
     return out
+
+
+# Conversations of 2-2.6k tokens at their first turn and up to about 7.3k at their fourth: 1k of
+# system prompt, turns of 1-1.5k and short answers, so a burst is prefill-bound.
+BURST_CHAT = ChatConfig(
+    clients=8, rounds=4, system_tokens=1024, system_prompts=2, turn_tokens=(1024, 1536),
+    output_tokens=2,
+)  # fmt: skip
+
+
+def burst_conversations_trace(config: ChatConfig = BURST_CHAT) -> list[TraceRequest]:
+    """Every turn of ``config``'s conversations, to replay as one burst (``rate`` 0).
+
+    Turn ``r`` of a conversation holds turn ``r - 1``'s prompt and its answer, and turns go
+    round by round as :func:`multiturn_trace` makes them, so a scheduler that admits requests in
+    arrival order starts several turns of one conversation at once: they all compute the
+    shared history unless the later ones wait for the earlier one to cache it.
+    """
+    return multiturn_trace(config)
 
 
 class MultiTurnChat:

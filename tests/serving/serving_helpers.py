@@ -23,7 +23,7 @@ import torch
 from hicache.keys import StorageFormat
 from hicache.serving.arrivals import TraceReplay
 from hicache.serving.engine import CacheMode, EngineConfig, RequestSource
-from hicache.serving.model import TinyTransformer
+from hicache.serving.model import ServingModel, TinyTransformer
 from hicache.serving.presets import ModelConfig, ModelPreset
 from hicache.serving.request import RequestRecord, ServeRequest
 from hicache.serving.setup import ServingSetup, open_engine
@@ -157,7 +157,7 @@ async def serve(
     device_tokens: int = DEVICE_TOKENS,
     engine: EngineConfig = ENGINE,
     logits: bool = False,
-    model: TinyTransformer | None = None,
+    model: ServingModel | None = None,
     watch: Callable[[ServingSetup], None] | None = None,
 ) -> RunResult:
     """Serve ``source`` (the small chat by default) with a fresh engine, then close it.

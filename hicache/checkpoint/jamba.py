@@ -1,0 +1,336 @@
+"""Jamba (``JambaForCausalLM``) from a Hugging Face checkpoint, over the ``hybrid`` preset's
+pools, computed as transformers' implementation computes it.
+
+Layer ``i`` mixes tokens with attention when ``i % attn_layer_period == attn_layer_offset``
+(GQA with no position embedding at all: the Mamba layers carry position; K and V in pool
+``kv``, attention through :mod:`hicache.checkpoint.paged_attention`), else with a Mamba mixer
+whose state lives in pools ``conv`` and ``ssm`` (:mod:`hicache.checkpoint.jamba_mamba`). Its
+feed-forward block is a mixture of experts when ``num_experts > 1`` and
+``i % expert_layer_period == expert_layer_offset``, else a SwiGLU MLP. The router is a softmax
+over the experts in float32 whose top ``num_experts_per_tok`` probabilities weigh the chosen
+experts as they are, not renormalized (as transformers' ``JambaTopKRouter`` does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from hicache.checkpoint.hf_config import Architecture, RawConfig
+from hicache.checkpoint.jamba_mamba import MambaSizes, mamba_mixer, mamba_shapes
+from hicache.checkpoint.paged_attention import StepLayout, paged_attention
+from hicache.checkpoint.step import OneChunk, rms_norm, step_inputs
+from hicache.checkpoint.weights import TensorFiles
+from hicache.dtypes import DType
+from hicache.pools.device import DevicePool
+from hicache.serving.model import ChunkInput, LayerWait
+from hicache.serving.model_sparse import DecodePages
+from hicache.serving.presets import ModelConfig, ModelPreset
+
+__all__ = [
+    "JambaConfig",
+    "JambaModel",
+    "jamba_config",
+    "jamba_model_config",
+    "jamba_tensor_shapes",
+]
+
+# transformers' JambaConfig defaults: a config.json without the field reads as these.
+_SIZES = {
+    "vocab_size": 65536, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_experts": 16,
+    "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+}  # fmt: skip
+_PERIODS = {"attn_layer": (8, 4), "expert_layer": (2, 1)}  # (period, offset) defaults
+_STATE_INTERVAL = 128  # tokens between state snapshots, rounded up to whole pages
+
+
+@dataclass(frozen=True, slots=True)
+class JambaConfig:
+    """The sizes and layer pattern of a Jamba checkpoint."""
+
+    architecture: Architecture
+    dtype: torch.dtype  # the checkpoint's
+    vocab_size: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # each MLP's and each expert's
+    attn_period: int
+    attn_offset: int
+    expert_period: int
+    expert_offset: int
+    experts: int  # num_experts (1: every layer has a plain MLP)
+    per_token: int  # num_experts_per_tok
+    mamba: MambaSizes
+    tie_embeddings: bool
+
+    @property
+    def hidden(self) -> int:
+        return self.mamba.hidden
+
+    def is_attention(self, layer: int) -> bool:
+        return layer % self.attn_period == self.attn_offset
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 1 and layer % self.expert_period == self.expert_offset
+
+
+def jamba_config(raw: RawConfig) -> JambaConfig:
+    """The fields of a Jamba ``config.json`` (transformers' defaults where absent), with what
+    this model does not compute refused by name."""
+    size = {name: raw.positive_int(name, default) for name, default in _SIZES.items()}
+    hidden, heads = size["hidden_size"], size["num_attention_heads"]
+    # transformers reads an explicit null as one KV head per attention head
+    kv_default = heads if raw.get("num_key_value_heads", 8) is None else 8
+    kv_heads = raw.positive_int("num_key_value_heads", kv_default)
+    if heads % kv_heads:
+        raise raw.fail(f"{heads} attention heads are not a multiple of {kv_heads}")
+    # one expert means a plain MLP in every layer: no router, whatever num_experts_per_tok says
+    if 1 < size["num_experts"] < size["num_experts_per_tok"]:
+        raise raw.fail(
+            f"num_experts_per_tok {size['num_experts_per_tok']} exceeds num_experts "
+            f"{size['num_experts']}"
+        )
+    if size["mamba_d_conv"] < 2:
+        raise raw.fail(f"mamba_d_conv {size['mamba_d_conv']} must be at least 2")
+    _refuse_unsupported(raw)
+    attn, expert = _pattern(raw, "attn_layer"), _pattern(raw, "expert_layer")
+    _check_both_kinds(raw, size["num_hidden_layers"], *attn)
+    mamba = MambaSizes(
+        hidden=hidden, inner=size["mamba_expand"] * hidden, d_state=size["mamba_d_state"],
+        d_conv=size["mamba_d_conv"], dt_rank=_dt_rank(raw, hidden),
+        conv_bias=_flag(raw, "mamba_conv_bias", True),
+        proj_bias=_flag(raw, "mamba_proj_bias", False),
+        rms_eps=raw.number("rms_norm_eps", 1e-6, 0.0, 1.0),
+    )  # fmt: skip
+    return JambaConfig(
+        architecture=raw.architecture, dtype=raw.dtype, vocab_size=size["vocab_size"],
+        layers=size["num_hidden_layers"], heads=heads, kv_heads=kv_heads,
+        head_dim=raw.positive_int("head_dim", hidden // heads),
+        intermediate=size["intermediate_size"], attn_period=attn[0], attn_offset=attn[1],
+        expert_period=expert[0], expert_offset=expert[1], experts=size["num_experts"],
+        per_token=size["num_experts_per_tok"], mamba=mamba,
+        tie_embeddings=_flag(raw, "tie_word_embeddings", False),
+    )  # fmt: skip
+
+
+def _refuse_unsupported(raw: RawConfig) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise raw.fail(f"hidden_act {act!r} is not supported (only 'silu')")
+    # transformers 5 ignores it (4.x used it in flash attention only); a window the model was
+    # trained with would change what attention sees, so it is refused rather than dropped
+    if raw.get("sliding_window") is not None:
+        raise raw.fail(f"sliding_window {raw.get('sliding_window')!r} is not supported")
+
+
+def _pattern(raw: RawConfig, prefix: str) -> tuple[int, int]:
+    """``{prefix}_period`` and ``{prefix}_offset``, the offset below the period."""
+    period_default, offset_default = _PERIODS[prefix]
+    period = raw.positive_int(f"{prefix}_period", period_default)
+    offset = raw.get(f"{prefix}_offset", offset_default)
+    if type(offset) is not int or not 0 <= offset < period:
+        raise raw.fail(
+            f"'{prefix}_offset' must be an int in [0, {prefix}_period {period}), got {offset!r}"
+        )
+    return period, offset
+
+
+def _check_both_kinds(raw: RawConfig, layers: int, period: int, offset: int) -> None:
+    """The hybrid preset anchors its cache on attention layers and keeps Mamba state beside
+    them, so a pattern without one of the kinds is refused."""
+    attention = sum(1 for i in range(layers) if i % period == offset)
+    if attention == 0 or attention == layers:
+        kind = "attention" if attention == 0 else "Mamba"
+        raise raw.fail(
+            f"attn_layer_period {period} with attn_layer_offset {offset} over {layers} layers "
+            f"leaves no {kind} layer (the hybrid pools need both)"
+        )
+
+
+def _dt_rank(raw: RawConfig, hidden: int) -> int:
+    rank = raw.get("mamba_dt_rank", "auto")
+    if rank == "auto":
+        return math.ceil(hidden / 16)
+    if type(rank) is not int or rank < 1:
+        raise raw.fail(f"'mamba_dt_rank' must be 'auto' or a positive int, got {rank!r}")
+    return rank
+
+
+def _flag(raw: RawConfig, name: str, default: bool) -> bool:
+    value = raw.get(name, default)
+    if not isinstance(value, bool):
+        raise raw.fail(f"{name!r} must be true or false, got {value!r}")
+    return value
+
+
+def jamba_tensor_shapes(cfg: JambaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold, with its shape (transformers' names)."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden),
+        "model.final_layernorm.weight": (cfg.hidden,),
+    }
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden)
+    for i in range(cfg.layers):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in _layer(cfg, i).items()})
+    return shapes
+
+
+def _layer(cfg: JambaConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Layer ``layer``'s tensors, named below ``model.layers.{layer}.``."""
+    hidden, q_dim, kv_dim = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (hidden,),
+        "pre_ff_layernorm.weight": (hidden,),
+    }
+    if cfg.is_attention(layer):
+        shapes |= {
+            "self_attn.q_proj.weight": (q_dim, hidden),
+            "self_attn.k_proj.weight": (kv_dim, hidden),
+            "self_attn.v_proj.weight": (kv_dim, hidden),
+            "self_attn.o_proj.weight": (hidden, q_dim),
+        }
+    else:
+        shapes |= mamba_shapes(cfg.mamba)
+    if not cfg.is_moe(layer):
+        return shapes | _swiglu_shapes("feed_forward", hidden, cfg.intermediate)
+    shapes["feed_forward.router.weight"] = (cfg.experts, hidden)
+    for expert in range(cfg.experts):
+        shapes |= _swiglu_shapes(f"feed_forward.experts.{expert}", hidden, cfg.intermediate)
+    return shapes
+
+
+def _swiglu_shapes(prefix: str, hidden: int, inner: int) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{prefix}.gate_proj.weight": (inner, hidden),
+        f"{prefix}.up_proj.weight": (inner, hidden),
+        f"{prefix}.down_proj.weight": (hidden, inner),
+    }
+
+
+def jamba_model_config(cfg: JambaConfig, page_size: int, kv_dtype: DType) -> ModelConfig:
+    """The hybrid preset: ``kv`` for the attention layers, ``conv`` and ``ssm`` for the Mamba
+    layers' state, a snapshot every :data:`_STATE_INTERVAL` tokens rounded up to whole pages."""
+    m = cfg.mamba
+    return ModelConfig(
+        preset=ModelPreset.HYBRID, vocab_size=cfg.vocab_size, hidden=cfg.hidden,
+        layers=cfg.layers, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+        page_size=page_size, kv_dtype=kv_dtype, state_dim=m.d_state, conv_kernel=m.d_conv,
+        state_inner=m.inner, state_interval=-(-_STATE_INTERVAL // page_size) * page_size,
+        attention_period=cfg.attn_period, attention_offset=cfg.attn_offset,
+    )  # fmt: skip
+
+
+class JambaModel(OneChunk):
+    """A loaded Jamba checkpoint; the serving engine calls :meth:`forward_batch` as it calls
+    :class:`~hicache.serving.model.TinyTransformer`'s."""
+
+    def __init__(
+        self, cfg: JambaConfig, config: ModelConfig, files: TensorFiles, device: torch.device
+    ) -> None:
+        self.cfg, self.config, self.device = cfg, config, device
+        self.dtype = config.kv_dtype.to_torch()
+        weights = files.load({name: name for name in jamba_tensor_shapes(cfg)}, self.dtype, device)
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.norm = weights["model.final_layernorm.weight"]
+        self.layers = [
+            {name: weights[f"model.layers.{i}.{name}"] for name in _layer(cfg, i)}
+            for i in range(cfg.layers)
+        ]
+        self.pool_layers = [config.layer_pools(i) for i in range(cfg.layers)]
+
+    @torch.no_grad()
+    def forward_batch(
+        self,
+        chunks: Sequence[ChunkInput],
+        pools: Mapping[str, DevicePool],
+        wait: LayerWait | None = None,
+        hot: DecodePages | None = None,
+    ) -> list[torch.Tensor]:
+        """One step over several requests' chunks: attention batched over the step, each
+        request's Mamba state carried through its own chunk; each chunk's last-token logits
+        (vocab,) in float32 on the CPU."""
+        layout, ids = step_inputs(chunks, hot, self.cfg.vocab_size, self.device)
+        lengths = [len(c.tokens) for c in chunks]
+        bounds = list(accumulate(lengths, initial=0))
+        eps = self.cfg.mamba.rms_eps
+        x = self.embed[ids]
+        for index, layer in enumerate(self.layers):
+            numbers = self.pool_layers[index]
+            if wait is not None:
+                for name, number in numbers.items():
+                    wait(name, number)
+            h = rms_norm(x, layer["input_layernorm.weight"], eps)
+            if "kv" in numbers:
+                x = x + self._attention(layer, h, layout, pools["kv"], numbers["kv"])
+            else:
+                x = x + torch.cat([
+                    mamba_mixer(self.cfg.mamba, layer, h[lo:hi], pools, numbers["conv"], chunk)
+                    for lo, hi, chunk in zip(bounds[:-1], bounds[1:], chunks, strict=True)
+                ])  # fmt: skip
+            x = x + _feed_forward(
+                self.cfg, layer, rms_norm(x, layer["pre_ff_layernorm.weight"], eps)
+            )
+        lasts = rms_norm(x[layout.last_rows], self.norm, eps)
+        return list(F.linear(lasts, self.lm_head).to(torch.float32).cpu())
+
+    def _attention(
+        self,
+        layer: Mapping[str, torch.Tensor],
+        h: torch.Tensor,
+        layout: StepLayout,
+        pool: DevicePool,
+        number: int,
+    ) -> torch.Tensor:
+        """GQA over the whole context with no position embedding; the new tokens' K and V are
+        written to their slots first."""
+        cfg, n = self.cfg, h.shape[0]
+        q = F.linear(h, layer["self_attn.q_proj.weight"]).view(n, cfg.heads, cfg.head_dim)
+        k = F.linear(h, layer["self_attn.k_proj.weight"]).view(n, cfg.kv_heads, cfg.head_dim)
+        v = F.linear(h, layer["self_attn.v_proj.weight"]).view(n, cfg.kv_heads, cfg.head_dim)
+        keys, values = pool.buffer[0, number], pool.buffer[1, number]
+        keys[layout.new_slots] = k.to(keys.dtype)
+        values[layout.new_slots] = v.to(values.dtype)
+        mixed = paged_attention(layout, q, keys, values)
+        return F.linear(mixed, layer["self_attn.o_proj.weight"])
+
+
+def _feed_forward(
+    cfg: JambaConfig, layer: Mapping[str, torch.Tensor], h: torch.Tensor
+) -> torch.Tensor:
+    """The layer's MLP, or its mixture of experts: each chosen expert runs on its tokens only,
+    the experts in index order, weighted by the softmax probability that chose it."""
+    if "feed_forward.router.weight" not in layer:
+        return _swiglu(layer, "feed_forward", h)
+    probs = F.softmax(F.linear(h, layer["feed_forward.router.weight"]), dim=-1, dtype=torch.float)
+    top_weights, top_experts = torch.topk(probs, cfg.per_token, dim=-1)
+    flat = top_experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=cfg.experts).tolist()  # one host sync
+    scale = top_weights.to(h.dtype).reshape(-1)
+    out = torch.zeros_like(h)
+    begin = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        picks = order[begin : begin + count]
+        begin += count
+        tokens = picks // cfg.per_token
+        y = _swiglu(layer, f"feed_forward.experts.{expert}", h[tokens]) * scale[picks, None]
+        out.index_add_(0, tokens, y)
+    return out
+
+
+def _swiglu(layer: Mapping[str, torch.Tensor], prefix: str, h: torch.Tensor) -> torch.Tensor:
+    gate = F.silu(F.linear(h, layer[f"{prefix}.gate_proj.weight"]))
+    up = F.linear(h, layer[f"{prefix}.up_proj.weight"])
+    return F.linear(gate * up, layer[f"{prefix}.down_proj.weight"])
