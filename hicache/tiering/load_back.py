@@ -122,6 +122,10 @@ def load_back(
     slots = _allocate(tree, node, plan)
     if slots is None:
         return _NONE, top
+    if not _on_host(tree, plan):  # making room (write_back) evicted a planned host copy
+        for name, taken in slots.items():
+            tree.allocators[name].free(taken)
+        return _NONE, top
     transfers = []
     for pool, nodes in plan.items():
         anchor = pool == tree.roles.anchor
@@ -145,6 +149,16 @@ def _assign(tree: HiRadixCache, pool: str, nodes: list[TreeNode], slots: torch.T
             tree.evictable_size += n.length
         else:
             tree.ledger.put(n, pool, piece)
+
+
+def _on_host(tree: HiRadixCache, plan: dict[str, list[TreeNode]]) -> bool:
+    """Whether every node of ``plan`` still has its host copy of the pool it is planned for."""
+    for pool, nodes in plan.items():
+        anchor = pool == tree.roles.anchor
+        for n in nodes:
+            if (n.host_value if anchor else host_of(n, pool)) is None:
+                return False
+    return True
 
 
 def _host(node: TreeNode, pool: str | None) -> torch.Tensor:
