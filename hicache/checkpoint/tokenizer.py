@@ -23,7 +23,12 @@ def load_tokenizer(directory: Path) -> Any | None:
     path = directory / "tokenizer.json"
     if not path.exists():
         return None
-    from tokenizers import Tokenizer
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise CheckpointError(
+            f"{path} needs the tokenizers package: pip install 'hicache[hf]'"
+        ) from None
 
     try:
         return Tokenizer.from_file(str(path))

@@ -132,7 +132,12 @@ class _open:
         self._stack = ExitStack()
 
     def __enter__(self) -> Any:
-        from safetensors import SafetensorError, safe_open
+        try:
+            from safetensors import SafetensorError, safe_open
+        except ImportError:
+            raise CheckpointError(
+                "--model needs the safetensors package: pip install 'hicache[hf]'"
+            ) from None
 
         try:
             return self._stack.enter_context(safe_open(str(self._path), framework="pt"))

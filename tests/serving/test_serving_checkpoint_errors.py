@@ -211,3 +211,20 @@ def test_text_prompt_without_a_tokenizer_fails_alone(
     row = result["configs"][0]
     assert row["failed"] == 1 and row["requests"] == 1
     assert outputs["text"] == [] and len(outputs["ids"]) == 2
+
+
+def test_missing_packages_are_named(
+    saved: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without hicache[hf]'s packages, --model says which to install (not a traceback)."""
+    import sys
+
+    from hicache.checkpoint.tokenizer import load_tokenizer
+
+    ckpt = copy_of(saved, tmp_path)
+    word_tokenizer(ckpt, ["a"])
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    assert "pip install 'hicache[hf]'" in refused(ckpt)
+    with pytest.raises(CheckpointError, match="tokenizers package"):
+        load_tokenizer(ckpt)
