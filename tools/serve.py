@@ -98,7 +98,8 @@ def _add_model_and_workload(p: argparse.ArgumentParser) -> None:
         "--model",
         type=path_arg,
         help="serve a Hugging Face checkpoint directory (config.json and *.safetensors; "
-        "Llama, Qwen2, Qwen3); its config replaces --preset and the size flags",
+        "Llama, Qwen2, Qwen3, DeepSeek-V3, Jamba); its config replaces --preset and the size "
+        "flags",
     )
     m.add_argument(
         "--dtype",

@@ -29,7 +29,7 @@ from hicache.checkpoint.deepseek_moe import (
 from hicache.checkpoint.hf_config import Architecture, RawConfig, RopeConfig
 from hicache.checkpoint.paged_attention import StepLayout
 from hicache.checkpoint.rope import rotate_half_split
-from hicache.checkpoint.step import OneChunk, rms_norm, step_inputs
+from hicache.checkpoint.step import OneChunk, decoder_shapes, rms_norm, step_inputs
 from hicache.checkpoint.weights import TensorFiles
 from hicache.checkpoint.yarn import ScaledRotary, YarnRope, rope_and_scale
 from hicache.dtypes import DType
@@ -103,9 +103,9 @@ def deepseek_config(raw: RawConfig) -> DeepseekV3Config:
         q_lora_rank=q_lora, kv_lora_rank=size["kv_lora_rank"], qk_nope_dim=nope,
         qk_rope_dim=rot, v_dim=size["v_head_dim"],
         rms_eps=raw.number("rms_norm_eps", 1e-6, 0.0, 1.0), rope=rope,
-        rope_interleave=_flag(raw, "rope_interleave", True), softmax_scale=softmax_scale,
-        attention_bias=_flag(raw, "attention_bias", False),
-        tie_embeddings=_flag(raw, "tie_word_embeddings", False), moe=moe_config(raw, hidden),
+        rope_interleave=raw.flag("rope_interleave", True), softmax_scale=softmax_scale,
+        attention_bias=raw.flag("attention_bias", False),
+        tie_embeddings=raw.flag("tie_word_embeddings", False), moe=moe_config(raw, hidden),
     )  # fmt: skip
 
 
@@ -125,25 +125,13 @@ def _refuse_unsupported(raw: RawConfig, size: dict[str, int]) -> None:
         raise raw.fail(f"num_key_value_heads {kv_heads} below num_attention_heads is not supported")
 
 
-def _flag(raw: RawConfig, name: str, default: bool) -> bool:
-    value = raw.get(name, default)
-    if not isinstance(value, bool):
-        raise raw.fail(f"{name!r} must be true or false, got {value!r}")
-    return value
-
-
 def deepseek_tensor_shapes(cfg: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     """Every tensor the checkpoint must hold, with its shape (transformers' names; the routed
     experts one by one, as ``save_pretrained`` writes them)."""
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden),
-        "model.norm.weight": (cfg.hidden,),
-    }
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden)
-    for i in range(cfg.layers):
-        shapes.update({f"model.layers.{i}.{n}": s for n, s in _layer_shapes(cfg, i).items()})
-    return shapes
+    return decoder_shapes(
+        cfg.vocab_size, cfg.hidden, cfg.tie_embeddings, "norm", cfg.layers,
+        lambda i: _layer_shapes(cfg, i),
+    )  # fmt: skip
 
 
 def _layer_shapes(cfg: DeepseekV3Config, layer: int) -> dict[str, tuple[int, ...]]:

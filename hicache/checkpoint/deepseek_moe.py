@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hicache.checkpoint.hf_config import RawConfig
+from hicache.checkpoint.step import routed_experts, swiglu, swiglu_shapes
 
 __all__ = [
     "ROUTER_TENSORS",
@@ -101,23 +102,15 @@ def _refuse_other_routing(raw: RawConfig) -> None:
 def mlp_shapes(cfg: MoeConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """Layer ``layer``'s feed-forward tensors (names below ``model.layers.{layer}.``)."""
     if not cfg.is_moe(layer):
-        return _swiglu_shapes("mlp", cfg.hidden, cfg.intermediate)
+        return swiglu_shapes("mlp", cfg.hidden, cfg.intermediate)
     shapes = {
         "mlp.gate.weight": (cfg.routed, cfg.hidden),
         "mlp.gate.e_score_correction_bias": (cfg.routed,),
     }
-    shapes |= _swiglu_shapes("mlp.shared_experts", cfg.hidden, cfg.expert_intermediate * cfg.shared)
+    shapes |= swiglu_shapes("mlp.shared_experts", cfg.hidden, cfg.expert_intermediate * cfg.shared)
     for expert in range(cfg.routed):
-        shapes |= _swiglu_shapes(f"mlp.experts.{expert}", cfg.hidden, cfg.expert_intermediate)
+        shapes |= swiglu_shapes(f"mlp.experts.{expert}", cfg.hidden, cfg.expert_intermediate)
     return shapes
-
-
-def _swiglu_shapes(prefix: str, hidden: int, inner: int) -> dict[str, tuple[int, ...]]:
-    return {
-        f"{prefix}.gate_proj.weight": (inner, hidden),
-        f"{prefix}.up_proj.weight": (inner, hidden),
-        f"{prefix}.down_proj.weight": (hidden, inner),
-    }
 
 
 def feed_forward(
@@ -126,12 +119,12 @@ def feed_forward(
     """The feed-forward block of the layer whose tensors are ``weights`` (:func:`mlp_shapes`'
     names) over the normed hidden states ``h`` (N, hidden)."""
     if "mlp.gate.weight" not in weights:
-        return _swiglu(weights, "mlp", h)
+        return swiglu(weights, "mlp", h)
     expert_weights, experts = _route(
         cfg, weights["mlp.gate.weight"], weights["mlp.gate.e_score_correction_bias"], h
     )
-    routed = _routed_experts(cfg, weights, h, expert_weights, experts)
-    return routed + _swiglu(weights, "mlp.shared_experts", h)
+    routed = routed_experts(weights, "mlp.experts", h, experts, expert_weights)
+    return routed + swiglu(weights, "mlp.shared_experts", h)
 
 
 def _route(
@@ -152,35 +145,3 @@ def _route(
     if cfg.normalize:
         chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
     return chosen * cfg.scale, experts
-
-
-def _routed_experts(
-    cfg: MoeConfig,
-    weights: Mapping[str, torch.Tensor],
-    h: torch.Tensor,
-    expert_weights: torch.Tensor,
-    experts: torch.Tensor,
-) -> torch.Tensor:
-    """The routed experts' weighted sum: each expert over its tokens only, grouped by one sort
-    (and one host sync for the group sizes) rather than a mask per expert."""
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=cfg.routed).tolist()
-    out = torch.zeros_like(h)
-    scale = expert_weights.reshape(-1)
-    begin = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        picks = order[begin : begin + count]
-        begin += count
-        tokens = picks // cfg.per_token
-        y = _swiglu(weights, f"mlp.experts.{expert}", h[tokens]) * scale[picks, None]
-        out.index_add_(0, tokens, y.to(out.dtype))
-    return out
-
-
-def _swiglu(weights: Mapping[str, torch.Tensor], prefix: str, h: torch.Tensor) -> torch.Tensor:
-    gate = F.silu(F.linear(h, weights[f"{prefix}.gate_proj.weight"]))
-    up = F.linear(h, weights[f"{prefix}.up_proj.weight"])
-    return F.linear(gate * up, weights[f"{prefix}.down_proj.weight"])

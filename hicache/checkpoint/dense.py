@@ -11,15 +11,21 @@ checkpoint gives transformers' logits to rounding.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from hicache.checkpoint.hf_config import HFConfig
-from hicache.checkpoint.paged_attention import paged_attention
+from hicache.checkpoint.paged_attention import cache_and_attend
 from hicache.checkpoint.rope import RotaryTable, rotate_half_split
-from hicache.checkpoint.step import OneChunk, rms_norm, step_inputs
+from hicache.checkpoint.step import (
+    OneChunk,
+    decoder_shapes,
+    rms_norm,
+    step_inputs,
+    swiglu,
+    swiglu_shapes,
+)
 from hicache.checkpoint.weights import TensorFiles
 from hicache.pools.device import DevicePool
 from hicache.serving.model import ChunkInput, LayerWait
@@ -31,17 +37,10 @@ __all__ = ["DenseCheckpointModel", "dense_tensor_shapes"]
 
 def dense_tensor_shapes(hf: HFConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the checkpoint must hold, with its shape (transformers' names)."""
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (hf.vocab_size, hf.hidden),
-        "model.norm.weight": (hf.hidden,),
-    }
-    if not hf.tie_embeddings:
-        shapes["lm_head.weight"] = (hf.vocab_size, hf.hidden)
-    for i in range(hf.layers):
-        shapes.update(
-            {f"model.layers.{i}.{name}": shape for name, shape in _layer_shapes(hf).items()}
-        )
-    return shapes
+    layer = _layer_shapes(hf)
+    return decoder_shapes(
+        hf.vocab_size, hf.hidden, hf.tie_embeddings, "norm", hf.layers, lambda i: layer
+    )
 
 
 def _layer_shapes(hf: HFConfig) -> dict[str, tuple[int, ...]]:
@@ -52,10 +51,7 @@ def _layer_shapes(hf: HFConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.k_proj.weight": (hf.kv_dim, hf.hidden),
         "self_attn.v_proj.weight": (hf.kv_dim, hf.hidden),
         "self_attn.o_proj.weight": (hf.hidden, hf.q_dim),
-        "mlp.gate_proj.weight": (hf.intermediate, hf.hidden),
-        "mlp.up_proj.weight": (hf.intermediate, hf.hidden),
-        "mlp.down_proj.weight": (hf.hidden, hf.intermediate),
-    }
+    } | swiglu_shapes("mlp", hf.hidden, hf.intermediate)
     if hf.attention_bias:
         shapes |= {
             "self_attn.q_proj.bias": (hf.q_dim,),
@@ -68,17 +64,6 @@ def _layer_shapes(hf: HFConfig) -> dict[str, tuple[int, ...]]:
             "self_attn.k_norm.weight": (hf.head_dim,),
         }
     return shapes
-
-
-@dataclass(frozen=True, slots=True)
-class _Layer:
-    weights: dict[str, torch.Tensor]  # _layer_shapes' names
-
-    def get(self, name: str) -> torch.Tensor | None:
-        return self.weights.get(name)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.weights[name]
 
 
 class DenseCheckpointModel(OneChunk):
@@ -96,7 +81,7 @@ class DenseCheckpointModel(OneChunk):
         self.lm_head = weights.get("lm_head.weight", self.embed)
         self.norm = weights["model.norm.weight"]
         self.layers = [
-            _Layer({name: weights[f"model.layers.{i}.{name}"] for name in _layer_shapes(hf)})
+            {name: weights[f"model.layers.{i}.{name}"] for name in _layer_shapes(hf)}
             for i in range(hf.layers)
         ]
         self.rotary = RotaryTable(hf.rope, hf.head_dim, device)
@@ -121,21 +106,15 @@ class DenseCheckpointModel(OneChunk):
             q, k, v = self._qkv(
                 layer, rms_norm(x, layer["input_layernorm.weight"], self.hf.rms_eps), cos, sin
             )
-            keys, values = pool[0, index], pool[1, index]
-            keys[layout.new_slots] = k.to(keys.dtype)
-            values[layout.new_slots] = v.to(values.dtype)
-            mixed = paged_attention(layout, q, keys, values)
+            mixed = cache_and_attend(layout, q, k, v, pool, index)
             x = x + F.linear(mixed, layer["self_attn.o_proj.weight"])
             h = rms_norm(x, layer["post_attention_layernorm.weight"], self.hf.rms_eps)
-            gate = F.silu(F.linear(h, layer["mlp.gate_proj.weight"]))
-            x = x + F.linear(
-                gate * F.linear(h, layer["mlp.up_proj.weight"]), layer["mlp.down_proj.weight"]
-            )
+            x = x + swiglu(layer, "mlp", h)
         lasts = rms_norm(x[layout.last_rows], self.norm, self.hf.rms_eps)
         return list(F.linear(lasts, self.lm_head).to(torch.float32).cpu())
 
     def _qkv(
-        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, layer: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hf, n = self.hf, h.shape[0]
         q = F.linear(h, layer["self_attn.q_proj.weight"], layer.get("self_attn.q_proj.bias"))

@@ -119,6 +119,12 @@ class RawConfig:
             )
         return float(value)
 
+    def flag(self, name: str, default: bool) -> bool:
+        value = self.values.get(name, default)
+        if not isinstance(value, bool):
+            raise self.fail(f"{name!r} must be true or false, got {value!r}")
+        return value
+
     def fail(self, problem: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: {problem}")
 

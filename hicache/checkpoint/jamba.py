@@ -23,8 +23,16 @@ import torch.nn.functional as F
 
 from hicache.checkpoint.hf_config import Architecture, RawConfig
 from hicache.checkpoint.jamba_mamba import MambaSizes, mamba_mixer, mamba_shapes
-from hicache.checkpoint.paged_attention import StepLayout, paged_attention
-from hicache.checkpoint.step import OneChunk, rms_norm, step_inputs
+from hicache.checkpoint.paged_attention import StepLayout, cache_and_attend
+from hicache.checkpoint.step import (
+    OneChunk,
+    decoder_shapes,
+    rms_norm,
+    routed_experts,
+    step_inputs,
+    swiglu,
+    swiglu_shapes,
+)
 from hicache.checkpoint.weights import TensorFiles
 from hicache.dtypes import DType
 from hicache.pools.device import DevicePool
@@ -106,8 +114,8 @@ def jamba_config(raw: RawConfig) -> JambaConfig:
     mamba = MambaSizes(
         hidden=hidden, inner=size["mamba_expand"] * hidden, d_state=size["mamba_d_state"],
         d_conv=size["mamba_d_conv"], dt_rank=_dt_rank(raw, hidden),
-        conv_bias=_flag(raw, "mamba_conv_bias", True),
-        proj_bias=_flag(raw, "mamba_proj_bias", False),
+        conv_bias=raw.flag("mamba_conv_bias", True),
+        proj_bias=raw.flag("mamba_proj_bias", False),
         rms_eps=raw.number("rms_norm_eps", 1e-6, 0.0, 1.0),
     )  # fmt: skip
     return JambaConfig(
@@ -117,7 +125,7 @@ def jamba_config(raw: RawConfig) -> JambaConfig:
         intermediate=size["intermediate_size"], attn_period=attn[0], attn_offset=attn[1],
         expert_period=expert[0], expert_offset=expert[1], experts=size["num_experts"],
         per_token=size["num_experts_per_tok"], mamba=mamba,
-        tie_embeddings=_flag(raw, "tie_word_embeddings", False),
+        tie_embeddings=raw.flag("tie_word_embeddings", False),
     )  # fmt: skip
 
 
@@ -164,24 +172,12 @@ def _dt_rank(raw: RawConfig, hidden: int) -> int:
     return rank
 
 
-def _flag(raw: RawConfig, name: str, default: bool) -> bool:
-    value = raw.get(name, default)
-    if not isinstance(value, bool):
-        raise raw.fail(f"{name!r} must be true or false, got {value!r}")
-    return value
-
-
 def jamba_tensor_shapes(cfg: JambaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the checkpoint must hold, with its shape (transformers' names)."""
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden),
-        "model.final_layernorm.weight": (cfg.hidden,),
-    }
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden)
-    for i in range(cfg.layers):
-        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in _layer(cfg, i).items()})
-    return shapes
+    return decoder_shapes(
+        cfg.vocab_size, cfg.hidden, cfg.tie_embeddings, "final_layernorm", cfg.layers,
+        lambda i: _layer(cfg, i),
+    )  # fmt: skip
 
 
 def _layer(cfg: JambaConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -201,19 +197,11 @@ def _layer(cfg: JambaConfig, layer: int) -> dict[str, tuple[int, ...]]:
     else:
         shapes |= mamba_shapes(cfg.mamba)
     if not cfg.is_moe(layer):
-        return shapes | _swiglu_shapes("feed_forward", hidden, cfg.intermediate)
+        return shapes | swiglu_shapes("feed_forward", hidden, cfg.intermediate)
     shapes["feed_forward.router.weight"] = (cfg.experts, hidden)
     for expert in range(cfg.experts):
-        shapes |= _swiglu_shapes(f"feed_forward.experts.{expert}", hidden, cfg.intermediate)
+        shapes |= swiglu_shapes(f"feed_forward.experts.{expert}", hidden, cfg.intermediate)
     return shapes
-
-
-def _swiglu_shapes(prefix: str, hidden: int, inner: int) -> dict[str, tuple[int, ...]]:
-    return {
-        f"{prefix}.gate_proj.weight": (inner, hidden),
-        f"{prefix}.up_proj.weight": (inner, hidden),
-        f"{prefix}.down_proj.weight": (hidden, inner),
-    }
 
 
 def jamba_model_config(cfg: JambaConfig, page_size: int, kv_dtype: DType) -> ModelConfig:
@@ -297,10 +285,7 @@ class JambaModel(OneChunk):
         q = F.linear(h, layer["self_attn.q_proj.weight"]).view(n, cfg.heads, cfg.head_dim)
         k = F.linear(h, layer["self_attn.k_proj.weight"]).view(n, cfg.kv_heads, cfg.head_dim)
         v = F.linear(h, layer["self_attn.v_proj.weight"]).view(n, cfg.kv_heads, cfg.head_dim)
-        keys, values = pool.buffer[0, number], pool.buffer[1, number]
-        keys[layout.new_slots] = k.to(keys.dtype)
-        values[layout.new_slots] = v.to(values.dtype)
-        mixed = paged_attention(layout, q, keys, values)
+        mixed = cache_and_attend(layout, q, k, v, pool.buffer, number)
         return F.linear(mixed, layer["self_attn.o_proj.weight"])
 
 
@@ -310,27 +295,7 @@ def _feed_forward(
     """The layer's MLP, or its mixture of experts: each chosen expert runs on its tokens only,
     the experts in index order, weighted by the softmax probability that chose it."""
     if "feed_forward.router.weight" not in layer:
-        return _swiglu(layer, "feed_forward", h)
+        return swiglu(layer, "feed_forward", h)
     probs = F.softmax(F.linear(h, layer["feed_forward.router.weight"]), dim=-1, dtype=torch.float)
     top_weights, top_experts = torch.topk(probs, cfg.per_token, dim=-1)
-    flat = top_experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=cfg.experts).tolist()  # one host sync
-    scale = top_weights.to(h.dtype).reshape(-1)
-    out = torch.zeros_like(h)
-    begin = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        picks = order[begin : begin + count]
-        begin += count
-        tokens = picks // cfg.per_token
-        y = _swiglu(layer, f"feed_forward.experts.{expert}", h[tokens]) * scale[picks, None]
-        out.index_add_(0, tokens, y)
-    return out
-
-
-def _swiglu(layer: Mapping[str, torch.Tensor], prefix: str, h: torch.Tensor) -> torch.Tensor:
-    gate = F.silu(F.linear(h, layer[f"{prefix}.gate_proj.weight"]))
-    up = F.linear(h, layer[f"{prefix}.up_proj.weight"])
-    return F.linear(gate * up, layer[f"{prefix}.down_proj.weight"])
+    return routed_experts(layer, "feed_forward.experts", h, top_experts, top_weights.to(h.dtype))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from hicache.pools.device import take_rows
 
-__all__ = ["StepLayout", "paged_attention"]
+__all__ = ["StepLayout", "cache_and_attend", "paged_attention"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +99,22 @@ def paged_attention(
         v = values.index_select(0, chunk.slots)[None]
         out[chunk.rows] = _grouped(q[chunk.rows][None], k, v, chunk.mask[None, None])[0]
     return out
+
+
+def cache_and_attend(
+    layout: StepLayout,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    layer: int,
+) -> torch.Tensor:
+    """Write the step's new ``k`` and ``v`` (N, Hk, D) to their slots of ``layer`` in a K/V
+    pool buffer (2, layers, S, Hk, D), then :func:`paged_attention`: (N, H * D)."""
+    keys, values = pool[0, layer], pool[1, layer]
+    keys[layout.new_slots] = k.to(keys.dtype)
+    values[layout.new_slots] = v.to(values.dtype)
+    return paged_attention(layout, q, keys, values)
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ expects, so a missing, misshapen or foreign tensor is refused before any tensor 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -124,25 +124,18 @@ def _by_file(file_of: Mapping[str, Path]) -> dict[Path, list[str]]:
     return out
 
 
-class _open:
+@contextmanager
+def _open(path: Path) -> Iterator[Any]:
     """``safe_open`` on one file, its failures as CheckpointError naming the file."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._stack = ExitStack()
-
-    def __enter__(self) -> Any:
-        try:
-            from safetensors import SafetensorError, safe_open
-        except ImportError:
-            raise CheckpointError(
-                "--model needs the safetensors package: pip install 'hicache[hf]'"
-            ) from None
-
-        try:
-            return self._stack.enter_context(safe_open(str(self._path), framework="pt"))
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{self._path.name} is not a safetensors file: {exc}") from None
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise CheckpointError(
+            "--model needs the safetensors package: pip install 'hicache[hf]'"
+        ) from None
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path.name} is not a safetensors file: {exc}") from None
+    with handle:
+        yield handle
