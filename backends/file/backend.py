@@ -77,6 +77,7 @@ _TMP_KEY_CHARS = 200  # keeps ".<key>.<pid>.<random>.tmp" under NAME_MAX for 250
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC  # O_EXCL: never follows a link
+_KEY_OP_BYTES = 64 << 10  # what a key-only call (exists, delete, peek) counts a key as
 # Counters of this backend, on top of the base's (evictions: the index's).
 _COUNTERS = (
     "enospc",
@@ -179,18 +180,20 @@ class FileBackend(ObjectReads, StoreMaintenance, StorageBackend):
 
     # ----- backend operations: each key's work runs in a worker thread ------------------------
     async def _exists(self, keys: list[str]) -> list[bool]:
-        return await self._in_threads(self._exists_one, keys, keys)
+        return await self._in_threads(self._exists_one, keys, keys, _KEY_OP_BYTES * len(keys))
 
     async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
-        return await self._in_threads(self._get_one, keys, buffers)
+        nbytes = sum(s.nbytes for segs in buffers for s in segs)
+        return await self._in_threads(self._get_one, keys, buffers, nbytes)
 
     async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
         self._check_writable("put")
-        return await self._in_threads(self._put_one, keys, values)
+        nbytes = sum(s.nbytes for segs in values for s in segs)
+        return await self._in_threads(self._put_one, keys, values, nbytes)
 
     async def _delete(self, keys: list[str]) -> list[bool]:
         self._check_writable("delete")
-        return await self._in_threads(self._delete_one, keys, keys)
+        return await self._in_threads(self._delete_one, keys, keys, _KEY_OP_BYTES * len(keys))
 
     async def _scan(self, prefix: str) -> AsyncIterator[ObjectInfo]:
         # One thread hop per first-level directory: bounded memory, and the loop stays free.
@@ -199,7 +202,9 @@ class FileBackend(ObjectReads, StoreMaintenance, StorageBackend):
                 yield info
 
     async def _peek(self, keys: list[str], nbytes: int) -> list[bytes | None]:
-        return await self._in_threads(self._peek_one, keys, [nbytes] * len(keys))
+        return await self._in_threads(
+            self._peek_one, keys, [nbytes] * len(keys), _KEY_OP_BYTES * len(keys)
+        )
 
     def _check_writable(self, what: str) -> None:
         if self.config.read_only:
@@ -220,15 +225,17 @@ class FileBackend(ObjectReads, StoreMaintenance, StorageBackend):
         self._index.clear()
 
     async def _in_threads(
-        self, fn: Callable[[str, Any], T], keys: list[str], items: Sequence[Any]
+        self, fn: Callable[[str, Any], T], keys: list[str], items: Sequence[Any], nbytes: int
     ) -> list[T]:
-        """``fn(key, item)`` for each pair, in up to ``io_threads`` chunks; results in order."""
+        """``fn(key, item)`` for each pair, in up to ``io_threads`` chunks of at least
+        ``thread_min_bytes`` each (of the call's ``nbytes``); results in order."""
 
         def run(lo: int, hi: int) -> list[T]:
             return [fn(keys[i], items[i]) for i in range(lo, hi)]
 
         n = len(keys)
-        step = -(-n // max(1, min(self.config.io_threads, n)))
+        threads = min(self.config.io_threads, n, max(1, nbytes // self.config.thread_min_bytes))
+        step = -(-n // max(1, threads))
         work = asyncio.gather(
             *(asyncio.to_thread(run, i, min(i + step, n)) for i in range(0, n, step))
         )

@@ -138,7 +138,7 @@ class Engine:
             waiting.remove(request)
             if tree is not None:
                 tree.prefetcher.terminate(request.rid)
-                tree.prefetcher.inserted_tokens.pop(request.rid, None)
+                tree.prefetcher.release(request.rid)
             request.state = RequestState.FAILED
             request.record.error = f"no device memory could be had for {self.config.stall_s} s"
             source.finished(request, self.now())
@@ -154,11 +154,13 @@ class Engine:
         self._maybe_prefetch(request)
         return True
 
-    def _maybe_prefetch(self, request: ServeRequest) -> bool:
+    def _maybe_prefetch(self, request: ServeRequest, admitting: bool = False) -> bool:
         """Start an L3 prefetch of what device and host lack now; whether one started.
 
-        Tried when a request is queued, and once more when it is about to be scheduled if what
-        was cached then has been evicted meanwhile.
+        Tried when a request is queued, and again each time it is about to be scheduled
+        (``admitting``) if what was cached then has been evicted meanwhile, or, once, if its
+        last prefetch left pages in L3 for lack of host room. What a prefetch inserts stays
+        reserved for the request until it is admitted (:meth:`Prefetcher.release`).
         """
         tree = self.hiradix
         if tree is None or not tree.storage.enabled or not len(request.key):
@@ -166,14 +168,18 @@ class Engine:
         match = tree.match_prefix(request.key, count_hits=False)
         cached = match.prefix_len + match.host_hit_length
         missing = len(request.key) - cached
-        if missing < tree.prefetcher.config.threshold_tokens or cached >= request.cached_at_submit:
+        prefetcher = tree.prefetcher
+        threshold = prefetcher.config.threshold_tokens
+        short = prefetcher.shortfall_tokens(request.rid)
+        short = short if admitting and not request.had_turn else 0
+        if missing < threshold or (cached >= request.cached_at_submit and short < threshold):
             request.cached_at_submit = min(request.cached_at_submit, cached)
             return False
         request.cached_at_submit = cached
         if not self._prefetch_pays(missing):
             tree.metrics.add("prefetch_skipped_slow")
             return False
-        return tree.prefetcher.start(request.rid, request.key, match)
+        return prefetcher.start(request.rid, request.key, match, reserve=True, urgent=admitting)
 
     def _refusal(self, request: ServeRequest) -> str | None:
         vocab = self.model.config.vocab_size
@@ -194,6 +200,15 @@ class Engine:
             )
         return self.pool_slots.refusal(request)
 
+    def _short_of_l3(self, request: ServeRequest) -> bool:
+        """Whether the request's last prefetch left pages in L3 for lack of host room, and it
+        has not been next to run yet (it reads them back then)."""
+        tree = self.hiradix
+        if tree is None or request.had_turn:
+            return False
+        prefetcher = tree.prefetcher
+        return prefetcher.shortfall_tokens(request.rid) >= prefetcher.config.threshold_tokens
+
     def _prefetch_pays(self, tokens: int) -> bool:
         """Whether reading ``tokens`` from L3 is expected to beat computing them."""
         tree = self.hiradix
@@ -212,18 +227,34 @@ class Engine:
             return
         plan = self.scheduler.plan(waiting)
         hold = self.scheduler.hold(r.key for r in running if not self._prefilled(r))
+        slots = self.config.max_running - len(running)
+        # Slots taken this round; a request reading its prefix back before it starts takes one,
+        # so one round does not send every waiting request to L3 at once.
+        taken = 0
+        in_line = 0  # requests before this one that run first: started, or reading from L3
         for request in plan.requests:
-            if len(running) >= self.config.max_running:
+            if taken >= slots:
                 break
             tree = self.hiradix
             if tree is not None and not tree.prefetcher.may_run(request.rid):
+                taken += request.had_turn  # reading back what it lacks, next to run
+                in_line += 1
                 continue  # its prefetch is still worth waiting for; others may go first
             if hold is not None and hold.holds(request, plan.cached_tokens.get(request.rid)):
                 request.record.held_rounds += 1  # one in flight computes its prefix: hit it later
                 continue
-            if self._maybe_prefetch(request):
-                continue  # its cached prefix was evicted while it waited: read it back first
+            next_up = in_line < slots
+            read_back = self._maybe_prefetch(request, admitting=next_up)
+            request.had_turn = request.had_turn or next_up
+            if read_back:  # its cached prefix was evicted meanwhile, or it found no host room
+                taken += 1  # at first: it reads that back, then starts
+                in_line += 1
+                continue
+            if self._short_of_l3(request):
+                continue  # L3 holds more of its prefix: it reads that when its turn comes
             if self._start(request):
+                taken += 1
+                in_line += 1
                 waiting.remove(request)
                 running.append(request)
                 if hold is not None:
@@ -267,8 +298,8 @@ class Engine:
         rec = request.record
         rec.admitted_s = self.now()
         rec.hit_device, rec.hit_host, rec.hit_l3 = hits
-        if self.hiradix is not None:
-            self.hiradix.prefetcher.inserted_tokens.pop(request.rid, None)
+        if self.hiradix is not None:  # its prefetched pages are its own now (locked)
+            self.hiradix.prefetcher.release(request.rid)
         return True
 
     def _cached_prefix(

@@ -72,6 +72,7 @@ class ServeRequest:
     pool_state: Any = None  # its slots in the model's extra pools (a PoolRequest), once running
     hot: Any = None  # HiSparse: what it holds of the hot buffer (a HotRequest), once admitted
     cached_at_submit: int = 1 << 62  # device + host tokens when last checked for a prefetch
+    had_turn: bool = False  # was next to run: what L3 held beyond its host room was read then
     refusal: str | None = None  # why it cannot be served, known before it arrives
     record: RequestRecord = field(init=False)
     _key: RadixKey | None = field(default=None, init=False, repr=False)

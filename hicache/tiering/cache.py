@@ -276,10 +276,13 @@ class HiRadixCache(ShadowRadixCache):
                 if not self._backup(n):
                     break
 
-    def insert_prefetched(self, key: RadixKey, start: int, bundle: list[BundlePage]) -> int:
+    def insert_prefetched(
+        self, key: RadixKey, start: int, bundle: list[BundlePage]
+    ) -> tuple[int, TreeNode | None]:
         """Hang prefetched pages (``bundle``: their host pages per pool) under the tree as
         host-only nodes; free any duplicates. Returns how many pages were inserted (the rest
-        was there already, or had no parent). See :func:`~hicache.tiering.prefetch_insert.
+        was there already, or had no parent) and the node the prefix now ends at (None when
+        its parent was gone). See :func:`~hicache.tiering.prefetch_insert.
         hang_prefetched`."""
         return hang_prefetched(self, key, start, bundle)
 

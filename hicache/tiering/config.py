@@ -80,6 +80,9 @@ class PrefetchConfig:
     timeout_max_s: float = 30.0
     capacity_share: float = 0.5  # at most this share of host pages held by running prefetches
     batch_pages: int = 32  # pages read per backend call; one acknowledgement per batch
+    # Prefetches talking to L3 at once; the rest wait their turn in the order they started, so
+    # under a burst the first requests' reads finish first instead of all finishing last.
+    concurrency: int = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +186,7 @@ FIELD_RANGES: dict[str, tuple[float, float, bool]] = {
     "prefetch.timeout_max_s": (0.0, _DAY_S, False),
     "prefetch.capacity_share": (0.0, 1.0, True),
     "prefetch.batch_pages": (0, 4096, True),
+    "prefetch.concurrency": (0, 1024, True),
     "storage.admission_hit_threshold": (0, 1 << 20, True),
     "storage.write_batch_pages": (0, 4096, True),
     "storage.write_queue_pages": (0, 1 << 24, True),

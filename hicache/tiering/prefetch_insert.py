@@ -35,7 +35,9 @@ def free_bundle(tree: HiRadixCache, pages: Iterable[BundlePage]) -> None:
         tree.controller.host_pools[name].free(torch.tensor(host_pages, dtype=torch.int64))
 
 
-def hang_prefetched(tree: HiRadixCache, key: RadixKey, start: int, bundle: list[BundlePage]) -> int:
+def hang_prefetched(
+    tree: HiRadixCache, key: RadixKey, start: int, bundle: list[BundlePage]
+) -> tuple[int, TreeNode | None]:
     """See :meth:`HiRadixCache.insert_prefetched`."""
     ps = tree.page_size
     end = start + len(bundle) * ps
@@ -48,19 +50,19 @@ def hang_prefetched(tree: HiRadixCache, key: RadixKey, start: int, bundle: list[
     have = pos // unit
     if have < start:  # the prefix it continued is gone: nothing to hang the pages from
         free_bundle(tree, bundle)
-        return 0
+        return 0, None
     dup = (have - start) // ps
     free_bundle(tree, bundle[:dup])
     fresh = bundle[dup:]
     if pos == len(data):
-        return 0
+        return 0, node
     anchor = tree.roles.anchor
     leaf = tree._new_node(node, data[pos:], unit, *namespace)
     leaf.host_value = torch.tensor([p.host_pages[anchor] for p in fresh], dtype=torch.int64)
     leaf.hash_value = [p.page_hash for p in fresh]
     leaf.in_storage = True
     _place_extras(tree, leaf, fresh, unit)
-    return len(fresh)
+    return len(fresh), leaf
 
 
 def _place_extras(tree: HiRadixCache, leaf: TreeNode, fresh: list[BundlePage], unit: int) -> None:

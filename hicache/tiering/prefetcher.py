@@ -12,6 +12,14 @@ Host pages are granted to a prefetch the moment L3 has said how many leading pag
 are usable, and which pools each of them needs read, follows every pool's hit rule
 (:func:`~hicache.tiering.prefetch_plan.plan_reads`): an SWA pool's window at the end of the hit,
 a state pool's snapshot at its last page.
+
+A prefetch started with ``reserve`` keeps what it inserted for its request: the last inserted
+node stays anchored (host eviction cannot take it or its host chain) and its pages count
+against ``capacity_share`` until :meth:`Prefetcher.release`, called when the request is
+admitted or fails. Without it, requests queued behind a burst lose their prefetched pages to the
+backups of the requests running before them. A prefetch that got fewer pages than L3 held (no
+host room then) leaves a ``shortfall`` that the scheduler may read when the request is about to
+run, as an ``urgent`` prefetch (past ``capacity_share``, as a load-back would be).
 """
 
 from __future__ import annotations
@@ -62,16 +70,29 @@ class Prefetcher:
         self.anchors = host.anchors  # node id -> prefetches hanging from it (and load-backs)
         self.pages_in_use = 0  # host pages held by prefetches not yet settled
         self.inserted_tokens: dict[str, int] = {}  # rid -> tokens its prefetch inserted
+        self._reserving: set[str] = set()  # rids whose prefetches keep what they insert
+        self._reserved: dict[str, list[tuple[TreeNode, int]]] = {}  # rid -> (node, pages)
+        self._shortfall: dict[str, int] = {}  # rid -> pages L3 held that were not read
 
     # ----- starting -------------------------------------------------------------------------
-    def start(self, rid: str, key: RadixKey, match: MatchResult) -> bool:
+    def start(
+        self,
+        rid: str,
+        key: RadixKey,
+        match: MatchResult,
+        reserve: bool = False,
+        urgent: bool = False,
+    ) -> bool:
         """Read from L3 the page-aligned part of ``key`` after ``match``'s device and host hit.
 
         Only when L3 is on, at least ``threshold_tokens`` are asked for and the request has no
-        prefetch yet; whether one started.
+        prefetch yet; whether one started. ``reserve``: keep what it inserts for ``rid`` until
+        :meth:`release`. ``urgent``: for a request about to run, which needs its pages as a
+        load-back does: host pages past ``capacity_share`` may be taken.
         """
         if not self._storage.enabled or not self.config.enabled or rid in self.running:
             return False
+        self._shortfall.pop(rid, None)
         start = match.prefix_len + match.host_hit_length
         end = len(key) - len(key) % self.page_size
         if end - start < self.config.threshold_tokens:
@@ -87,22 +108,46 @@ class Prefetcher:
             return hit
 
         def grant(n_pages: int) -> list[BundlePage] | None:
-            return self.grant(candidates, reads[:n_pages])
+            return self.grant(candidates, reads[:n_pages], limited=not urgent)
 
         op = PrefetchOp(rid, candidates, grant, self._clock(), plan, (last, key, start))
         self.anchors[last.id] += 1
         self.running[rid] = op
+        if reserve:
+            self._reserving.add(rid)
         self._storage.start_prefetch(op)
         return True
 
+    # ----- reservations ---------------------------------------------------------------------
+    @property
+    def room_pages(self) -> int:
+        """Host pages a new prefetch could be granted under ``capacity_share`` now."""
+        return int(self.config.capacity_share * self._host.num_pages) - self.pages_in_use
+
+    def shortfall_tokens(self, rid: str) -> int:
+        """Tokens L3 held for ``rid``'s last prefetch that it could not read (no host room)."""
+        return self._shortfall.get(rid, 0) * self.page_size
+
+    def release(self, rid: str) -> int:
+        """``rid`` was admitted or is gone: drop what its prefetches reserved; the tokens they
+        inserted (its L3 hit)."""
+        for node, pages in self._reserved.pop(rid, []):
+            self.anchors[node.id] -= 1
+            if self.anchors[node.id] <= 0:
+                del self.anchors[node.id]
+            self.pages_in_use -= pages
+        self._reserving.discard(rid)
+        self._shortfall.pop(rid, None)
+        return self.inserted_tokens.pop(rid, 0)
+
     def grant(
-        self, candidates: list[BundlePage], reads: list[frozenset[str]]
+        self, candidates: list[BundlePage], reads: list[frozenset[str]], limited: bool = True
     ) -> list[BundlePage] | None:
         """Host pages for a prefetch whose first ``len(reads)`` candidate pages L3 can serve:
-        as many leading pages as the capacity share and the host pools allow, each with a host
-        page for every pool it reads; or None."""
+        as many leading pages as the capacity share (when ``limited``) and the host pools
+        allow, each with a host page for every pool it reads; or None."""
         n_pages = len(reads)
-        room = int(self.config.capacity_share * self._host.num_pages) - self.pages_in_use
+        room = self.room_pages if limited else n_pages
         if room < n_pages:
             self.metrics.add("prefetch_skipped_capacity")
             n_pages = max(room, 0)
@@ -190,12 +235,20 @@ class Prefetcher:
         self.anchors[last.id] -= 1
         if self.anchors[last.id] <= 0:
             del self.anchors[last.id]
-        inserted = 0
+        inserted, node = 0, None
         if taken:
-            inserted = self._target.insert_prefetched(key, start, op.host_pages[:taken])
-        self.pages_in_use -= taken
-        self.metrics.add("l3_hit_tokens", inserted * self.page_size)
-        self.inserted_tokens[op.rid] = inserted * self.page_size
+            inserted, node = self._target.insert_prefetched(key, start, op.host_pages[:taken])
+        kept = 0
+        if node is not None and inserted and op.rid in self._reserving:
+            kept = inserted
+            self.anchors[node.id] += 1
+            self._reserved.setdefault(op.rid, []).append((node, kept))
+        self.pages_in_use -= taken - kept
+        if op.hit_pages is not None and op.hit_pages > taken:
+            self._shortfall[op.rid] = op.hit_pages - taken
+        tokens = inserted * self.page_size
+        self.metrics.add("l3_hit_tokens", tokens)
+        self.inserted_tokens[op.rid] = self.inserted_tokens.get(op.rid, 0) + tokens
         self.metrics.add("l3_miss_tokens", (len(op.candidates) - taken) * self.page_size)
         self.metrics.add(f"prefetch_{reason.value}")
 

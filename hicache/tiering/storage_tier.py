@@ -5,6 +5,7 @@ valuable queued write (fewest hits, then newest) is dropped and counted, so the 
 submits never waits. Worker tasks skip pages L3 already holds (one ``exists`` call), write the
 rest in batches, and acknowledge each job once every call has returned.
 
+At most ``concurrency`` prefetches talk to L3 at once, the others wait in the order they started.
 A prefetch asks L3 how many leading pages it holds, takes host pages for them through a callback
 of the tree (which may evict host pages and applies the capacity limit), and reads them in
 batches, acknowledging each batch. A stop request ends it between batches. A backend call that
@@ -100,6 +101,7 @@ class StorageTier:
         self.finished_prefetches: deque[PrefetchOp] = deque()
         self._supervisor = TaskSupervisor(lambda *_: metrics.add("task_restarts"))
         self._prefetch_tasks: set[asyncio.Task[None]] = set()
+        self._prefetch_turns = asyncio.Semaphore(prefetch.concurrency)  # FIFO among waiters
         self.suspects = SuspectKeys()  # keys whose objects failed their checks
         self._registered: list[Any] = []  # host buffers registered with the backend
         self.read_bytes_per_s: float | None = None  # measured on prefetch reads, smoothed
@@ -280,7 +282,9 @@ class StorageTier:
 
     async def _prefetch(self, op: PrefetchOp) -> None:
         try:
-            await self._prefetch_steps(op)
+            async with self._prefetch_turns:
+                if not op.stop_requested:  # stopped while waiting its turn: nothing to read
+                    await self._prefetch_steps(op)
         except Exception:  # a bug, not a backend failure: those are counted where they happen
             logger.exception("prefetch %s failed", op.rid)
             self.metrics.add("errors")

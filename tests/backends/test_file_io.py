@@ -91,7 +91,7 @@ async def test_cancelled_put_returns_only_after_its_writes(
 
 
 async def test_batches_split_across_threads_keep_order(tmp_path: pathlib.Path) -> None:
-    backend = await open_file(tmp_path, io_threads=3)
+    backend = await open_file(tmp_path, io_threads=3, thread_min_bytes=1)
     keys = [f"k{i}" for i in range(10)]
     values = [bytes([i]) * (100 + i) for i in range(10)]
     assert await backend.put(keys, values) == [True] * 10
@@ -227,3 +227,29 @@ async def test_other_process_overwrites_are_never_torn(tmp_path: pathlib.Path) -
     await backend.close()
     if hits == 0:  # a very slow reader; the final read above still checked the objects
         pytest.skip("the writer finished before any read ran alongside it")
+
+
+@pytest.mark.parametrize(("min_bytes", "threads"), [(None, 1), (1, 3), (250, 2)])
+async def test_batches_split_by_bytes(
+    tmp_path: pathlib.Path, min_bytes: int | None, threads: int
+) -> None:
+    """A thread per chunk only where each chunk has ``thread_min_bytes``: small pages go in one
+    thread (default 4 MiB), a batch of 600 bytes with 250 per thread in two."""
+    options = {} if min_bytes is None else {"thread_min_bytes": min_bytes}
+    backend = await open_file(tmp_path, io_threads=3, **options)
+    seen: set[int] = set()
+    put_one = backend._put_one
+    together = threading.Barrier(threads)  # each chunk's thread waits for the others once
+
+    def spy(key: str, segs: list[memoryview]) -> bool:
+        if threading.get_ident() not in seen:
+            seen.add(threading.get_ident())
+            together.wait(timeout=10)
+        return put_one(key, segs)
+
+    backend._put_one = spy  # type: ignore[method-assign]
+    keys = [f"k{i}" for i in range(6)]
+    assert await backend.put(keys, [bytes([i]) * 100 for i in range(6)]) == [True] * 6
+    assert len(seen) == threads
+    assert await backend.exists(keys) == [True] * 6
+    await backend.close()

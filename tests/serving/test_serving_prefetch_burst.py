@@ -1,0 +1,56 @@
+"""A burst of returning conversations whose histories are only in L3, with little host memory.
+
+Every request prefetches when it arrives, but they run one at a time: the pages prefetched for
+the last ones must still be on host when their turn comes (reserved for them), and a prefetch
+that found no host room then reads its pages once room frees. Every history is an L3 hit, and
+the tokens are those of the run without a cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import torch
+from serving_helpers import ENGINE, VOCAB, assert_same_run, hicache_config, serve, trace
+
+from hicache.serving.engine import CacheMode
+from hicache.serving.presets import ModelPreset
+from hicache.serving.setup import ServingSetup
+
+DENSE = ModelPreset.DENSE
+HISTORY = 64  # tokens of each conversation's first turn: 16 pages
+ONE_AT_A_TIME = dataclasses.replace(ENGINE, max_running=1)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def unreserved(setup: ServingSetup) -> None:
+    """Prefetches that keep nothing for their request: the behaviour before reservations."""
+    assert setup.cache is not None
+    prefetcher = setup.cache.prefetcher
+    start = prefetcher.start
+    prefetcher.start = lambda rid, key, match, reserve=False, urgent=False: start(  # type: ignore[method-assign]
+        rid, key, match, urgent=urgent
+    )
+
+
+async def test_a_burst_reads_every_history_back_from_l3(tmp_path: pathlib.Path) -> None:
+    histories = [tokens(10 + i, HISTORY) for i in range(8)]
+    prompts = [h + tokens(100 + i, 8) for i, h in enumerate(histories)]
+    first = await serve(DENSE, CacheMode.DEVICE_HOST_L3, trace(histories), hicache_config(tmp_path))
+    assert not first.errors and first.metrics["pages_written_l3"] >= 8 * HISTORY // 4
+    # A restart over that L3 with host room for 3 histories (prefetches may hold half of it).
+    small = hicache_config(tmp_path, host_pages=48)
+    want = await serve(DENSE, CacheMode.NONE, trace(prompts), engine=ONE_AT_A_TIME)
+    got = await serve(DENSE, CacheMode.DEVICE_HOST_L3, trace(prompts), small, engine=ONE_AT_A_TIME)
+    assert_same_run(got, want, "burst over L3")
+    assert got.hits("l3") == 8 * HISTORY, [(r.rid, r.hit_l3) for r in got.records]
+    assert got.metrics["prefetch_no_host_memory"] + got.metrics["prefetch_skipped_capacity"] > 0
+    before = await serve(
+        DENSE, CacheMode.DEVICE_HOST_L3, trace(prompts), small, engine=ONE_AT_A_TIME,
+        watch=unreserved,
+    )  # fmt: skip
+    assert before.hits("l3") < got.hits("l3")
