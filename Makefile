@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.hicache-installed
 PYTEST_ARGS ?=
 # Every optional backend's client is installed so its tests run against the real service.
-EXTRAS ?= test,dev,s3,mooncake,nixl,prometheus,plot,hf,reference
+EXTRAS ?= test,dev,s3,mooncake,nixl,prometheus,http,plot,hf,reference
 
 # Mooncake's CPU wheel links against libibverbs even when it talks TCP.
 define ENSURE_IBVERBS

@@ -28,6 +28,7 @@ __all__ = [
     "BENCHMARKS",
     "add_bench",
     "add_bench_backends",
+    "add_bench_cluster",
     "add_bench_codec",
     "add_bench_controller",
     "add_bench_hisparse",
@@ -63,6 +64,10 @@ BENCHMARKS: dict[str, Command] = {
     "hisparse": Command(
         "long-context decode at a fixed device budget, with and without HiSparse",
         f"{_HERE}:add_bench_hisparse",
+    ),
+    "cluster": Command(
+        "workers behind cache-aware and round-robin routers, over HTTP",
+        f"{_HERE}:add_bench_cluster",
     ),
 }
 
@@ -237,4 +242,13 @@ def add_bench_hisparse(bench_sub: Any) -> argparse.ArgumentParser:
 
     p = add_bench_hisparse_parser(bench_sub)
     p.set_defaults(bench_run=run_bench_hisparse)
+    return p
+
+
+def add_bench_cluster(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add ``bench cluster`` from :mod:`hicache.tools.bench_cluster` (starts servers)."""
+    from hicache.tools.bench_cluster import add_bench_cluster_parser, run_bench_cluster
+
+    p = add_bench_cluster_parser(bench_sub)
+    p.set_defaults(bench_run=run_bench_cluster)
     return p

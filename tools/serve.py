@@ -20,12 +20,12 @@ import time
 from typing import Any
 
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
-from hicache.checkpoint.loader import COMPUTE_DTYPES, CheckpointPlan, open_checkpoint
+from hicache.checkpoint.loader import COMPUTE_DTYPES, CheckpointPlan
 from hicache.checkpoint.tokenizer import load_tokenizer, tokenize_trace
 from hicache.errors import BackendError, InvalidArgumentError
 from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.arrivals import TraceReplay
-from hicache.serving.engine import CacheMode, EngineConfig
+from hicache.serving.engine import CacheMode
 from hicache.serving.model import ServingModel, TinyTransformer
 from hicache.serving.pool_report import pool_bytes
 from hicache.serving.presets import (
@@ -35,7 +35,7 @@ from hicache.serving.presets import (
     ModelPreset,
 )
 from hicache.serving.report import config_row, oracle_hit_rate, print_table
-from hicache.serving.setup import host_pages, open_engine, resolve_device
+from hicache.serving.setup import host_pages, open_engine
 from hicache.serving.traces import TraceRequest, load_trace
 from hicache.serving.workloads import (
     ChatConfig,
@@ -56,14 +56,16 @@ from hicache.tools.cli_parsing import (
 from hicache.tools.config_flags import add_hicache_flags
 from hicache.tools.serve_config import (
     add_hisparse_flags,
+    add_policy_flags,
     add_pool_flags,
-    check_sizes,
+    checked_model,
+    engine_config_of,
     hicache_config,
     hisparse_config,
     l3_namespace,
     write_outputs,
 )
-from hicache.tools.serve_config import model_config as config_of_model
+from hicache.tools.serve_online import add_online_flags, run_online
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -166,6 +168,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="prefetch from L3 even when the measured rates say computing is faster",
     )
+    add_policy_flags(e)
     add_hisparse_flags(e)
     e.add_argument(
         "--l3-warm",
@@ -182,6 +185,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="limit L3 to this many MB/s each way (a slow-L3 demo)",
     )
     add_hicache_flags(p)
+    add_online_flags(p)
     o = p.add_argument_group("output")
     o.add_argument("--compare", action="store_true", help="also run none/device/device+host")
     o.add_argument("--json", action="store_true", help="one JSON object")
@@ -259,11 +263,7 @@ async def _run_one(
     hisparse = (
         hisparse_config(args) if mode in (CacheMode.DEVICE_HOST, CacheMode.DEVICE_HOST_L3) else None
     )
-    engine_config = EngineConfig(
-        max_running=args.max_running, chunk_tokens=args.chunk_tokens,
-        schedule=SchedulePolicy(args.schedule), temperature=args.temperature, hisparse=hisparse,
-        skip_slow_prefetch=not args.no_prefetch_skip,
-    )  # fmt: skip
+    engine_config = engine_config_of(args, hisparse)
     source = _source(args, model.config.vocab_size, trace)
     try:
         setup = await open_engine(model, mode, hicache, args.device_tokens, engine_config)
@@ -306,18 +306,7 @@ async def _run_one(
 
 async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_ConfigRun]]:
     hicache = l3_namespace(hicache_config(args), args.l3_warm)
-    device = resolve_device(args.device)
-    plan = None
-    if args.model is not None:  # headers only: nothing is read before the checks below
-        dtype = COMPUTE_DTYPES[args.dtype] if args.dtype else None
-        plan = open_checkpoint(args.model, device, args.page_size, dtype)
-        model_config = plan.config
-    else:
-        model_config = config_of_model(args)
-    hisparse = hisparse_config(args)
-    if hisparse is not None:
-        hisparse.check(model_config)  # before anything is allocated
-    check_sizes(args, model_config, hicache, plan.weight_bytes if plan else None)
+    model_config, plan, device = checked_model(args, hicache)
     trace = _load_trace(args, plan)
     model: ServingModel = plan.load() if plan else TinyTransformer(model_config, device)
     main = CacheMode.DEVICE_HOST if hicache.storage.url is None else CacheMode.DEVICE_HOST_L3
@@ -392,6 +381,8 @@ def run_serve(args: argparse.Namespace) -> int:
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.001)
     try:
+        if args.http is not None or args.workers > 1:
+            return run_online(args)
         result, runs = asyncio.run(_serve_settled(args))
     finally:
         sys.setswitchinterval(interval)

@@ -11,8 +11,11 @@ from typing import Any
 
 import torch
 
+from hicache.checkpoint.loader import COMPUTE_DTYPES, CheckpointPlan, open_checkpoint
 from hicache.dtypes import DType
 from hicache.errors import ConfigError
+from hicache.radix.eviction import EvictionPolicy
+from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.engine import EngineConfig
 from hicache.serving.presets import (
     MODEL_LIMITS,
@@ -36,6 +39,9 @@ __all__ = [
     "l3_namespace",
     "write_outputs",
     "check_sizes",
+    "add_policy_flags",
+    "checked_model",
+    "engine_config_of",
     "hicache_config",
     "hisparse_config",
     "model_config",
@@ -213,3 +219,49 @@ def _memory_needed(
         host = host_pages(hicache, args.device_tokens, args.page_size) * args.page_size
     on_host = host * token_bytes + args.max_running * context * 8  # + the request table
     return on_device, on_host
+
+
+def checked_model(
+    args: argparse.Namespace, hicache: HiCacheConfig
+) -> tuple[ModelConfig, CheckpointPlan | None, Any]:
+    """The model's config, its checkpoint (headers read only) and device, every size checked
+    before anything is allocated."""
+    device = resolve_device(args.device)
+    plan = None
+    if args.model is not None:  # headers only: nothing is read before the checks below
+        dtype = COMPUTE_DTYPES[args.dtype] if args.dtype else None
+        plan = open_checkpoint(args.model, device, args.page_size, dtype)
+        config = plan.config
+    else:
+        config = model_config(args)
+    hisparse = hisparse_config(args)
+    if hisparse is not None:
+        hisparse.check(config)
+    check_sizes(args, config, hicache, plan.weight_bytes if plan else None)
+    return config, plan, device
+
+
+def add_policy_flags(e: Any) -> None:
+    """The engine's eviction policy and prefill delayer."""
+    e.add_argument(
+        "--eviction",
+        choices=[p.value for p in EvictionPolicy],
+        default=EvictionPolicy.LRU.value,
+        help="which cached prefixes go first when the device (and host) fill up; priority: "
+        "those of lower-priority requests",
+    )
+    e.add_argument(
+        "--delay-prefill",
+        action="store_true",
+        help="hold prefill up to 50 ms while queued requests share prefixes and hits are rare",
+    )
+
+
+def engine_config_of(args: argparse.Namespace, hisparse: HiSparseConfig | None) -> EngineConfig:
+    """The engine settings ``serve``'s flags give."""
+    return EngineConfig(
+        max_running=args.max_running, chunk_tokens=args.chunk_tokens,
+        schedule=SchedulePolicy(args.schedule), temperature=args.temperature, hisparse=hisparse,
+        skip_slow_prefetch=not args.no_prefetch_skip, eviction=EvictionPolicy(args.eviction),
+        delay_prefill=args.delay_prefill,
+    )  # fmt: skip

@@ -39,6 +39,7 @@ class CachedRequest:
     is_bigram: bool = False
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: TreeNode | None = None  # holds one lock on the shared prefix
+    priority: int = 0  # of the nodes it commits (the ``priority`` eviction policy)
 
     def key(self, page_size: int) -> RadixKey:
         tokens = self.token_ids[: self.kv_len]
@@ -60,7 +61,7 @@ def _commit(tree: RadixCache, req: CachedRequest) -> tuple[RadixKey, torch.Tenso
     row = table.table[req.req_pool_idx]
     kv = row[: len(key)].clone()
     shared = len(req.prefix_indices)
-    already = tree.insert(key, kv) if len(key) else 0
+    already = tree.insert(key, kv, req.priority) if len(key) else 0
     if already > shared:  # another request cached these pages meanwhile: ours are duplicates
         allocator.free(kv[shared:already])
     return key, row

@@ -203,7 +203,7 @@ def _commit(
     }
     if len(key):
         shared = len(req.prefix_indices)
-        already = tree.insert_bundle(key, kv, given).already
+        already = tree.insert_bundle(key, kv, given, req.priority).already
         if already > shared:  # another request cached these pages meanwhile: duplicates
             tree.allocator.free(kv[shared:already])
     return key, row, given

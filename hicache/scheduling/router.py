@@ -109,6 +109,7 @@ class CacheAwareRouter:
         )
         self._trees = [RadixCache(tree_config, clock=clock) for _ in range(n_workers)]
         self._loads = [0.0] * n_workers
+        self._retired: set[int] = set()  # workers that get no more requests
         self.stats = RouterStats()
 
     @property
@@ -160,6 +161,17 @@ class CacheAwareRouter:
         if key is not None:
             self._remember(w, key)
 
+    def retire(self, worker: int) -> None:
+        """Send ``worker`` nothing more (it died); :meth:`route` raises InvalidArgumentError
+        once every worker is retired."""
+        self._retired.add(self._check_worker(worker))
+        self._trees[worker].reset()
+
+    @property
+    def alive(self) -> list[int]:
+        """The workers requests may go to."""
+        return [w for w in range(len(self._trees)) if w not in self._retired]
+
     def reset_worker(self, worker: int) -> None:
         """Forget what ``worker`` cached (it restarted or flushed its cache); its load is kept."""
         self._trees[self._check_worker(worker)].reset()
@@ -174,9 +186,11 @@ class CacheAwareRouter:
 
     def _choose(self, matches: Sequence[int]) -> int:
         loads, trees = self._loads, self._trees
-        workers = range(len(trees))
+        workers = self.alive
+        if not workers:
+            raise InvalidArgumentError("every worker is retired: there is nowhere to route")
         best = min(workers, key=lambda w: (-matches[w], loads[w], trees[w].total_size, w))
-        least = min(loads)
+        least = min(loads[w] for w in workers)
         if loads[best] - least <= self.config.balance_margin:
             return best
         self.stats.diverted += 1

@@ -16,6 +16,7 @@ prompt only and decodes from a hot buffer row over host memory once its prompt i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -28,8 +29,9 @@ from hicache.pools.req_to_token import ReqToTokenPool
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.pool_lifecycle import path_anchor
 from hicache.radix.tree import RadixCache
-from hicache.scheduling.scheduler import PrefixScheduler, SchedulerConfig
+from hicache.scheduling.scheduler import PrefillDelayer, PrefixScheduler, SchedulerConfig
 from hicache.serving.engine_config import CacheMode, EngineConfig, RequestSource
+from hicache.serving.l3_reads import L3Reads
 from hicache.serving.model import ChunkInput, ServingModel
 from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestRecord, RequestState, ServeRequest, StepRecord
@@ -64,12 +66,15 @@ class Engine:
         if tree is not None:
             tree.req_to_token = self.req_to_token
         self.scheduler = PrefixScheduler(tree, SchedulerConfig(policy=config.schedule))
+        # Holds prefill up to 50 ms while queued requests share prefixes and hits are rare.
+        self.delayer = PrefillDelayer(clock=self.now) if config.delay_prefill else None
         self.pool_slots = PoolSlots(model.config, pools, tree, config.chunk_tokens)
         self.records: list[RequestRecord] = []
         self.sparse: HiSparseRequests | None = None  # HiSparse decode (use_hisparse)
         self.on_step: Callable[[StepRecord], None] | None = None  # told of every step
         self._forward_pool: ThreadPoolExecutor | None = None  # while run() runs
-        self.prefill_tokens_per_s: float | None = None
+        hiradix = self.hiradix
+        self.l3_reads = L3Reads(hiradix, config.skip_slow_prefetch) if hiradix is not None else None
         self._t0 = 0.0
         self._holding = False  # whether a waiting request was held back when last looked at
 
@@ -85,17 +90,22 @@ class Engine:
         return self._clock() - self._t0
 
     # ----- the loop ---------------------------------------------------------------------------
-    async def run(self, source: RequestSource) -> list[RequestRecord]:
+    async def run(
+        self, source: RequestSource, wake: asyncio.Event | None = None
+    ) -> list[RequestRecord]:
+        """Serve ``source`` until it has nothing more (``next_arrival`` None) and every request
+        is done. ``wake``: set by an online source when a request arrives; with nothing to
+        do the loop sleeps until then instead of polling."""
         # One thread runs every forward: torch's intra-op thread team is set up per calling
         # thread, and a new one for each step costs more than a small step.
         with ThreadPoolExecutor(1, thread_name_prefix="hicache-forward") as pool:
             self._forward_pool = pool
             try:
-                return await self._run(source)
+                return await self._run(source, wake)
             finally:
                 self._forward_pool = None
 
-    async def _run(self, source: RequestSource) -> list[RequestRecord]:
+    async def _run(self, source: RequestSource, wake: asyncio.Event | None) -> list[RequestRecord]:
         self._t0 = self._clock()
         waiting: list[ServeRequest] = []
         running: list[ServeRequest] = []
@@ -122,7 +132,10 @@ class Engine:
                 self._fail_stalled(waiting, source)  # nothing frees memory for them: give up
                 idle_since = None
             pause = 0.01 if upcoming is None else max(0.0, min(0.01, upcoming - self.now()))
-            if self.hiradix is not None:  # a finished prefetch or write wakes it early
+            if wake is not None and not waiting:  # only an arrival brings work
+                await _wait_event(wake, _IDLE_S)
+                wake.clear()
+            elif self.hiradix is not None:  # a finished prefetch or write wakes it early
                 await self.hiradix.storage.wait_for_activity(pause)
             else:
                 await asyncio.sleep(pause)
@@ -146,42 +159,18 @@ class Engine:
     def submit(self, request: ServeRequest, waiting: list[ServeRequest]) -> bool:
         """Queue a request, or fail it (recorded, the run goes on) when it cannot be served."""
         self.records.append(request.record)
-        error = self._refusal(request)
+        error = self.refusal(request)
         if error is not None:
             request.state, request.record.error = RequestState.FAILED, error
             return False
         waiting.append(request)
-        self._maybe_prefetch(request)
+        if self.l3_reads is not None:
+            self.l3_reads.maybe_prefetch(request)
         return True
 
-    def _maybe_prefetch(self, request: ServeRequest, admitting: bool = False) -> bool:
-        """Start an L3 prefetch of what device and host lack now; whether one started.
-
-        Tried when a request is queued, and again each time it is about to be scheduled
-        (``admitting``) if what was cached then has been evicted meanwhile, or, once, if its
-        last prefetch left pages in L3 for lack of host room. What a prefetch inserts stays
-        reserved for the request until it is admitted (:meth:`Prefetcher.release`).
-        """
-        tree = self.hiradix
-        if tree is None or not tree.storage.enabled or not len(request.key):
-            return False
-        match = tree.match_prefix(request.key, count_hits=False)
-        cached = match.prefix_len + match.host_hit_length
-        missing = len(request.key) - cached
-        prefetcher = tree.prefetcher
-        threshold = prefetcher.config.threshold_tokens
-        short = prefetcher.shortfall_tokens(request.rid)
-        short = short if admitting and not request.had_turn else 0
-        if missing < threshold or (cached >= request.cached_at_submit and short < threshold):
-            request.cached_at_submit = min(request.cached_at_submit, cached)
-            return False
-        request.cached_at_submit = cached
-        if not self._prefetch_pays(missing):
-            tree.metrics.add("prefetch_skipped_slow")
-            return False
-        return prefetcher.start(request.rid, request.key, match, reserve=True, urgent=admitting)
-
-    def _refusal(self, request: ServeRequest) -> str | None:
+    def refusal(self, request: ServeRequest) -> str | None:
+        """Why ``request`` can never be served here (prompt or output past the device pool,
+        token ids outside the vocabulary, ...); None if it can."""
         vocab = self.model.config.vocab_size
         if request.refusal is not None:
             return request.refusal
@@ -200,39 +189,22 @@ class Engine:
             )
         return self.pool_slots.refusal(request)
 
-    def _short_of_l3(self, request: ServeRequest) -> bool:
-        """Whether the request's last prefetch left pages in L3 for lack of host room, and it
-        has not been next to run yet (it reads them back then)."""
-        tree = self.hiradix
-        if tree is None or request.had_turn:
-            return False
-        prefetcher = tree.prefetcher
-        return prefetcher.shortfall_tokens(request.rid) >= prefetcher.config.threshold_tokens
-
-    def _prefetch_pays(self, tokens: int) -> bool:
-        """Whether reading ``tokens`` from L3 is expected to beat computing them."""
-        tree = self.hiradix
-        if not self.config.skip_slow_prefetch or tree is None or tokens <= 0:
-            return True
-        read_rate, compute_rate = tree.storage.read_bytes_per_s, self.prefill_tokens_per_s
-        if read_rate is None or compute_rate is None:
-            return True  # nothing measured yet: try, and measure
-        per_token = tree.controller.page_bytes / tree.page_size
-        return tokens * per_token / read_rate < tokens / compute_rate
-
     # ----- admission --------------------------------------------------------------------------
     def _admit(self, waiting: list[ServeRequest], running: list[ServeRequest]) -> None:
         self._holding = self._holding and bool(waiting)
         if not waiting or len(running) >= self.config.max_running:
             return
         plan = self.scheduler.plan(waiting)
+        if self.delayer is not None and self.delayer.should_delay(plan.stats):
+            return  # more of the queue may share what the next prefill computes
         hold = self.scheduler.hold(r.key for r in running if not self._prefilled(r))
+        admitted: list[ServeRequest] = []
         slots = self.config.max_running - len(running)
         # Slots taken this round; a request reading its prefix back before it starts takes one,
         # so one round does not send every waiting request to L3 at once.
         taken = 0
         in_line = 0  # requests before this one that run first: started, or reading from L3
-        for request in plan.requests:
+        for request in sorted(plan.requests, key=lambda r: -r.priority):  # stable: plan order
             if taken >= slots:
                 break
             tree = self.hiradix
@@ -244,15 +216,17 @@ class Engine:
                 request.record.held_rounds += 1  # one in flight computes its prefix: hit it later
                 continue
             next_up = in_line < slots
-            read_back = self._maybe_prefetch(request, admitting=next_up)
+            reads = self.l3_reads
+            read_back = reads is not None and reads.maybe_prefetch(request, admitting=next_up)
             request.had_turn = request.had_turn or next_up
             if read_back:  # its cached prefix was evicted meanwhile, or it found no host room
                 taken += 1  # at first: it reads that back, then starts
                 in_line += 1
                 continue
-            if self._short_of_l3(request):
+            if reads is not None and reads.short_of_l3(request):
                 continue  # L3 holds more of its prefix: it reads that when its turn comes
             if self._start(request):
+                admitted.append(request)
                 taken += 1
                 in_line += 1
                 waiting.remove(request)
@@ -260,6 +234,10 @@ class Engine:
                 if hold is not None:
                     hold.claim(request.key)
         self._holding = hold is not None and bool(hold.held)
+        if self.delayer is not None and admitted:
+            records = [r.record for r in admitted]
+            hits = sum(r.hit_device + r.hit_host + r.hit_l3 for r in records)
+            self.delayer.observe(hits, sum(r.prompt_tokens for r in records))
 
     def _start(self, request: ServeRequest) -> bool:
         prefix, last, hits = self._cached_prefix(request)
@@ -292,7 +270,7 @@ class Engine:
         self.req_to_token.table[row, len(prefix) : len(prefix) + need] = slots
         request.cached = CachedRequest(
             request.rid, request.prompt, row, len(prefix), len(prefix) + need,
-            request.namespace, prefix_indices=prefix, last_node=last,
+            request.namespace, prefix_indices=prefix, last_node=last, priority=request.priority,
         )  # fmt: skip
         request.state = RequestState.RUNNING
         rec = request.record
@@ -360,7 +338,8 @@ class Engine:
         logits = await asyncio.get_running_loop().run_in_executor(self._forward_pool, forward)
         prompt_lens = [len(r.prompt) for r in active]
         prefill = sum(len(c.tokens) for c, n in zip(chunks, prompt_lens) if c.start < n)
-        self._observe_prefill(prefill, time.perf_counter() - began)
+        if self.l3_reads is not None:
+            self.l3_reads.observe_prefill(prefill, time.perf_counter() - began)
         decode = sum(1 for c, n in zip(chunks, prompt_lens) if c.start >= n)
         for request, chunk, out in zip(active, chunks, logits, strict=True):
             request.pending_loads = []
@@ -427,9 +406,12 @@ class Engine:
         self.pool_slots.after_chunk(request.pool_state, cached.kv_len)
         if cached.kv_len < prompt_len:
             return False
-        request.generated.append(self._sample(request, logits))
+        token = self._sample(request, logits)
+        request.generated.append(token)
         if len(request.generated) == 1:
             request.record.first_token_s = self.now()
+        if request.on_token is not None:
+            request.on_token(token)
         return len(request.generated) >= request.max_new_tokens
 
     @staticmethod
@@ -443,12 +425,6 @@ class Engine:
 
         return wait
 
-    def _observe_prefill(self, tokens: int, seconds: float) -> None:
-        if seconds > 0 and tokens >= 64:
-            rate = tokens / seconds
-            old = self.prefill_tokens_per_s
-            self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
-
     def _cache_progress(self, request: ServeRequest) -> None:
         """Commit the pages computed so far so that others can share them meanwhile."""
         if self.tree is not None and request.cached is not None:
@@ -457,7 +433,8 @@ class Engine:
 
     def _sample(self, request: ServeRequest, logits: torch.Tensor) -> int:
         cfg, position = self.config, len(request.generated)
-        return sample_token(logits, cfg.temperature, cfg.sample_seed, request.rid, position)
+        temperature = cfg.temperature if request.temperature is None else request.temperature
+        return sample_token(logits, temperature, cfg.sample_seed, request.rid, position)
 
     def _finish(self, request: ServeRequest) -> None:
         cached = request.cached
@@ -480,3 +457,11 @@ class Engine:
         request.state = RequestState.FINISHED
         rec = request.record
         rec.finished_s, rec.output_tokens = self.now(), len(request.generated)
+
+
+_IDLE_S = 0.5  # an idle online loop still applies finished L3 writes this often
+
+
+async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout_s)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hicache.errors import InvalidArgumentError
+from hicache.radix.eviction import EvictionPolicy
 from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.request import ServeRequest
 from hicache.sparse.hot_buffer import HiSparseConfig
@@ -32,6 +33,8 @@ class EngineConfig:
     skip_slow_prefetch: bool = True  # skip a prefetch that would take longer than prefill
     stall_s: float = 60.0  # a request that cannot be admitted with nothing running this long fails
     hisparse: HiSparseConfig | None = None  # DSA decode from a hot buffer (needs a host tier)
+    eviction: EvictionPolicy = EvictionPolicy.LRU  # of the device tree (and host, its order)
+    delay_prefill: bool = False  # hold prefill briefly while queued requests share prefixes
 
     def __post_init__(self) -> None:
         for name, limit in (("max_running", 1 << 16), ("chunk_tokens", 1 << 30)):

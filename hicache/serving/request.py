@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,9 @@ class ServeRequest:
     hot: Any = None  # HiSparse: what it holds of the hot buffer (a HotRequest), once admitted
     cached_at_submit: int = 1 << 62  # device + host tokens when last checked for a prefetch
     had_turn: bool = False  # was next to run: what L3 held beyond its host room was read then
+    temperature: float | None = None  # None: the engine's
+    priority: int = 0  # admitted before lower ones; its pages evicted after theirs (priority)
+    on_token: Callable[[int], None] | None = None  # told of each token as it is sampled
     refusal: str | None = None  # why it cannot be served, known before it arrives
     record: RequestRecord = field(init=False)
     _key: RadixKey | None = field(default=None, init=False, repr=False)

@@ -149,7 +149,7 @@ async def open_engine(
             )
     sizes = device_slots(config, device_tokens, engine_config, mode is not CacheMode.NONE)
     device = device_pools(pools_spec, sizes, model.device)
-    radix = RadixCacheConfig(page_size=config.page_size)
+    radix = RadixCacheConfig(page_size=config.page_size, policy=engine_config.eviction)
     if mode is CacheMode.NONE:
         return ServingSetup(Engine(model, device, None, engine_config), None)
     if mode is CacheMode.DEVICE:

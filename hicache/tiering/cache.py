@@ -125,6 +125,19 @@ class HiRadixCache(ShadowRadixCache):
         self.check_events()
         await self.controller.close(drain_s)
 
+    async def detach_l3(self, drain_s: float = 10.0) -> bool:
+        """Stop using L3 at run time (queued writes get ``drain_s``); whether one was attached.
+        No node counts as stored any more: a host copy is never dropped for an L3 copy that
+        this cache no longer reaches."""
+        if self.storage.backend is None:
+            return False
+        await self.controller.close(drain_s)
+        self.check_events()
+        for node in self.all_nodes():
+            node.in_storage = False
+            node.pool_stored = frozenset()
+        return True
+
     @property
     def idle(self) -> bool:
         """Nothing in flight: no copy to host, L3 write or prefetch unsettled."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hicache.backends.base import StorageBackend
-from hicache.errors import BackendError, ConfigError, HiCacheError
+from hicache.errors import BackendError, ConfigError, HiCacheError, InvalidArgumentError
 from hicache.layouts import LayerTransfer, TransferStream
 from hicache.pools.device import DevicePool
 from hicache.pools.host import HostPool
@@ -133,15 +133,18 @@ class HiCacheController:
                 controller.storage.start(backend)
         return controller
 
+    async def _open_url(self, url: str) -> StorageBackend:
+        if self.config.storage.backend_in_thread:
+            from hicache.backends.wrappers import ThreadedBackend
+
+            return await ThreadedBackend.open_url(url)
+        from hicache.backends.registry import open_backend
+
+        return await open_backend(url)
+
     async def _connect(self, url: str) -> StorageBackend | None:
         try:
-            if self.config.storage.backend_in_thread:
-                from hicache.backends.wrappers import ThreadedBackend
-
-                return await ThreadedBackend.open_url(url)
-            from hicache.backends.registry import open_backend
-
-            return await open_backend(url)
+            return await self._open_url(url)
         except (BackendError, ConfigError, OSError) as exc:
             if self.config.storage.required:
                 raise BackendError(
@@ -155,6 +158,13 @@ class HiCacheController:
                 exc,
             )
             return None
+
+    async def attach_l3(self, url: str) -> None:
+        """Start writing to and prefetching from the L3 at ``url`` (at run time); raises what
+        opening it raised, and InvalidArgumentError when one is attached already."""
+        if self.storage.backend is not None:
+            raise InvalidArgumentError("an L3 is attached already: detach it first")
+        self.storage.start(await self._open_url(url))
 
     async def close(self, drain_s: float = 0.0) -> None:
         """Stop the L3 tasks (after up to ``drain_s`` for queued writes to land) and close L3."""

@@ -105,8 +105,11 @@ class StorageTier:
         self.suspects = SuspectKeys()  # keys whose objects failed their checks
         self._registered: list[Any] = []  # host buffers registered with the backend
         self.read_bytes_per_s: float | None = None  # measured on prefetch reads, smoothed
+        self.write_bytes_per_s: float | None = None  # measured on L3 writes, smoothed
         self._failures = FailureLog(logger, "L3 call failed")  # counted in metrics, each one
         metrics.gauge("l3_write_queue_pages", lambda: self._queued_pages)
+        metrics.gauge("l3_read_bytes_per_s", lambda: self.read_bytes_per_s or 0.0)
+        metrics.gauge("l3_write_bytes_per_s", lambda: self.write_bytes_per_s or 0.0)
 
     @property
     def enabled(self) -> bool:
@@ -242,9 +245,11 @@ class StorageTier:
         for lo in range(0, len(todo), step):
             batch = todo[lo : lo + step]
             pages = [job.pages[i] for i in batch]
+            started = time.perf_counter()
             landed = await self._bounded(
                 self.bundler.write(backend, pages, [keys[i] for i in batch]), None
             )
+            seconds = time.perf_counter() - started
             for i, good in zip(batch, landed or [False] * len(batch), strict=True):
                 ok[i] = good
                 if good:
@@ -253,6 +258,7 @@ class StorageTier:
             nbytes = sum(self.bundler.bytes_of(p) for p, good in zip(pages, landed or []) if good)
             self.metrics.add("pages_written_l3", written)
             self.metrics.add("bytes_host_to_l3", nbytes)
+            self.write_bytes_per_s = _smoothed(self.write_bytes_per_s, nbytes, seconds)
             self.metrics.add("l3_write_failures", len(batch) - written)
         return ok
 
@@ -343,11 +349,7 @@ class StorageTier:
         self.metrics.add("corrupt_removed", sum(removed or []))
 
     def _observe_read(self, nbytes: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        rate = nbytes / seconds
-        old = self.read_bytes_per_s
-        self.read_bytes_per_s = rate if old is None else 0.7 * old + 0.3 * rate
+        self.read_bytes_per_s = _smoothed(self.read_bytes_per_s, nbytes, seconds)
 
     async def _usable_pages(
         self, backend: StorageBackend, keys: Sequence[Mapping[str, str]], op: PrefetchOp
@@ -396,3 +398,11 @@ async def _settled(task: asyncio.Future[Any]) -> None:
     await asyncio.wait({task})
     if not task.cancelled():
         task.exception()
+
+
+def _smoothed(old: float | None, nbytes: int, seconds: float) -> float | None:
+    """A rate of L3 calls, each new call weighing 0.3."""
+    if seconds <= 0 or nbytes <= 0:
+        return old
+    rate = nbytes / seconds
+    return rate if old is None else 0.7 * old + 0.3 * rate

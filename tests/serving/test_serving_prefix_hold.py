@@ -162,3 +162,19 @@ async def test_held_while_the_holder_runs_released_once_it_is_gone() -> None:
 async def test_in_batch_sharing_off_holds_nothing() -> None:
     left = await admit_rounds(in_batch_sharing=False)
     assert left[0] == [] and left[2] == [] and left[3] == ["a", "b"]
+
+
+async def test_the_prefill_delayer_holds_a_burst_and_changes_no_token() -> None:
+    shared = tokens(7, 64)
+    prompts = [shared + tokens(200 + i, 8) for i in range(6)]
+    want = await run(prompts, CacheMode.NONE)
+    seen: list[ServingSetup] = []
+    engine = dataclasses.replace(ENGINE, delay_prefill=True)
+    got = await serve(
+        DENSE, CacheMode.DEVICE_HOST, trace(prompts), hicache_config(None), DEVICE_TOKENS, engine,
+        watch=seen.append,
+    )  # fmt: skip
+    assert_same_run(got, want, "delayed burst")
+    delayer = seen[0].engine.delayer
+    assert delayer is not None and delayer.delayed_rounds > 0  # held while the queue shared
+    assert delayer.hit_rate > 0  # and learned from what it admitted

@@ -1,0 +1,141 @@
+"""The body of a ``/v1/completions`` request, checked: what the engine serves, or an HTTP 400.
+
+Pure functions over the decoded JSON, so each rule is tested without a server. The fields are
+OpenAI's completions fields that this engine implements; any other field is refused by name
+rather than ignored (a client that asks for ``stop`` or ``logprobs`` must not get an answer
+that silently lacks them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.errors import InvalidArgumentError
+
+__all__ = ["ApiError", "CompletionArgs", "ServedModel", "parse_completion", "prompt_ids"]
+
+_FIELDS = frozenset(
+    {"model", "prompt", "max_tokens", "temperature", "stream", "n", "user", "priority"}
+)
+MAX_PRIORITY = 1 << 20  # priorities are compared, never summed: any range would do
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's; 0 is greedy
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+
+
+class ApiError(InvalidArgumentError):
+    """A request the server refuses: its HTTP status, and the field at fault when one is."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the endpoint serves: its name, vocabulary and tokenizer (None: token ids only)."""
+
+    name: str
+    vocab_size: int
+    tokenizer: Any = None  # a tokenizers.Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionArgs:
+    """A checked request: the prompt as token ids and how to generate after it."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    stream: bool
+    priority: int = 0  # higher: admitted first; its pages evicted last (--eviction priority)
+
+
+def parse_completion(body: Any, model: ServedModel) -> CompletionArgs:
+    """Check a decoded request body; :class:`ApiError` names the first thing wrong."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise ApiError(f"unknown field(s): {', '.join(unknown)}", unknown[0])
+    name = body.get("model")
+    if name is not None and name != model.name:
+        raise ApiError(f"model {name!r} is not served here (this server serves {model.name!r})",
+                       "model")  # fmt: skip
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+        raise ApiError("n must be 1 (one completion per request)", "n")
+    if "prompt" not in body:
+        raise ApiError("prompt is required", "prompt")
+    return CompletionArgs(
+        prompt=_prompt(body["prompt"], model),
+        max_tokens=_max_tokens(body.get("max_tokens", DEFAULT_MAX_TOKENS)),
+        temperature=_temperature(body.get("temperature", DEFAULT_TEMPERATURE)),
+        stream=_flag(body.get("stream", False), "stream"),
+        priority=_priority(body.get("priority", 0)),
+    )
+
+
+def _prompt(prompt: Any, model: ServedModel) -> list[int]:
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise ApiError("this model has no tokenizer: send the prompt as token ids", "prompt")
+        ids: list[int] = model.tokenizer.encode(prompt).ids
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise ApiError("prompt must be a string or a list of token ids", "prompt")
+    if not ids:
+        raise ApiError("prompt is empty", "prompt")
+    bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise ApiError(
+            f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt"
+        )
+    return ids
+
+
+def _max_tokens(value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise ApiError(f"max_tokens must be an integer of at least 1, got {value!r}", "max_tokens")
+    return int(value)
+
+
+def _temperature(value: Any) -> float:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or not 0 <= value <= MAX_TEMPERATURE:
+        raise ApiError(
+            f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {value!r}",
+            "temperature",
+        )
+    return float(value)
+
+
+def _priority(value: Any) -> int:
+    if not _is_int(value) or not -MAX_PRIORITY <= value <= MAX_PRIORITY:
+        raise ApiError(
+            f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {value!r}",
+            "priority",
+        )
+    return int(value)
+
+
+def prompt_ids(prompt: Any, model: ServedModel) -> list[int]:
+    """A prompt (text or token ids) as checked token ids, as ``/v1/completions`` takes it."""
+    return _prompt(prompt, model)
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ApiError(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,72 @@
+"""When a waiting request reads its prefix back from L3: at arrival, and when it is next to run.
+
+A request prefetches what device and host lack when it is queued. When it is about to be
+scheduled it prefetches again if what was cached then has been evicted meanwhile, or, once, if
+its last prefetch left pages in L3 for lack of host room (then as an ``urgent`` prefetch, which
+may go past the prefetch share of host memory as a load-back would). What a prefetch inserts
+stays reserved for the request until it is admitted
+(:meth:`~hicache.tiering.prefetcher.Prefetcher.release`). A read expected to be slower than
+computing the same tokens (measured rates) is skipped when ``skip_slow`` is on.
+"""
+
+from __future__ import annotations
+
+from hicache.serving.request import ServeRequest
+from hicache.tiering.cache import HiRadixCache
+
+__all__ = ["L3Reads"]
+
+
+class L3Reads:
+    """The L3 read-back decisions of one engine over its tiered cache."""
+
+    def __init__(self, tree: HiRadixCache, skip_slow: bool) -> None:
+        self.tree = tree
+        self.skip_slow = skip_slow
+        self.prefill_tokens_per_s: float | None = None  # the engine's, smoothed
+
+    def maybe_prefetch(self, request: ServeRequest, admitting: bool = False) -> bool:
+        """Start a prefetch of what device and host lack now; whether one started."""
+        tree = self.tree
+        if not tree.storage.enabled or not len(request.key):
+            return False
+        match = tree.match_prefix(request.key, count_hits=False)
+        cached = match.prefix_len + match.host_hit_length
+        missing = len(request.key) - cached
+        prefetcher = tree.prefetcher
+        threshold = prefetcher.config.threshold_tokens
+        short = prefetcher.shortfall_tokens(request.rid)
+        short = short if admitting and not request.had_turn else 0
+        if missing < threshold or (cached >= request.cached_at_submit and short < threshold):
+            request.cached_at_submit = min(request.cached_at_submit, cached)
+            return False
+        request.cached_at_submit = cached
+        if not self._pays(missing):
+            tree.metrics.add("prefetch_skipped_slow")
+            return False
+        return prefetcher.start(request.rid, request.key, match, reserve=True, urgent=admitting)
+
+    def short_of_l3(self, request: ServeRequest) -> bool:
+        """Whether the request's last prefetch left pages in L3 for lack of host room, and it
+        has not been next to run yet (it reads them back then)."""
+        if request.had_turn:
+            return False
+        prefetcher = self.tree.prefetcher
+        return prefetcher.shortfall_tokens(request.rid) >= prefetcher.config.threshold_tokens
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if seconds > 0 and tokens >= 64:
+            rate = tokens / seconds
+            old = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+
+    def _pays(self, tokens: int) -> bool:
+        """Whether reading ``tokens`` from L3 is expected to beat computing them."""
+        tree = self.tree
+        if not self.skip_slow or tokens <= 0:
+            return True
+        read_rate, compute_rate = tree.storage.read_bytes_per_s, self.prefill_tokens_per_s
+        if read_rate is None or compute_rate is None:
+            return True  # nothing measured yet: try, and measure
+        per_token = tree.controller.page_bytes / tree.page_size
+        return tokens * per_token / read_rate < tokens / compute_rate

@@ -1,0 +1,140 @@
+"""Engine worker processes behind a router: each one a ``hicache serve --http`` of its own.
+
+A worker is started with the router's own command line less the router's flags, listening on a
+free port of 127.0.0.1; it reports its URL on its first line of output. Its later output goes to
+the router's stderr line by line, prefixed with its index. On a machine with several CUDA
+devices each worker sees one; on a CPU each gets an equal share of the cores for torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hicache.errors import HiCacheError
+
+__all__ = ["WorkerProcess", "WorkerStartError", "start_workers", "worker_argv"]
+
+_ROUTER_FLAGS = ("--http", "--workers", "--router")  # each takes one value
+_START_TIMEOUT_S = 300.0  # loading a checkpoint can take minutes
+_STOP_TIMEOUT_S = 60.0
+
+
+class WorkerStartError(HiCacheError):
+    """A worker exited or said nothing before it listened; its last error line is quoted."""
+
+
+def worker_argv(argv: Sequence[str], l3: str | None = None) -> list[str]:
+    """A ``serve`` command line for one worker: ``argv`` less the router's flags (``--flag V``
+    and ``--flag=V`` forms), listening on a free port of 127.0.0.1; ``l3``: the ``--l3`` URL
+    it uses instead of ``argv``'s (the master ``mooncake://auto`` started)."""
+    dropped = _ROUTER_FLAGS + (("--l3",) if l3 is not None else ())
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in dropped:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return [*out, "--http", "127.0.0.1:0", *(("--l3", l3) if l3 is not None else ())]
+
+
+@dataclass(eq=False)
+class WorkerProcess:
+    """One running worker: its index, process and URL."""
+
+    index: int
+    process: asyncio.subprocess.Process
+    url: str
+    _relay: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    async def stop(self) -> int | None:
+        """SIGTERM (the worker drains), then SIGKILL past the timeout; its exit status."""
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.process.wait(), _STOP_TIMEOUT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.kill()
+                await self.process.wait()
+        if self._relay is not None:
+            await self._relay
+        return self.process.returncode
+
+
+async def start_workers(
+    argv: Sequence[str], count: int, gpus: int, l3: str | None = None
+) -> list[WorkerProcess]:
+    """Start ``count`` workers of the ``serve`` command line ``argv`` (see :func:`worker_argv`);
+    ``gpus``: CUDA devices to spread them over (0: the CPU's cores are shared out instead).
+    Each is listening when this returns; if any fails, the others are stopped and its
+    :class:`WorkerStartError` raised."""
+    command = worker_argv(argv, l3)
+    results = await asyncio.gather(
+        *(_start(i, command, _env(i, count, gpus)) for i in range(count)),
+        return_exceptions=True,
+    )
+    started = [r for r in results if isinstance(r, WorkerProcess)]
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        await asyncio.gather(*(w.stop() for w in started), return_exceptions=True)
+        raise failures[0]
+    return started
+
+
+async def _start(index: int, command: list[str], env: dict[str, str]) -> WorkerProcess:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hicache.tools.cli", *command,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    try:
+        first = await asyncio.wait_for(process.stdout.readline(), _START_TIMEOUT_S)
+    except TimeoutError:
+        first = b""
+    text = first.decode(errors="replace").strip()
+    if " on http://" in text:
+        relay = asyncio.create_task(_relay(index, process))
+        return WorkerProcess(index, process, text.rsplit(" ", 1)[1], relay)
+    if process.returncode is None:
+        process.kill()
+    errors = (await process.stderr.read()).decode(errors="replace").strip().splitlines()
+    await process.wait()
+    last = errors[-1] if errors else f"exit status {process.returncode}"
+    raise WorkerStartError(f"worker {index} failed to start: {last}")
+
+
+async def _relay(index: int, process: asyncio.subprocess.Process) -> None:
+    """Copy the worker's output to ours, each line prefixed with its index, until it exits."""
+
+    async def copy(stream: asyncio.StreamReader | None) -> None:
+        while stream is not None and (line := await stream.readline()):
+            text = line.decode(errors="replace").rstrip()
+            print(f"[worker {index}] {text}", file=sys.stderr, flush=True)
+
+    await asyncio.gather(copy(process.stdout), copy(process.stderr))
+
+
+def _env(index: int, count: int, gpus: int) -> dict[str, str]:
+    env = dict(os.environ)
+    if gpus > 0:
+        visible = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
+        env["CUDA_VISIBLE_DEVICES"] = visible[index % len(visible)]
+    else:  # N processes of torch each with every core would fight over them
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
+    return env

@@ -1,0 +1,256 @@
+"""The OpenAI-compatible endpoint through a real HTTP client (httpx), against a server on a free
+port of 127.0.0.1 in this process: answers equal the engine's own run of the same prompts,
+streaming gives the same tokens, bad requests get a 400 and the server goes on, ``/metrics``
+parses with prometheus-client's parser, and a shutdown drains what is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serving_helpers import ENGINE, PAGE, VOCAB, hicache_config, serve, tiny_model, trace
+
+from hicache.radix.eviction import EvictionPolicy
+from hicache.serving.engine import CacheMode, EngineConfig
+from hicache.serving.http_request import ServedModel
+from hicache.serving.http_server import HttpServer, Listen
+from hicache.serving.presets import ModelPreset
+from hicache.serving.setup import open_engine
+
+DENSE = ModelPreset.DENSE
+GREEDY = {"temperature": 0}
+PROMPTS = [[7 + i] * 24 + list(range(10, 10 + 4 * i)) for i in range(4)]
+
+
+async def start(
+    l3: pathlib.Path | None,
+    device_tokens: int = 128,
+    mode: CacheMode | None = None,
+    engine: EngineConfig = ENGINE,
+) -> HttpServer:
+    if mode is None:
+        mode = CacheMode.DEVICE_HOST if l3 is None else CacheMode.DEVICE_HOST_L3
+    setup = await open_engine(tiny_model(DENSE), mode, hicache_config(l3), device_tokens, engine)
+    server = HttpServer(setup, ServedModel("tiny", VOCAB), Listen("127.0.0.1", 0, drain_s=10.0))
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):
+        if server.url is not None or task.done():
+            break
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()  # raises what stopped it
+    server.task = task  # type: ignore[attr-defined]
+    return server
+
+
+async def stop(server: HttpServer) -> None:
+    server.stop()
+    await asyncio.wait_for(server.task, 30)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def server(tmp_path: pathlib.Path) -> AsyncIterator[HttpServer]:
+    running = await start(tmp_path / "l3")
+    yield running
+    if not running.task.done():  # type: ignore[attr-defined]
+        await stop(running)
+
+
+def client(server: HttpServer) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=server.url or "", timeout=30.0)
+
+
+async def test_completions_equal_the_engines_own_run(server: HttpServer) -> None:
+    want = await serve(DENSE, CacheMode.NONE, trace(PROMPTS, output_tokens=4))
+    async with client(server) as http:
+        answers = await asyncio.gather(*(
+            http.post("/v1/completions", json={"prompt": p, "max_tokens": 4, **GREEDY})
+            for p in PROMPTS
+        ))  # fmt: skip
+    for i, answer in enumerate(answers):
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        choice = body["choices"][0]
+        assert choice["token_ids"] == want.outputs[f"t{i}"]
+        assert choice["finish_reason"] == "length" and body["model"] == "tiny"
+        usage = body["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPTS[i]), 4)
+        assert usage["total_tokens"] == len(PROMPTS[i]) + 4
+        details = usage["prompt_tokens_details"]
+        tiers = details["device"] + details["host"] + details["l3"]
+        assert details["cached_tokens"] == tiers < len(PROMPTS[i])
+
+
+async def test_streaming_sends_each_token_then_done(server: HttpServer) -> None:
+    async with client(server) as http:
+        whole = await http.post(
+            "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 5, **GREEDY}
+        )
+        events = []
+        body = {"prompt": PROMPTS[1], "max_tokens": 5, "stream": True, **GREEDY}
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    streamed = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert streamed == whole.json()["choices"][0]["token_ids"] and len(streamed) == 5
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 5 + ["length"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+async def test_bad_requests_get_a_400_and_the_server_goes_on(server: HttpServer) -> None:
+    bad = [
+        b"{not json",
+        json.dumps({"prompt": [1, 2], "frequency_penalty": 1}).encode(),
+        json.dumps({"prompt": [1, VOCAB]}).encode(),
+        json.dumps({"prompt": [1, 2], "max_tokens": 0}).encode(),
+        json.dumps({"prompt": [1] * 200, "max_tokens": 4}).encode(),  # over the 128-token pool
+        json.dumps({"prompt": "text without a tokenizer"}).encode(),
+    ]
+    async with client(server) as http:
+        for body in bad:
+            answer = await http.post("/v1/completions", content=body)
+            assert answer.status_code == 400, (body, answer.text)
+            assert answer.json()["error"]["message"]
+        ok = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+        health = await http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert "over" not in ok.text  # the last answer is a normal one
+    refused = server.metrics.sample("hicache_requests_total", {"outcome": "refused"})
+    assert refused == len(bad)
+
+
+async def test_metrics_parse_and_count_what_was_served(server: HttpServer) -> None:
+    async with client(server) as http:
+        for _ in range(2):  # the second sends the same prompt: a device hit
+            answer = await http.post(
+                "/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 2}
+            )
+            assert answer.status_code == 200
+        text = (await http.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families.values() for s in f.samples}  # fmt: skip
+    assert samples[("hicache_requests_total", (("outcome", "ok"),))] == 2
+    assert samples[("hicache_ttft_seconds_count", ())] == 2
+    assert samples[("hicache_queue_seconds_count", ())] == 2
+    assert samples[("hicache_prompt_tokens_total", ())] == 2 * len(PROMPTS[3])
+    assert samples[("hicache_generated_tokens_total", ())] == 4
+    hit = len(PROMPTS[3]) - len(PROMPTS[3]) % PAGE  # whole pages, the last token recomputed
+    assert samples[("hicache_request_hit_tokens_total", (("tier", "device"),))] >= hit - PAGE
+    for name in (
+        "hicache_device_hit_tokens",
+        "hicache_bytes_host_to_l3",
+        "hicache_prefetch_complete",
+        "hicache_l3_read_bytes_per_s",
+        "hicache_l3_write_bytes_per_s",
+    ):
+        assert name in families, name  # the tiered cache's counters, per tier and reason
+
+
+async def test_shutdown_drains_in_flight_requests_and_l3_writes(tmp_path: pathlib.Path) -> None:
+    server = await start(tmp_path / "l3")
+    async with client(server) as http:
+        pending = [
+            asyncio.create_task(http.post("/v1/completions", json={"prompt": p, "max_tokens": 6}))
+            for p in PROMPTS
+        ]
+        for _ in range(1000):
+            if server.source.in_flight == len(PROMPTS):
+                break
+            await asyncio.sleep(0.005)
+        server.stop()  # while they run
+        answers = await asyncio.gather(*pending)
+        await asyncio.wait_for(server.task, 30)  # type: ignore[attr-defined]
+    assert [a.status_code for a in answers] == [200] * len(PROMPTS)
+    assert all(len(a.json()["choices"][0]["token_ids"]) == 6 for a in answers)
+    assert server.setup.cache is not None and server.setup.cache.storage.queued_pages == 0
+    written = server.metrics.sample("hicache_pages_written_l3_total")
+    assert written is not None and written > 0
+    rate = server.metrics.sample("hicache_l3_write_bytes_per_s")
+    assert rate is not None and rate > 0
+    assert any((tmp_path / "l3").rglob("*")), "nothing reached the L3 directory"
+
+
+# ----- admin endpoints and request priority ------------------------------------------------------
+async def post(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
+    return await http.post(path, json=body)
+
+
+async def device_hit(http: httpx.AsyncClient, server: HttpServer, prompt: list[int]) -> int:
+    """Serve ``prompt``; the device hit tokens its request had."""
+    answer = await post(http, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert answer.status_code == 200, answer.text
+    return server.setup.engine.records[-1].hit_device
+
+
+async def test_pin_keeps_a_prefix_through_a_flush() -> None:
+    server = await start(None)
+    try:
+        async with client(server) as http:
+            await post(http, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 1})
+            await post(http, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 1})
+            pin = await post(http, "/admin/pin", {"prompt": PROMPTS[0], "ttl_s": 60})
+            assert pin.status_code == 200 and pin.json()["pinned_tokens"] >= 16
+            flushed = await post(http, "/admin/flush", {})
+            assert flushed.status_code == 200 and flushed.json()["dropped_tokens"] > 0
+            assert await device_hit(http, server, PROMPTS[0]) >= 16  # pinned: still there
+            assert await device_hit(http, server, PROMPTS[1]) == 0  # flushed
+            for body in ({"prompt": PROMPTS[0], "ttl_s": 0}, {"prompt": [VOCAB], "ttl_s": 5}):
+                bad = await post(http, "/admin/pin", body)
+                assert bad.status_code == 400, bad.text
+    finally:
+        await stop(server)
+
+
+async def test_l3_detach_and_attach_at_run_time(tmp_path: pathlib.Path) -> None:
+    server = await start(tmp_path / "l3")
+    try:
+        async with client(server) as http:
+            detached = await post(http, "/admin/l3/detach", {})
+            assert detached.json() == {"l3": None, "detached": True}
+            cache = server.setup.cache
+            assert cache is not None and not cache.storage.enabled
+            await post(http, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 1})
+            assert not any(n.in_storage for n in cache.all_nodes())  # nothing written
+            bad = await post(http, "/admin/l3/attach", {"url": "nosuch://x"})
+            assert bad.status_code == 400 and not cache.storage.enabled
+            other = tmp_path / "other"
+            attached = await post(http, "/admin/l3/attach", {"url": f"file://{other}"})
+            assert attached.status_code == 200, attached.text
+            again = await post(http, "/admin/l3/attach", {"url": f"file://{other}"})
+            assert again.status_code == 400 and "detach it first" in again.text
+            await post(http, "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 1})
+            await cache.quiesce(10)
+        assert any(other.rglob("*")), "nothing written to the attached L3"
+    finally:
+        await stop(server)
+
+
+async def test_priority_admits_first_and_its_pages_are_evicted_last() -> None:
+    engine = dataclasses.replace(ENGINE, eviction=EvictionPolicy.PRIORITY, max_running=1)
+    server = await start(None, device_tokens=96, mode=CacheMode.DEVICE, engine=engine)
+    try:
+        async with client(server) as http:
+            important = [3] * 40
+            await post(http, "/v1/completions", {"prompt": important, "max_tokens": 1,
+                                                 "priority": 5})  # fmt: skip
+            for i in range(4):  # low priority, enough to evict everything evictable twice
+                await post(http, "/v1/completions", {"prompt": [50 + i] * 40, "max_tokens": 1})
+            assert await device_hit(http, server, important) >= 32
+            bad = await post(http, "/v1/completions", {"prompt": [1], "priority": "high"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    finally:
+        await stop(server)

@@ -1,0 +1,156 @@
+"""``hicache serve --http --workers N``: worker processes behind a router process, driven through
+a real HTTP client. A prefix computed on one worker is an L3 hit on another (they share the
+file L3); the cache-aware router keeps a prefix on one worker; a killed worker is retired and
+its streamed request ends with an error naming it while the others are served; a worker that
+cannot start makes ``serve`` exit with its error and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from serve_kit import listening, serve_argv
+
+from hicache.serving.workers import worker_argv
+
+PROMPT = list(range(1, 97))  # 6 pages of 16
+
+
+def test_worker_command_lines_drop_the_router_flags() -> None:
+    argv = ["-v", "serve", "--http", "0.0.0.0:80", "--workers=4", "--router", "round_robin",
+            "--seed", "3", "--http=1.2.3.4:5"]  # fmt: skip
+    assert worker_argv(argv) == ["-v", "serve", "--seed", "3", "--http", "127.0.0.1:0"]
+
+
+def cli(*args: str) -> list[str]:
+    return serve_argv(*args)
+
+
+@contextmanager
+def cluster(l3: pathlib.Path, workers: int, router: str) -> Iterator[str]:
+    argv = cli("--http", "127.0.0.1:0", "--workers", str(workers), "--router", router,
+               "--l3", f"file://{l3}")  # fmt: skip
+    with listening(argv, "workers stopped") as url:
+        yield url
+
+
+def complete(url: str, prompt: list[int], tokens: int = 2) -> dict[str, Any]:
+    answer = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": tokens,
+                        "temperature": 0}, timeout=60)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+
+
+def value(url: str, name: str, **labels: str) -> float:
+    return samples(url).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_until(check: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_round_robin_reads_another_workers_prefix_from_l3(tmp_path: pathlib.Path) -> None:
+    with cluster(tmp_path / "l3", 2, "round_robin") as url:
+        first = complete(url, PROMPT)  # worker 0 computes it and writes it through to L3
+        wait_until(lambda: value(url, "hicache_pages_written_l3_total", worker="0") >= 5)
+        second = complete(url, PROMPT)  # worker 1 reads it back
+        assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert value(url, "hicache_request_hit_tokens_total", tier="l3", worker="1") >= 64
+        assert value(url, "hicache_router_requests_total", worker="0", outcome="answered") == 1
+        assert value(url, "hicache_router_requests_total", worker="1", outcome="answered") == 1
+
+
+def test_cache_aware_keeps_a_prefix_on_one_worker(tmp_path: pathlib.Path) -> None:
+    with cluster(tmp_path / "l3", 2, "cache_aware") as url:
+        for _ in range(3):
+            complete(url, PROMPT)
+        counts = [value(url, "hicache_router_requests_total", worker=str(w), outcome="answered")
+                  for w in range(2)]  # fmt: skip
+        assert sorted(counts) == [0, 3]
+        home = counts.index(3)
+        assert value(url, "hicache_request_hit_tokens_total", tier="device", worker=str(home)) > 0
+
+
+def test_a_killed_worker_is_retired_and_the_rest_are_served(tmp_path: pathlib.Path) -> None:
+    with cluster(tmp_path / "l3", 2, "round_robin") as url:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        pid0 = health["workers"][0]["pid"]
+        body = {"prompt": PROMPT, "max_tokens": 400, "stream": True, "temperature": 0}
+        events: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            for line in stream.iter_lines():  # the first request goes to worker 0
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 3:
+                        os.kill(pid0, signal.SIGKILL)  # mid-stream
+        assert "worker 0 failed" in events[-1], events[-3:]
+        for _ in range(4):  # all to worker 1 now
+            complete(url, [5, 6, 7])
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=10).json()["workers"][0]["alive"]
+                   is False)  # fmt: skip
+        assert value(url, "hicache_router_requests_total", worker="1", outcome="answered") == 4
+        assert value(url, "hicache_router_workers_alive") == 1
+
+
+def test_a_worker_that_cannot_start_stops_serve_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
+    marker = str(tmp_path / "unique-cache-dir")
+    # A required L3 that nothing listens on: the router does not open L3, each worker must.
+    nowhere = "mooncake://127.0.0.1:1?metadata_server=http://127.0.0.1:1/metadata"
+    argv = cli("--http", "127.0.0.1:0", "--workers", "2", "--cache-dir", marker, "--l3-required",
+               "--l3", nowhere)  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "worker" in done.stderr and "failed to start" in done.stderr
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, marker)]
+    assert left == []
+
+
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        return text in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def test_mooncake_auto_is_the_shared_l3_and_stops_with_serve(tmp_path: pathlib.Path) -> None:
+    argv = cli("--http", "127.0.0.1:0", "--workers", "2", "--router", "round_robin",
+               "--l3", "mooncake://auto")  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert " on http://" in line, (line, proc.stderr.read() if proc.stderr else "")
+        url = line.rsplit(" ", 1)[1].strip()
+        first = complete(url, PROMPT)
+        wait_until(lambda: value(url, "hicache_pages_written_l3_total", worker="0") >= 5)
+        second = complete(url, PROMPT)
+        assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert value(url, "hicache_request_hit_tokens_total", tier="l3", worker="1") >= 64
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    started = next(x for x in err.splitlines() if "started mooncake_master" in x)
+    pid = started.rsplit("pid ", 1)[1].rstrip(")")
+    assert not os.path.exists(f"/proc/{pid}"), "the master outlived serve"
