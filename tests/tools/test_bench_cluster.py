@@ -9,7 +9,7 @@ import sys
 
 from serve_kit import SMALL
 
-ROW_KEYS = {"workers", "router", "requests", "hit_rate", "l3_hit_tokens",
+ROW_KEYS = {"workers", "router", "requests", "hit_rate", "l3_hit_rate", "l3_hit_tokens",
             "l3_cross_worker_hit_tokens", "ttft_mean_ms", "ttft_p50_ms", "throughput_tok_s",
             "wall_s"}  # fmt: skip
 
