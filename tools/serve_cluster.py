@@ -28,7 +28,7 @@ from hicache.serving.presets import ModelConfig
 from hicache.serving.router_api import RouterApi, RouterKind
 from hicache.serving.workers import WorkerProcess, WorkerStartError, start_workers
 from hicache.tools.cli_parsing import CommandFailed
-from hicache.tools.serve_http import model_identity
+from hicache.tools.serve_http import Background, model_identity, running
 
 __all__ = ["run_cluster"]
 
@@ -41,6 +41,7 @@ def run_cluster(
     model: ModelConfig,
     plan: CheckpointPlan | None,
     device: torch.device,
+    background: Sequence[Background] = (),
 ) -> int:
     """Route over ``args.workers`` workers until a signal; 0 after a clean stop."""
     name, _ = model_identity(model, plan)
@@ -48,13 +49,24 @@ def run_cluster(
     served = ServedModel(name, model.vocab_size, tokenizer)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     try:
-        asyncio.run(_route(args, argv, served, gpus))
+        asyncio.run(_route(args, argv, served, gpus, background))
     except WorkerStartError as exc:
         raise CommandFailed(str(exc)) from None
     return 0
 
 
 async def _route(
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    served: ServedModel,
+    gpus: int,
+    background: Sequence[Background],
+) -> None:
+    async with running(background):  # the L3 master stays up while workers start and serve
+        await _route_requests(args, argv, served, gpus)
+
+
+async def _route_requests(
     args: argparse.Namespace, argv: Sequence[str], served: ServedModel, gpus: int
 ) -> None:
     workers = await start_workers(argv, args.workers, gpus, l3=args.l3)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import signal
 import sys
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any
 
 from hicache.checkpoint.fingerprint import checkpoint_fingerprint, config_fingerprint
 from hicache.checkpoint.loader import CheckpointPlan
@@ -28,7 +31,10 @@ from hicache.tiering.config import HiCacheConfig, StorageConfig
 from hicache.tools.cli_parsing import CommandFailed
 from hicache.tools.serve_config import engine_config_of, hisparse_config
 
-__all__ = ["model_identity", "parse_listen", "run_http", "serving_mode"]
+__all__ = ["Background", "model_identity", "parse_listen", "run_http", "running", "serving_mode"]
+
+# A task the server runs beside itself for its whole life (a service it keeps alive).
+Background = Callable[[], Coroutine[Any, Any, None]]
 
 _DEFAULT_MODEL_ID = StorageConfig().model_id
 
@@ -65,6 +71,7 @@ def run_http(
     hicache: HiCacheConfig,
     model: ServingModel,
     plan: CheckpointPlan | None,
+    background: Sequence[Background] = (),
 ) -> int:
     """Serve until a signal; 0 after a clean drain."""
     name, model_id = model_identity(model.config, plan)
@@ -72,12 +79,16 @@ def run_http(
         hicache = hicache.with_changes("storage", model_id=model_id)
     tokenizer = load_tokenizer(plan.directory) if plan is not None else None
     served = ServedModel(name, model.config.vocab_size, tokenizer)
-    asyncio.run(_serve(args, hicache, model, served))
+    asyncio.run(_serve(args, hicache, model, served, background))
     return 0
 
 
 async def _serve(
-    args: argparse.Namespace, hicache: HiCacheConfig, model: ServingModel, served: ServedModel
+    args: argparse.Namespace,
+    hicache: HiCacheConfig,
+    model: ServingModel,
+    served: ServedModel,
+    background: Sequence[Background],
 ) -> None:
     mode = serving_mode(hicache)
     engine_config = engine_config_of(args, hisparse_config(args))
@@ -93,5 +104,18 @@ async def _serve(
     def ready(url: str) -> None:
         print(f"serving {served.name} ({mode.value}) on {url}", flush=True)
 
-    await server.serve(ready)
+    async with running(background):
+        await server.serve(ready)
     print("drained; stopped", file=sys.stderr, flush=True)
+
+
+@contextlib.asynccontextmanager
+async def running(background: Sequence[Background]) -> AsyncIterator[None]:
+    """The ``background`` tasks run for the block, cancelled after it."""
+    tasks = [asyncio.create_task(job()) for job in background]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -9,9 +9,11 @@ the server ends.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from hicache.errors import InvalidArgumentError
@@ -20,9 +22,11 @@ from hicache.serving.router_api import RouterKind
 from hicache.tools.cli_parsing import arg_type, int_range
 from hicache.tools.serve_cluster import run_cluster
 from hicache.tools.serve_config import checked_model, hicache_config
-from hicache.tools.serve_http import parse_listen, run_http
+from hicache.tools.serve_http import Background, parse_listen, run_http
 
 __all__ = ["add_online_flags", "run_online"]
+
+_MASTER_CHECK_S = 1.0
 
 
 def add_online_flags(p: argparse.ArgumentParser) -> None:
@@ -58,26 +62,46 @@ def run_online(args: argparse.Namespace) -> int:
                ("--plot", args.plot), ("--dump-outputs", args.dump_outputs)) if on]  # fmt: skip
     if offline:
         raise InvalidArgumentError(f"--http serves clients; {', '.join(offline)} runs a workload")
-    with _auto_mooncake(args):
+    with _auto_mooncake(args) as background:
         hicache = hicache_config(args)  # the model's own namespace: kept across restarts
         config, plan, device = checked_model(args, hicache)
         if args.workers > 1:  # the router loads no weights
-            return run_cluster(args, args.argv, config, plan, device)
+            return run_cluster(args, args.argv, config, plan, device, background)
         model: ServingModel = plan.load() if plan else TinyTransformer(config, device)
-        return run_http(args, hicache, model, plan)
+        return run_http(args, hicache, model, plan, background)
 
 
 @contextlib.contextmanager
-def _auto_mooncake(args: argparse.Namespace) -> Iterator[None]:
-    """With ``--l3 mooncake://auto``: a master for the block, ``args.l3`` naming it."""
+def _auto_mooncake(args: argparse.Namespace) -> Iterator[list[Background]]:
+    """With ``--l3 mooncake://auto``: a master for the block, ``args.l3`` naming it; yields the
+    task that restarts it (same ports) should it exit, for the server to run."""
     parts = urlsplit(args.l3 or "")
     if parts.scheme != "mooncake" or parts.netloc != "auto":
-        yield
+        yield []
         return
     from hicache.tools.services_mooncake import MooncakeMaster
 
     with MooncakeMaster() as master:
         args.l3 = master.url(**dict(parse_qsl(parts.query)))
-        print(f"started mooncake_master at {master.address} (pid {master.process.pid})",
-              file=sys.stderr, flush=True)  # fmt: skip
-        yield
+        _say(f"started mooncake_master at {master.address} (pid {master.process.pid})")
+        yield [lambda: _keep_alive(master)]
+
+
+async def _keep_alive(master: Any) -> None:
+    """Restart the master when it exits: the engines serve without L3 meanwhile (counted) and
+    reconnect to the new one, which starts empty."""
+    while True:
+        await asyncio.sleep(_MASTER_CHECK_S)
+        if master.running:
+            continue
+        _say("mooncake_master exited; restarting it on the same ports")
+        try:
+            await asyncio.to_thread(master.restart)
+        except Exception as exc:
+            _say(f"restarting mooncake_master failed ({exc}); trying again")
+        else:
+            _say(f"mooncake_master is back (pid {master.process.pid})")
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

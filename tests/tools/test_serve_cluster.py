@@ -154,3 +154,57 @@ def test_mooncake_auto_is_the_shared_l3_and_stops_with_serve(tmp_path: pathlib.P
     started = next(x for x in err.splitlines() if "started mooncake_master" in x)
     pid = started.rsplit("pid ", 1)[1].rstrip(")")
     assert not os.path.exists(f"/proc/{pid}"), "the master outlived serve"
+
+
+def _masters_of(parent: int) -> list[int]:
+    """Pids of the mooncake_master processes whose parent is ``parent``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        name, _, rest = stat.partition(") ")
+        if name.endswith("(mooncake_master") and int(rest.split()[1]) == parent:
+            out.append(int(pid))
+    return out
+
+
+def _total(url: str, name: str) -> float:
+    return sum(v for (n, _), v in samples(url).items() if n == name)
+
+
+def test_a_killed_mooncake_master_is_restarted_and_l3_comes_back(tmp_path: pathlib.Path) -> None:
+    argv = cli("--http", "127.0.0.1:0", "--workers", "2", "--router", "round_robin",
+               "--l3", "mooncake://auto")  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert " on http://" in line, (line, proc.stderr.read() if proc.stderr else "")
+        url = line.rsplit(" ", 1)[1].strip()
+        complete(url, PROMPT)
+        wait_until(lambda: _total(url, "hicache_pages_written_l3_total") >= 5)
+        [master] = _masters_of(proc.pid)
+        os.kill(master, signal.SIGKILL)
+        for i in range(4):  # served without L3 meanwhile, its failures counted
+            complete(url, [i + 1] * 80)
+        wait_until(lambda: _total(url, "hicache_l3_write_failures_total") > 0)
+        wait_until(lambda: len(_masters_of(proc.pid)) == 1 and _masters_of(proc.pid) != [master])
+        written = _total(url, "hicache_pages_written_l3_total")
+        fresh = iter(range(100, 200))
+
+        def writes_again() -> bool:
+            complete(url, [next(fresh)] * 80)  # new pages: written through once L3 is back
+            return _total(url, "hicache_pages_written_l3_total") > written
+
+        wait_until(writes_again, timeout_s=60)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "mooncake_master is back" in err
+    assert _masters_of(proc.pid) == []
