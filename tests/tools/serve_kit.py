@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 SMALL = ["--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim",
          "32", "--vocab", "256", "--device-tokens", "512"]  # fmt: skip
@@ -18,21 +19,38 @@ def serve_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "hicache.tools.cli", "serve", *SMALL, *args]
 
 
+@dataclass
+class Served:
+    """A running ``serve --http``: its URL and process; its stderr once it stopped."""
+
+    url: str
+    process: subprocess.Popen[str]
+    stderr: str = ""
+
+
 @contextmanager
-def listening(argv: list[str], last_words: str, stop_s: float = 90.0) -> Iterator[str]:
-    """Run ``argv`` (a ``serve --http``), yield the URL it prints first; at the end SIGTERM it
-    and check it exits 0 having said ``last_words`` on stderr. Killed if still running."""
+def serving(argv: list[str], stop_s: float = 90.0) -> Iterator[Served]:
+    """Run ``argv`` (a ``serve --http``) until the block ends, then SIGTERM it and check it
+    exits 0 (its stderr is kept). Killed if still running."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert " on http://" in line, (line, proc.stderr.read() if proc.stderr else "")
-        yield line.rsplit(" ", 1)[1].strip()
+        served = Served(line.rsplit(" ", 1)[1].strip(), proc)
+        yield served
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=stop_s)
-        assert proc.returncode == 0, err
-        assert last_words in err, err
+        _, served.stderr = proc.communicate(timeout=stop_s)
+        assert proc.returncode == 0, served.stderr
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def listening(argv: list[str], last_words: str, stop_s: float = 90.0) -> Iterator[str]:
+    """:func:`serving`, yielding the URL; it must have said ``last_words`` on stderr."""
+    with serving(argv, stop_s) as served:
+        yield served.url
+    assert last_words in served.stderr, served.stderr

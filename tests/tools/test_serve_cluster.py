@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from serve_kit import listening, serve_argv
+from serve_kit import listening, serve_argv, serving
 
 from hicache.serving.workers import worker_argv
 
@@ -133,27 +133,17 @@ def _cmdline_has(pid: str, text: str) -> bool:
 def test_mooncake_auto_is_the_shared_l3_and_stops_with_serve(tmp_path: pathlib.Path) -> None:
     argv = cli("--http", "127.0.0.1:0", "--workers", "2", "--router", "round_robin",
                "--l3", "mooncake://auto")  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert " on http://" in line, (line, proc.stderr.read() if proc.stderr else "")
-        url = line.rsplit(" ", 1)[1].strip()
+    with serving(argv) as served:
+        url = served.url
         first = complete(url, PROMPT)
         wait_until(lambda: value(url, "hicache_pages_written_l3_total", worker="0") >= 5)
         second = complete(url, PROMPT)
         assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
         assert value(url, "hicache_request_hit_tokens_total", tier="l3", worker="1") >= 64
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
-    started = next(x for x in err.splitlines() if "started mooncake_master" in x)
-    pid = started.rsplit("pid ", 1)[1].rstrip(")")
-    assert not os.path.exists(f"/proc/{pid}"), "the master outlived serve"
+        router = served.process.pid
+        assert len(_masters_of(router)) == 1
+    assert "started mooncake_master" in served.stderr
+    assert _masters_of(router) == [], "the master outlived serve"
 
 
 def _masters_of(parent: int) -> list[int]:
@@ -177,20 +167,16 @@ def _total(url: str, name: str) -> float:
 def test_a_killed_mooncake_master_is_restarted_and_l3_comes_back(tmp_path: pathlib.Path) -> None:
     argv = cli("--http", "127.0.0.1:0", "--workers", "2", "--router", "round_robin",
                "--l3", "mooncake://auto")  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert " on http://" in line, (line, proc.stderr.read() if proc.stderr else "")
-        url = line.rsplit(" ", 1)[1].strip()
+    with serving(argv) as served:
+        url, router = served.url, served.process.pid
         complete(url, PROMPT)
         wait_until(lambda: _total(url, "hicache_pages_written_l3_total") >= 5)
-        [master] = _masters_of(proc.pid)
+        [master] = _masters_of(router)
         os.kill(master, signal.SIGKILL)
         for i in range(4):  # served without L3 meanwhile, its failures counted
             complete(url, [i + 1] * 80)
         wait_until(lambda: _total(url, "hicache_l3_write_failures_total") > 0)
-        wait_until(lambda: len(_masters_of(proc.pid)) == 1 and _masters_of(proc.pid) != [master])
+        wait_until(lambda: len(_masters_of(router)) == 1 and _masters_of(router) != [master])
         written = _total(url, "hicache_pages_written_l3_total")
         fresh = iter(range(100, 200))
 
@@ -199,12 +185,5 @@ def test_a_killed_mooncake_master_is_restarted_and_l3_comes_back(tmp_path: pathl
             return _total(url, "hicache_pages_written_l3_total") > written
 
         wait_until(writes_again, timeout_s=60)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
-    assert "mooncake_master is back" in err
-    assert _masters_of(proc.pid) == []
+    assert "mooncake_master is back" in served.stderr
+    assert _masters_of(router) == []
