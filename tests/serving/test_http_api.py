@@ -35,11 +35,13 @@ async def start(
     device_tokens: int = 128,
     mode: CacheMode | None = None,
     engine: EngineConfig = ENGINE,
+    tokenizer: Any = None,
 ) -> HttpServer:
     if mode is None:
         mode = CacheMode.DEVICE_HOST if l3 is None else CacheMode.DEVICE_HOST_L3
     setup = await open_engine(tiny_model(DENSE), mode, hicache_config(l3), device_tokens, engine)
-    server = HttpServer(setup, ServedModel("tiny", VOCAB), Listen("127.0.0.1", 0, drain_s=10.0))
+    model = ServedModel("tiny", VOCAB, tokenizer)
+    server = HttpServer(setup, model, Listen("127.0.0.1", 0, drain_s=10.0))
     task = asyncio.create_task(server.serve())
     for _ in range(500):
         if server.url is not None or task.done():
@@ -252,5 +254,29 @@ async def test_priority_admits_first_and_its_pages_are_evicted_last() -> None:
             assert await device_hit(http, server, important) >= 32
             bad = await post(http, "/v1/completions", {"prompt": [1], "priority": "high"})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    finally:
+        await stop(server)
+
+
+async def test_text_prompts_and_answers_with_a_tokenizer() -> None:
+    """A real tokenizers WordLevel tokenizer: the text prompt is its word ids, and the answer's
+    text is its tokens decoded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "the", "cat", "sat", "on", "mat"] + [f"w{i}" for i in range(6, VOCAB)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    server = await start(None, tokenizer=tokenizer)
+    try:
+        async with client(server) as http:
+            text = await post(http, "/v1/completions", {"prompt": "the cat sat on the mat",
+                                                        "max_tokens": 3, **GREEDY})  # fmt: skip
+            ids = await post(http, "/v1/completions", {"prompt": [1, 2, 3, 4, 1, 5],
+                                                       "max_tokens": 3, **GREEDY})  # fmt: skip
+        assert text.status_code == ids.status_code == 200, text.text
+        choice = text.json()["choices"][0]
+        assert choice["token_ids"] == ids.json()["choices"][0]["token_ids"]
+        assert choice["text"] == tokenizer.decode(choice["token_ids"]) and choice["text"]
+        assert text.json()["usage"]["prompt_tokens"] == 6
     finally:
         await stop(server)
