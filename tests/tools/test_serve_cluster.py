@@ -7,6 +7,7 @@ cannot start makes ``serve`` exit with its error and leaves no process behind.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pathlib
 import signal
@@ -187,3 +188,17 @@ def test_a_killed_mooncake_master_is_restarted_and_l3_comes_back(tmp_path: pathl
         wait_until(writes_again, timeout_s=60)
     assert "mooncake_master is back" in served.stderr
     assert _masters_of(router) == []
+
+
+def test_a_worker_killed_under_a_whole_answer_gives_a_502(tmp_path: pathlib.Path) -> None:
+    with cluster(tmp_path / "l3", 2, "round_robin") as url:
+        pid0 = httpx.get(f"{url}/health", timeout=10).json()["workers"][0]["pid"]
+        body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            time.sleep(0.5)  # it is decoding on worker 0 (round-robin's first)
+            os.kill(pid0, signal.SIGKILL)
+            failed = answer.result()
+        assert failed.status_code == 502, failed.text
+        assert "worker 0 failed" in failed.json()["error"]["message"]
+        assert complete(url, [5, 6, 7])["choices"][0]["token_ids"]  # worker 1 serves on
