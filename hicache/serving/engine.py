@@ -116,6 +116,7 @@ class Engine:
                     source.finished(request, self.now())  # failed: its source moves on
             if self.hiradix is not None:
                 self.hiradix.check_events()
+            self._drop_cancelled(waiting, running, source)
             self._admit(waiting, running)
             if running:
                 idle_since = None
@@ -154,6 +155,26 @@ class Engine:
                 tree.prefetcher.release(request.rid)
             request.state = RequestState.FAILED
             request.record.error = f"no device memory could be had for {self.config.stall_s} s"
+            source.finished(request, self.now())
+
+    def _drop_cancelled(
+        self, waiting: list[ServeRequest], running: list[ServeRequest], source: RequestSource
+    ) -> None:
+        """Requests whose client went away: a waiting one leaves the queue (its prefetch
+        stopped, what it reserved released); a running one ends as if finished, its computed
+        pages committed to the tree. Both fail with a "cancelled" error."""
+        gone = [r for r in waiting if r.cancelled] + [r for r in running if r.cancelled]
+        for request in gone:
+            if request in waiting:
+                waiting.remove(request)
+                if self.hiradix is not None:
+                    self.hiradix.prefetcher.terminate(request.rid)
+                    self.hiradix.prefetcher.release(request.rid)
+            else:
+                running.remove(request)
+                self._finish(request)
+            request.state = RequestState.FAILED
+            request.record.error = "cancelled: the client went away"
             source.finished(request, self.now())
 
     def submit(self, request: ServeRequest, waiting: list[ServeRequest]) -> bool:

@@ -15,6 +15,8 @@ is decoded with the model's tokenizer when it has one (empty otherwise).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -30,6 +32,7 @@ from hicache.serving.request import ServeRequest
 __all__ = ["CompletionsApi"]
 
 _MAX_BODY_BYTES = 64 << 20  # a prompt of a few million token ids
+_HANG_UP_POLL_S = 0.05
 
 
 class CompletionsApi:
@@ -73,6 +76,8 @@ class CompletionsApi:
             return web.json_response(exc.body(), status=exc.status)
         if args.stream:
             return await self._stream(request, admission)
+        if not await _answered_before_hang_up(request, admission):
+            self.source.cancel(admission)  # nobody reads the answer: stop computing it
         served = await admission.done
         self.metrics.done(served)
         if served.record.error is not None:
@@ -109,7 +114,12 @@ class CompletionsApi:
             text = self._text(tokens)
             chunk = self._completion(admission.request, text[len(shown) :], [token], None)
             shown = text
-            await response.write(_event(chunk))
+            try:
+                await response.write(_event(chunk))
+            except ConnectionError:  # the client hung up: stop computing for it
+                self.source.cancel(admission)
+                self.metrics.done(await admission.done)
+                return response
         served = await admission.done
         self.metrics.done(served)
         if served.record.error is not None:
@@ -143,6 +153,18 @@ class CompletionsApi:
         if finish_reason is not None:
             body["usage"] = _usage(request)
         return body
+
+
+async def _answered_before_hang_up(request: web.Request, admission: Admission) -> bool:
+    """Wait for the engine to finish ``admission``; False if the client's connection closed
+    first (looked at every 50 ms: aiohttp does not cancel a handler when its client leaves)."""
+    while not admission.done.done():
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(admission.done), _HANG_UP_POLL_S)
+    return True
 
 
 def _usage(request: ServeRequest) -> dict[str, Any]:

@@ -70,6 +70,13 @@ class OnlineSource:
         """Requests submitted and not yet done."""
         return len(self._admissions)
 
+    def cancel(self, admission: Admission) -> None:
+        """Its client went away: the engine drops the request at its next round (a
+        "cancelled" error); nothing if it is done already."""
+        if id(admission.request) in self._admissions:
+            admission.request.cancelled = True
+            self.wake.set()
+
     def close(self) -> None:
         """Take no more requests; the engine ends once those in flight are done."""
         self.closed = True

@@ -77,6 +77,7 @@ class ServeRequest:
     temperature: float | None = None  # None: the engine's
     priority: int = 0  # admitted before lower ones; its pages evicted after theirs (priority)
     on_token: Callable[[int], None] | None = None  # told of each token as it is sampled
+    cancelled: bool = False  # its client went away: dropped between steps
     refusal: str | None = None  # why it cannot be served, known before it arrives
     record: RequestRecord = field(init=False)
     _key: RadixKey | None = field(default=None, init=False, repr=False)

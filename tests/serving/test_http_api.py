@@ -280,3 +280,65 @@ async def test_text_prompts_and_answers_with_a_tokenizer() -> None:
         assert text.json()["usage"]["prompt_tokens"] == 6
     finally:
         await stop(server)
+
+
+# ----- clients that go away -----------------------------------------------------------------------
+async def record_of(server: HttpServer, rid: str) -> Any:
+    for _ in range(500):
+        found = [r for r in server.setup.engine.records if r.rid == rid and r.error is not None]
+        if found:
+            return found[0]
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{rid} was never cancelled")
+
+
+async def test_a_stream_whose_client_hangs_up_is_cancelled() -> None:
+    server = await start(None, device_tokens=512)
+    try:
+        async with client(server) as http:
+            body = {"prompt": PROMPTS[0], "max_tokens": 200, "stream": True, **GREEDY}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                seen = 0
+                async for line in response.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen == 3:
+                        break  # hang up mid-stream
+            record = await record_of(server, "http-0")
+            assert record.error == "cancelled: the client went away"
+            assert 3 <= record.output_tokens < 200
+            ok = await post(http, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+            assert ok.status_code == 200  # the server goes on, its slots free again
+        assert server.metrics.sample("hicache_requests_total", {"outcome": "failed"}) == 1
+    finally:
+        await stop(server)
+
+
+async def test_a_whole_answer_whose_client_hangs_up_is_cancelled() -> None:
+    server = await start(None, device_tokens=512)
+    try:
+        async with httpx.AsyncClient(base_url=server.url or "", timeout=0.3) as http:
+            body = {"prompt": PROMPTS[1], "max_tokens": 300, **GREEDY}
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json=body)
+        record = await record_of(server, "http-0")
+        assert record.output_tokens < 300
+    finally:
+        await stop(server)
+
+
+async def test_a_cancelled_request_leaves_the_queue_before_it_runs() -> None:
+    server = await start(None, engine=dataclasses.replace(ENGINE, max_running=1))
+    try:
+        source = server.source
+        first = source.submit(PROMPTS[0], 20, 0.0)
+        second = source.submit(PROMPTS[1], 20, 0.0)
+        source.cancel(second)
+        dropped = await asyncio.wait_for(second.done, 30)
+        assert dropped.record.error == "cancelled: the client went away"
+        assert dropped.generated == [] and dropped.record.admitted_s is None
+        served = await asyncio.wait_for(first.done, 30)
+        assert served.record.error is None and len(served.generated) == 20
+        source.cancel(first)  # done already: nothing happens
+        assert not first.request.cancelled
+    finally:
+        await stop(server)
