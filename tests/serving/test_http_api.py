@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import pathlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -283,6 +284,19 @@ async def test_text_prompts_and_answers_with_a_tokenizer() -> None:
 
 
 # ----- clients that go away -----------------------------------------------------------------------
+def slowed(server: HttpServer, seconds: float = 0.01) -> None:
+    """Each forward step takes ``seconds`` more: a long answer lasts long enough for its client
+    to hang up while it is computed, however fast the machine."""
+    model = server.setup.engine.model
+    forward = model.forward_batch
+
+    def slow_forward(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)  # in the engine's forward thread, as a slow device would
+        return forward(*args, **kwargs)
+
+    model.forward_batch = slow_forward  # type: ignore[method-assign]
+
+
 async def record_of(server: HttpServer, rid: str) -> Any:
     for _ in range(500):
         found = [r for r in server.setup.engine.records if r.rid == rid and r.error is not None]
@@ -294,6 +308,7 @@ async def record_of(server: HttpServer, rid: str) -> Any:
 
 async def test_a_stream_whose_client_hangs_up_is_cancelled() -> None:
     server = await start(None, device_tokens=512)
+    slowed(server)  # 200 tokens: 2 s at least
     try:
         async with client(server) as http:
             body = {"prompt": PROMPTS[0], "max_tokens": 200, "stream": True, **GREEDY}
@@ -315,6 +330,7 @@ async def test_a_stream_whose_client_hangs_up_is_cancelled() -> None:
 
 async def test_a_whole_answer_whose_client_hangs_up_is_cancelled() -> None:
     server = await start(None, device_tokens=512)
+    slowed(server)  # 300 tokens: 3 s at least; the client gives up after 0.3 s
     try:
         async with httpx.AsyncClient(base_url=server.url or "", timeout=0.3) as http:
             body = {"prompt": PROMPTS[1], "max_tokens": 300, **GREEDY}

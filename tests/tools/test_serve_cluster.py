@@ -37,9 +37,9 @@ def cli(*args: str) -> list[str]:
 
 
 @contextmanager
-def cluster(l3: pathlib.Path, workers: int, router: str) -> Iterator[str]:
+def cluster(l3: pathlib.Path, workers: int, router: str, *extra: str) -> Iterator[str]:
     argv = cli("--http", "127.0.0.1:0", "--workers", str(workers), "--router", router,
-               "--l3", f"file://{l3}")  # fmt: skip
+               "--l3", f"file://{l3}", *extra)  # fmt: skip
     with listening(argv, "workers stopped") as url:
         yield url
 
@@ -90,8 +90,12 @@ def test_cache_aware_keeps_a_prefix_on_one_worker(tmp_path: pathlib.Path) -> Non
         assert value(url, "hicache_request_hit_tokens_total", tier="device", worker=str(home)) > 0
 
 
+SLOW = ("--hidden", "512", "--layers", "8", "--heads", "8", "--head-dim", "64")  # decodes 400
+# tokens in seconds: a kill lands while the request runs
+
+
 def test_a_killed_worker_is_retired_and_the_rest_are_served(tmp_path: pathlib.Path) -> None:
-    with cluster(tmp_path / "l3", 2, "round_robin") as url:
+    with cluster(tmp_path / "l3", 2, "round_robin", *SLOW) as url:
         health = httpx.get(f"{url}/health", timeout=10).json()
         pid0 = health["workers"][0]["pid"]
         body = {"prompt": PROMPT, "max_tokens": 400, "stream": True, "temperature": 0}
@@ -191,12 +195,13 @@ def test_a_killed_mooncake_master_is_restarted_and_l3_comes_back(tmp_path: pathl
 
 
 def test_a_worker_killed_under_a_whole_answer_gives_a_502(tmp_path: pathlib.Path) -> None:
-    with cluster(tmp_path / "l3", 2, "round_robin") as url:
+    with cluster(tmp_path / "l3", 2, "round_robin", *SLOW) as url:
         pid0 = httpx.get(f"{url}/health", timeout=10).json()["workers"][0]["pid"]
         body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
-            time.sleep(0.5)  # it is decoding on worker 0 (round-robin's first)
+            answer = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
+            # round-robin's first goes to worker 0: kill it while it decodes the 400 tokens
+            wait_until(lambda: value(url, "hicache_requests_in_flight", worker="0") == 1)
             os.kill(pid0, signal.SIGKILL)
             failed = answer.result()
         assert failed.status_code == 502, failed.text
