@@ -140,16 +140,12 @@ class Engine(EngineAdmission):
 
     def _fail_stalled(self, waiting: list[ServeRequest], source: RequestSource) -> None:
         tree = self.hiradix
+        error = f"no device memory could be had for {self.config.stall_s} s"
         for request in list(waiting):
             if tree is not None and not tree.prefetcher.may_run(request.rid):
                 continue  # still waiting on its prefetch, which its stop policy allows
             waiting.remove(request)
-            if tree is not None:
-                tree.prefetcher.terminate(request.rid)
-                tree.prefetcher.release(request.rid)
-            request.state = RequestState.FAILED
-            request.record.error = f"no device memory could be had for {self.config.stall_s} s"
-            source.finished(request, self.now())
+            self._fail(request, error, source)
 
     def _drop_cancelled(
         self, waiting: list[ServeRequest], running: list[ServeRequest], source: RequestSource
@@ -157,19 +153,23 @@ class Engine(EngineAdmission):
         """Requests whose client went away: a waiting one leaves the queue (its prefetch
         stopped, what it reserved released); a running one ends as if finished, its computed
         pages committed to the tree. Both fail with a "cancelled" error."""
-        gone = [r for r in waiting if r.cancelled] + [r for r in running if r.cancelled]
-        for request in gone:
-            if request in waiting:
-                waiting.remove(request)
-                if self.hiradix is not None:
-                    self.hiradix.prefetcher.terminate(request.rid)
-                    self.hiradix.prefetcher.release(request.rid)
-            else:
-                running.remove(request)
-                self._finish(request)
-            request.state = RequestState.FAILED
-            request.record.error = "cancelled: the client went away"
-            source.finished(request, self.now())
+        for request in [r for r in running if r.cancelled]:
+            running.remove(request)
+            self._finish(request)
+            self._fail(request, _CANCELLED, source)
+        for request in [r for r in waiting if r.cancelled]:
+            waiting.remove(request)
+            self._fail(request, _CANCELLED, source)
+
+    def _fail(self, request: ServeRequest, error: str, source: RequestSource) -> None:
+        """End a request that left the queue or the batch with ``error``; a prefetch it still
+        has is stopped and what that reserved released."""
+        if self.hiradix is not None:
+            self.hiradix.prefetcher.terminate(request.rid)
+            self.hiradix.prefetcher.release(request.rid)
+        request.state = RequestState.FAILED
+        request.record.error = error
+        source.finished(request, self.now())
 
     # ----- forward ----------------------------------------------------------------------------
     async def _step(self, running: list[ServeRequest]) -> list[ServeRequest]:
@@ -312,6 +312,7 @@ class Engine(EngineAdmission):
 
 
 _IDLE_S = 0.5  # an idle online loop still applies finished L3 writes this often
+_CANCELLED = "cancelled: the client went away"
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:

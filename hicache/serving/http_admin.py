@@ -65,13 +65,12 @@ class AdminApi:
         return {"pinned_tokens": pinned, "ttl_s": ttl}
 
     async def _flush(self, body: dict[str, Any]) -> dict[str, Any]:
-        tree = self.engine.tree
+        tree, tiered = self.engine.tree, self.engine.hiradix
         if tree is None:
             return {"dropped_tokens": 0}
         dropped = tree.evict(tree.evictable_size)
-        host = getattr(tree, "host_evictor", None)
-        if host is not None:
-            dropped += host.evict(1 << 62)
+        if tiered is not None:
+            dropped += tiered.host_evictor.evict(1 << 62)
         return {"dropped_tokens": dropped}
 
     async def _attach(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -78,5 +78,5 @@ class ServingMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> Any:
-        """One sample's value by full name (for tests and the CLI's summary); None if absent."""
+        """One sample's value by full name (for tests); None if absent."""
         return self.registry.get_sample_value(name, labels or {})
