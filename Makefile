@@ -17,7 +17,7 @@ define ENSURE_IBVERBS
 	  echo "warning: libibverbs1 missing; Mooncake tests will be skipped"
 endef
 
-.PHONY: setup run test lint typecheck pytest clean
+.PHONY: setup run test lint typecheck pytest clean test-engines test-sglang test-lmcache
 
 $(STAMP): pyproject.toml
 	$(ENSURE_IBVERBS)
@@ -34,7 +34,8 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/hicache serve
 
-test: setup lint typecheck pytest
+# The engine tests run first so that pytest's own closing line is the main suite's.
+test: setup lint typecheck test-engines pytest
 
 lint: setup
 	$(BIN)/ruff check .
@@ -54,5 +55,34 @@ typecheck: setup
 pytest: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The engines whose own code drives tests/integrations: each in a venv of its own, with the CPU
+# torch, the engine without its dependencies (their pins pull a CUDA torch) and a complete pinned
+# list of what it imports. Built once; rebuilt when the list or pyproject.toml changes.
+ENGINE_sglang := sglang==0.5.23
+ENGINE_lmcache := lmcache==0.5.6
+
+.venv-%/.built: engines/%-requirements.txt pyproject.toml Makefile
+	rm -rf .venv-$*
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q torch==2.13.0
+	.venv-$*/bin/python -m pip install -q --no-deps '$(ENGINE_$*)'
+	.venv-$*/bin/python -m pip install -q --no-deps -r engines/$*-requirements.txt
+	.venv-$*/bin/python -m pip install -q --no-deps -e .
+	# SGLang imports torchvision for its vision models; the stub stands in for it (see its doc).
+	[ "$*" != sglang ] || echo "$(CURDIR)/engines/stubs" > \
+	  "$$(.venv-$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hicache-engine-stubs.pth"
+	touch $@
+
+test-engines: test-sglang test-lmcache
+
+# An engine whose venv cannot be built (no package index, say) is skipped with the reason printed;
+# once built, its tests must pass.
+test-sglang test-lmcache: test-%:
+	@if $(MAKE) --no-print-directory .venv-$*/.built; then \
+	  .venv-$*/bin/python -m pytest -p no:cacheprovider -q tests/integrations/$*; \
+	else \
+	  echo "SKIPPED tests/integrations/$*: the $* venv could not be built (see above)"; \
+	fi
+
 clean:
-	rm -rf $(VENV) .mypy_src .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-sglang .venv-lmcache .mypy_src .mypy_cache .ruff_cache .pytest_cache

@@ -34,6 +34,7 @@ __all__ = [
     "add_bench_hisparse",
     "add_bench_layouts",
     "add_bench_radix",
+    "add_bench_sglang",
     "add_bench_tools",
 ]
 
@@ -68,6 +69,10 @@ BENCHMARKS: dict[str, Command] = {
     "cluster": Command(
         "workers behind cache-aware and round-robin routers, over HTTP",
         f"{_HERE}:add_bench_cluster",
+    ),
+    "sglang": Command(
+        "SGLang's page functions over the adapter vs SGLang's own backends",
+        f"{_HERE}:add_bench_sglang",
     ),
 }
 
@@ -251,4 +256,13 @@ def add_bench_cluster(bench_sub: Any) -> argparse.ArgumentParser:
 
     p = add_bench_cluster_parser(bench_sub)
     p.set_defaults(bench_run=run_bench_cluster)
+    return p
+
+
+def add_bench_sglang(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add ``bench sglang`` from :mod:`hicache.tools.bench_sglang` (needs SGLang installed)."""
+    from hicache.tools.bench_sglang import add_bench_sglang_parser, run_bench_sglang
+
+    p = add_bench_sglang_parser(bench_sub)
+    p.set_defaults(bench_run=run_bench_sglang)
     return p

@@ -1,0 +1,1 @@
+"""Adapters that let other serving engines store KV pages in hicache backends."""

@@ -1,0 +1,40 @@
+"""``hicache bench sglang`` runs SGLang's own page functions on both sides and reports ratios
+(tiny pages here: the figures themselves are recorded in docs/BENCHMARKS.md, not tested)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip(
+    "sglang", reason="SGLang is installed only in the SGLang venv (make test-sglang)"
+)
+
+
+def test_bench_sglang_reports_both_backends(tmp_path) -> None:
+    argv = [sys.executable, "-m", "hicache.tools.cli", "bench", "sglang", "--json",
+            "--layers", "2", "--heads", "2", "--head-dim", "16", "--page-size", "4",
+            "--pages", "8", "--rounds", "2", "--dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [row["backend"] for row in rows] == ["file", "mooncake"]
+    for row in rows:
+        assert row["page_bytes"] == 2 * 2 * 2 * 16 * 4 * 2 and row["checksummed"] is True
+        for op in ("put", "get"):
+            assert row[f"{op}_ratio"] > 0 and row[f"hicache_{op}_gb_s"] > 0
+    assert any(p.name == "hicache" for p in tmp_path.iterdir())
+
+
+def test_bench_sglang_without_sglang_says_where_to_run_it(tmp_path) -> None:
+    code = (
+        "import sys; sys.modules['sglang'] = None; "
+        "from hicache.tools.cli import main; sys.exit(main())"
+    )
+    argv = [sys.executable, "-c", code, "bench", "sglang", "--backend", "file"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode != 0
+    assert ".venv-sglang/bin/hicache bench sglang" in done.stderr
