@@ -248,13 +248,7 @@ class StorageBackend(abc.ABC):
         A put that fails for a storage reason (full, I/O error) is False and counted, never
         an exception; an object visible under a key is always complete.
         """
-        self._check_open()
-        checked = _validate_keys(keys)
-        if len(values) != len(checked):
-            raise InvalidArgumentError(f"{len(checked)} keys but {len(values)} values")
-        if len(set(checked)) != len(checked):
-            raise InvalidArgumentError("a put batch names the same key twice")
-        segments = [as_segments(v, writable=False) for v in values]
+        checked, segments = self._put_batch(keys, values)
         if not checked:
             return []
         results = await self._put(checked, segments)
@@ -266,6 +260,29 @@ class StorageBackend(abc.ABC):
             segments_nbytes(segs) for ok, segs in zip(results, segments, strict=True) if ok
         )
         return results
+
+    async def put_missing(self, keys: Sequence[str], values: Sequence[Segments]) -> list[bool]:
+        """Store each value whose key holds no object; a key that holds one keeps it.
+
+        True where the key holds an object afterwards (this value or the one already there).
+        For pages named by their content, whose object never changes, this is a put that skips
+        what is stored; a backend with a native form (one call instead of an existence check
+        and a put) overrides :meth:`_put_missing`. Failures are False, as in :meth:`put`.
+        """
+        checked, segments = self._put_batch(keys, values)
+        return await self._put_missing(checked, segments) if checked else []
+
+    def _put_batch(
+        self, keys: Sequence[str], values: Sequence[Segments]
+    ) -> tuple[list[str], list[list[memoryview]]]:
+        """A put batch's keys and values once checked: open, valid keys, one value each."""
+        self._check_open()
+        checked = _validate_keys(keys)
+        if len(values) != len(checked):
+            raise InvalidArgumentError(f"{len(checked)} keys but {len(values)} values")
+        if len(set(checked)) != len(checked):
+            raise InvalidArgumentError("a put batch names the same key twice")
+        return checked, [as_segments(v, writable=False) for v in values]
 
     async def delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove each key; True where an object was there."""
@@ -389,6 +406,18 @@ class StorageBackend(abc.ABC):
 
     @abc.abstractmethod
     async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]: ...
+
+    async def _put_missing(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
+        """What :meth:`put_missing` does by default: an existence check, then :meth:`put` of
+        the keys without an object (counted as puts there)."""
+        present = await self._exists(keys)
+        todo = [i for i, found in enumerate(present) if not found]
+        results = [bool(found) for found in present]
+        if todo:
+            stored = await self.put([keys[i] for i in todo], [values[i] for i in todo])
+            for i, ok in zip(todo, stored, strict=True):
+                results[i] = ok
+        return results
 
     @abc.abstractmethod
     async def _delete(self, keys: list[str]) -> list[bool]: ...

@@ -61,6 +61,7 @@ _PUBLIC_API = (
     "exists",
     "get_into",
     "put",
+    "put_missing",
     "delete",
     "scan",
     "stats",
@@ -261,6 +262,18 @@ class BackendConformanceTests(StatefulConformanceTests):
             assert buf[:size] == value
             if backend.capabilities.listable:
                 assert [(i.key, i.size) for i in await scan_all(backend, "ow")] == [("ow", size)]
+
+    @pytest.mark.asyncio
+    async def test_put_missing_keeps_what_is_stored(self, backend: StorageBackend) -> None:
+        first, second = random_bytes(700, seed=1), random_bytes(700, seed=2)
+        assert await backend.put(["pm-old"], [first]) == [True]
+        got = await backend.put_missing(
+            ["pm-old", "pm-new"], [second, [second[:300], second[300:]]]
+        )
+        assert got == [True, True]
+        assert await backend.get(["pm-old", "pm-new"]) == [first, second]
+        with pytest.raises(InvalidArgumentError):
+            await backend.put_missing(["pm-a", "pm-a"], [first, second])
 
     @pytest.mark.asyncio
     async def test_delete(self, backend: StorageBackend) -> None:

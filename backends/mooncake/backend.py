@@ -71,6 +71,9 @@ from hicache.errors import (
     InvalidArgumentError,
 )
 
+# What ``_call`` gives back while the master cannot be reached, told apart from None.
+_UNREACHED: Any = object()
+
 __all__ = ["MooncakeBackend", "MooncakeConfig", "setup_params"]
 
 logger = logging.getLogger(__name__)
@@ -258,6 +261,28 @@ class MooncakeBackend(StorageBackend):
             if not lost_master(client.store.batch_remove(self._mkeys(names), True)):
                 for i, rc in zip(empty, client.put_marker(self._markers(names)), strict=True):
                     codes[i] = rc
+        self._failed(codes, "put")
+        return [rc == OK for rc in codes]
+
+    async def _put_missing(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
+        # Native where every value lies in registered memory (a host pool and its header
+        # arena): one multi-buffer put, no existence check, no marker to clear (a value that
+        # is stored is never empty). Anything else: the base's check and put.
+        done = await self._call(lambda c: self._write_missing(c, keys, values), _UNREACHED)
+        if done is _UNREACHED:
+            return [False] * len(keys)
+        if done is None:
+            return await super()._put_missing(keys, values)
+        stored: list[bool] = done
+        self._count("puts", sum(stored))
+        return stored
+
+    def _write_missing(
+        self, client: MooncakeClient, keys: list[str], values: list[list[memoryview]]
+    ) -> list[bool] | None:
+        codes = client.put_missing(self._mkeys(keys), values)
+        if codes is None:
+            return None
         self._failed(codes, "put")
         return [rc == OK for rc in codes]
 

@@ -216,6 +216,25 @@ class MooncakeClient:
             return not lost_master(out)
         return True
 
+    def put_missing(self, mkeys: list[str], values: Sequence[list[memoryview]]) -> list[int] | None:
+        """Store each value whose key is absent, keeping the objects of present keys, in one
+        call; None when a value does not lie wholly in registered memory (then the caller
+        checks and puts). Mooncake's multi-buffer put answers OK for a key that exists and
+        leaves its object: that is exactly this operation, with no existence check first.
+        """
+        plan = classify(values, self.regions, segments_nbytes)
+        if plan.direct or plan.staged or not plan.scattered:
+            return None
+        out = self.store.batch_put_from_multi_buffers(
+            mkeys,
+            [s.addresses for s in plan.scattered],
+            [s.sizes for s in plan.scattered],
+            self.placement,
+        )
+        codes = list(out)
+        self.zero_copy_bytes += sum(s.nbytes for s, rc in zip(plan.scattered, codes) if rc == OK)
+        return codes
+
     def put_marker(self, mkeys: list[str]) -> list[int]:
         """Store a one-byte object under each key (the marker of an empty object)."""
         n = len(mkeys)

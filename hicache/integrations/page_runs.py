@@ -10,6 +10,7 @@ other reader check it the usual way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,14 @@ from hicache.errors import (
 )
 from hicache.page_header import Codec, checked_body, pack_header, signature
 
-__all__ = ["check_runs", "contiguous_runs", "encode_runs", "runs_checksum", "uint8_dtype"]
+__all__ = [
+    "check_runs",
+    "contiguous_runs",
+    "encode_runs",
+    "runs_checksum",
+    "runs_within",
+    "uint8_dtype",
+]
 
 
 def contiguous_runs(view: Any) -> list[memoryview]:
@@ -47,6 +55,33 @@ def contiguous_runs(view: Any) -> list[memoryview]:
     return [
         memoryview(row.as_strided((row.numel(),), (1,)).view(uint8_dtype()).numpy()) for row in rows
     ]
+
+
+def runs_within(base: memoryview, base_address: int, view: Any) -> list[memoryview] | None:
+    """:func:`contiguous_runs` of ``view`` as slices of ``base``, a flat byte view of the
+    buffer the view lies in (a host pool's whole buffer) that starts at ``base_address``.
+
+    The same runs, found with integer arithmetic instead of a tensor per run: a page of a
+    ``layer_first`` pool is a run per layer and K/V. None when the view lies outside ``base``
+    or has a negative stride (then use :func:`contiguous_runs`).
+    """
+    if view.numel() == 0:
+        return []
+    shape, stride = tuple(view.shape), tuple(view.stride())
+    if min(stride, default=0) < 0:
+        return None
+    itemsize = int(view.element_size())
+    start = int(view.data_ptr()) - base_address
+    end = start + itemsize * (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)))
+    if start < 0 or end > base.nbytes:
+        return None
+    lead = _dense_suffix_start(shape, stride)
+    run = itemsize * math.prod(shape[lead:])
+    offsets = [start]
+    for dim in range(lead):  # row-major: each earlier dimension varies slower
+        step = stride[dim] * itemsize
+        offsets = [at + i * step for at in offsets for i in range(shape[dim])]
+    return [base[at : at + run] for at in offsets]
 
 
 def uint8_dtype() -> Any:

@@ -27,6 +27,10 @@ from hicache.integrations.sync_loop import SyncLoop
 __all__ = ["IoStats", "PageIo"]
 
 log = logging.getLogger("hicache.integrations.sglang")
+# A batch of puts is split so that checksums overlap the writes: at most this many chunks, each
+# at least this large.
+_MAX_PUT_CHUNKS = 2
+_MIN_PUT_CHUNK_BYTES = 8 << 20
 
 
 @dataclass
@@ -216,19 +220,9 @@ class PageIo:
         if not todo:
             return results
         names = [str(backend_keys[i]) for i in todo]
-        heads = self._headers.slots(len(todo))
-        try:
-            values = [
-                encode_runs(n, contiguous_runs(pages[i]), pool.meta)
-                for n, i in zip(names, todo, strict=True)
-            ]
-        except HiCacheError as exc:
-            log.warning("hicache: pages not stored: %s", exc)
-            return results
-        for head, value in zip(heads, values, strict=True):
-            head[:] = value[0]  # the header into registered memory, with its page (160 bytes)
-            value[0] = head
-        stored = self._call(self.backend.put(names, values), "write") or [False] * len(todo)
+        with self._suspect_lock:
+            replace = any(name in self._suspect for name in names)
+        stored = self._put_pipelined(pool, names, [pages[i] for i in todo], replace)
         for i, ok in zip(todo, stored, strict=True):
             results[i] = ok
         with self._suspect_lock:
@@ -236,6 +230,50 @@ class PageIo:
         nbytes = sum(HEADER_SIZE + pool.meta.nbytes for ok in stored if ok)
         self.stats.record(False, sum(stored), nbytes, time.perf_counter() - started)
         return results
+
+    def _put_pipelined(
+        self, pool: PoolBinding, names: list[str], pages: list[Any], replace: bool
+    ) -> list[bool]:
+        """Encode and put the pages in chunks, each chunk's checksums computed while the one
+        before is being written (backends release the GIL while they copy or send), so the
+        checksum costs little more than the largest chunk's.
+
+        The pages were just found missing, so they go through ``put_missing`` (one call where
+        the backend has a native form: another writer's copy of a page, which is the same
+        bytes, is kept); a batch that rewrites a known-bad page needs a real ``put``.
+        """
+        put = self.backend.put if replace else self.backend.put_missing
+        heads = self._headers.slots(len(names))
+        per_chunk = max(1, -(-len(names) // self._chunks_for(len(names) * pool.meta.nbytes)))
+        in_flight: list[tuple[int, Any]] = []
+        for start in range(0, len(names), per_chunk):
+            end = min(start + per_chunk, len(names))
+            try:
+                values = [
+                    encode_runs(names[j], pool.runs(pages[j]), pool.meta) for j in range(start, end)
+                ]
+            except HiCacheError as exc:
+                log.warning("hicache: pages not stored: %s", exc)
+                break
+            for head, value in zip(heads[start:end], values, strict=True):
+                head[:] = value[0]  # the header into registered memory, with its page
+                value[0] = head
+            try:
+                in_flight.append((start, self._submit(put(names[start:end], values))))
+            except HiCacheError as exc:  # the adapter was closed under this call
+                log.warning("hicache: pages not stored: %s", exc)
+                break
+        stored = [False] * len(names)
+        for start, future in in_flight:
+            done = self._result(future, "write")
+            if done is not None:
+                stored[start : start + len(done)] = done
+        return stored
+
+    @staticmethod
+    def _chunks_for(nbytes: int) -> int:
+        # Several chunks only where each stays large: every put is a round trip or more.
+        return max(1, min(_MAX_PUT_CHUNKS, nbytes // _MIN_PUT_CHUNK_BYTES))
 
     async def delete_prefix(self, prefix: str) -> int:
         """Remove every object under ``prefix``; how many were there."""
@@ -248,7 +286,18 @@ class PageIo:
     def _call(self, coro: Any, what: str) -> Any:
         """Run one backend call; a storage failure is logged and given back as None."""
         try:
-            return self._loop.run(coro, self._timeout_s)
+            return self._result(self._submit(coro), what)
+        except HiCacheError as exc:  # the loop is closed
+            log.warning("hicache: storage %s failed, counted as a miss: %s", what, exc)
+        return None
+
+    def _submit(self, coro: Any) -> Any:
+        return self._loop.submit(coro)
+
+    def _result(self, future: Any, what: str) -> Any:
+        """A submitted call's result; a storage failure is logged and given back as None."""
+        try:
+            return self._loop.wait(future, self._timeout_s)
         except HiCacheError as exc:
             log.warning("hicache: storage %s failed, counted as a miss: %s", what, exc)
         except Exception:
@@ -271,6 +320,6 @@ def _backend_keys(pool: PoolBinding, keys: Sequence[str]) -> list[str | None]:
 def _read_target(pool: PoolBinding, host_index: int) -> _ReadTarget:
     view = pool.page_view(host_index)
     if pool.aliases_pool:
-        return _ReadTarget(host_index, contiguous_runs(view))
+        return _ReadTarget(host_index, pool.runs(view))
     staging = view.new_empty(view.numel())
     return _ReadTarget(host_index, contiguous_runs(staging), staging)

@@ -20,6 +20,7 @@ from typing import Any
 from hicache.codec import PageMeta
 from hicache.dtypes import DType
 from hicache.errors import ConfigError, InvalidKeyError
+from hicache.integrations.page_runs import contiguous_runs, runs_within, uint8_dtype
 from hicache.layouts import Layout
 
 __all__ = ["KEY_DOMAIN", "PoolBinding", "ShardIdentity"]
@@ -88,7 +89,17 @@ class ShardIdentity:
 class PoolBinding:
     """One registered host pool: its key prefix, its page kind and how pages are reached."""
 
-    __slots__ = ("aliases_pool", "host_pool", "meta", "name", "page_size", "prefix", "writes")
+    __slots__ = (
+        "_base",
+        "_base_address",
+        "aliases_pool",
+        "host_pool",
+        "meta",
+        "name",
+        "page_size",
+        "prefix",
+        "writes",
+    )
 
     def __init__(self, name: str, host_pool: Any, shard: ShardIdentity) -> None:
         self.name = str(getattr(name, "value", name))
@@ -120,6 +131,13 @@ class PoolBinding:
         self.aliases_pool = _address(sample) == _address(again)
         self.writes = shard.writes(self.name)
         self.prefix = f"sgl-{self._digest(shard, layout)}-"
+        # The pool's whole buffer as bytes, once: a page's runs are then slices of it.
+        buffer: Any = getattr(host_pool, "kv_buffer", None)
+        self._base: memoryview | None = None
+        self._base_address = 0
+        if buffer is not None and buffer.is_contiguous() and buffer.device.type == "cpu":
+            self._base = memoryview(buffer.view(-1).view(uint8_dtype()).numpy())
+            self._base_address = int(buffer.data_ptr())
 
     def _digest(self, shard: ShardIdentity, layout: str) -> str:
         fields = (
@@ -146,6 +164,14 @@ class PoolBinding:
     def page_view(self, host_index: int) -> Any:
         """The pool's page that starts at token slot ``host_index``, as SGLang lays it out."""
         return self.host_pool.get_data_page(host_index, flat=False)
+
+    def runs(self, page: Any) -> list[memoryview]:
+        """A page view's contiguous runs (see :mod:`hicache.integrations.page_runs`)."""
+        if self._base is not None:
+            runs = runs_within(self._base, self._base_address, page)
+            if runs is not None:
+                return runs
+        return contiguous_runs(page)
 
     def store_flat(self, host_index: int, flat_page: Any) -> None:
         """Put a page read into a staging tensor into the pool (pools that do not alias)."""

@@ -60,20 +60,21 @@ class SyncLoop:
         write, and the cancelled coroutine leaves no half-visible object (backends write
         atomically).
         """
-        if self._closed:
+        return self.wait(self.submit(coro), timeout_s)
+
+    def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future[T]:
+        """Start the coroutine on the loop and return at once; :meth:`wait` for its result."""
+        if self._closed or threading.current_thread() is self._thread:
             close = getattr(coro, "close", None)
             if close is not None:
                 close()  # never awaited: closed so Python does not warn about it
-            raise BackendClosedError("the storage adapter is closed")
-        if threading.current_thread() is self._thread:
-            close = getattr(coro, "close", None)
-            if close is not None:
-                close()
-            raise RuntimeError("SyncLoop.run called from its own loop thread (would deadlock)")
-        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(
-            coro,  # type: ignore[arg-type]
-            self._loop,
-        )
+            if self._closed:
+                raise BackendClosedError("the storage adapter is closed")
+            raise RuntimeError("SyncLoop called from its own loop thread (would deadlock)")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+
+    def wait(self, future: concurrent.futures.Future[T], timeout_s: float | None = None) -> T:
+        """The result of a :meth:`submit`; a timeout cancels the coroutine."""
         try:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:

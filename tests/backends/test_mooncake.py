@@ -187,6 +187,37 @@ async def test_header_and_page_in_registered_memory_move_zero_copy(
 
 @needs_mooncake
 @pytest.mark.asyncio
+async def test_put_missing_from_registered_memory_is_one_native_put(
+    master: MooncakeMaster,
+) -> None:
+    """Pages in registered memory go through Mooncake's multi-buffer put alone, which keeps
+    an object already stored (no existence check, no staging)."""
+    backend = await _open(master, key_prefix="pm/")
+    try:
+        size = 64 << 10
+        pool, arena = _host_memory(4, size)
+        assert backend.register_memory(pool) and backend.register_memory(arena)
+        assert await backend.put(["kept"], [_page(pool, arena, 0, size)]) == [True]
+        original = (await backend.get(["kept"]))[0]
+        pool[: 4 * size] ^= 0xFF  # every page changes: "kept" must not
+        before = await backend.stats()
+        pages = [_page(pool, arena, i, size) for i in range(2)]
+        assert await backend.put_missing(["kept", "fresh"], pages) == [True, True]
+        got = await backend.get(["kept", "fresh"])
+        assert got[0] == original
+        assert got[1] == b"".join(x.tobytes() for x in pages[1])
+        after = await backend.stats()
+        assert after["bytes_staged"] - before["bytes_staged"] == 2 * (160 + size)  # the gets
+        # Not wholly in registered memory: the base's check and put, staged.
+        assert await backend.put_missing(["kept", "plain"], [b"x" * 10, b"y" * 10]) == [True] * 2
+        assert await backend.get(["kept", "plain"]) == [original, b"y" * 10]
+        assert backend.unregister_memory(pool) and backend.unregister_memory(arena)
+    finally:
+        await backend.close()
+
+
+@needs_mooncake
+@pytest.mark.asyncio
 async def test_registered_scattered_reads_of_other_sizes(master: MooncakeMaster) -> None:
     backend = await _open(master, key_prefix="sz/")
     try:

@@ -36,7 +36,13 @@ from hicache.errors import (
     PayloadChecksumError,
     TruncatedPageError,
 )
-from hicache.integrations.page_runs import check_runs, contiguous_runs, encode_runs, runs_checksum
+from hicache.integrations.page_runs import (
+    check_runs,
+    contiguous_runs,
+    encode_runs,
+    runs_checksum,
+    runs_within,
+)
 from hicache.layouts import Layout
 
 KEY = "sgl-0123456789abcdef0123-" + "ab" * 32
@@ -189,6 +195,27 @@ def _sliced_views(
 @given(_sliced_views([torch.uint8], steps=(1, 2), min_extent=1, permute=True))
 def test_runs_of_any_sliced_view_hold_its_bytes(view: torch.Tensor) -> None:
     _dense_to_bytes_only(view, contiguous_runs(view))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_sliced_views([torch.uint8, torch.bfloat16], steps=(1, 2), min_extent=1, permute=True))
+def test_runs_within_the_whole_buffer_are_the_same_runs(view: torch.Tensor) -> None:
+    """The arithmetic fast path (slices of the pool's whole buffer) gives the same runs, in
+    the same memory, as the tensor walk."""
+    base_tensor = view._base if view._base is not None else view
+    base = memoryview(base_tensor.reshape(-1).view(torch.uint8).numpy())
+    runs = runs_within(base, base_tensor.data_ptr(), view)
+    assert runs is not None
+    expected = contiguous_runs(view)
+    assert [bytes(r) for r in runs] == [bytes(r) for r in expected]
+    assert [_address(r) for r in runs] == [_address(r) for r in expected]
+
+
+def test_runs_within_refuses_a_view_of_another_buffer() -> None:
+    pool, other = _buffer((4, 8)), _buffer((4, 8))
+    base = memoryview(pool.view(-1).view(torch.uint8).numpy())
+    assert runs_within(base, pool.data_ptr(), other[1:3]) is None
+    assert runs_within(base, pool.data_ptr(), pool[1:3]) is not None
 
 
 @settings(max_examples=150, deadline=None)

@@ -53,4 +53,8 @@ async def test_a_burst_reads_every_history_back_from_l3(tmp_path: pathlib.Path) 
         DENSE, CacheMode.DEVICE_HOST_L3, trace(prompts), small, engine=ONE_AT_A_TIME,
         watch=unreserved,
     )  # fmt: skip
-    assert before.hits("l3") < got.hits("l3")
+    # Without reservations, prefetched pages are evicted before their request runs: its history
+    # is then either lost (fewer L3 hits) or read from L3 again (more bytes for the same hits),
+    # depending on how the run's timing falls.
+    reserved_bytes = got.metrics["bytes_l3_to_host"]
+    assert before.hits("l3") < got.hits("l3") or before.metrics["bytes_l3_to_host"] > reserved_bytes

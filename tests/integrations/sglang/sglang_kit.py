@@ -39,10 +39,12 @@ def storage_config(
     )
 
 
-def mha_pools(layout: str, dtype: torch.dtype = torch.bfloat16, heads: int = 2) -> tuple[Any, Any]:
+def mha_pools(
+    layout: str, dtype: torch.dtype = torch.bfloat16, heads: int = 2, page: int = PAGE
+) -> tuple[Any, Any]:
     device = MHATokenToKVPool(
         size=DEVICE_TOKENS,
-        page_size=PAGE,
+        page_size=page,
         dtype=dtype,
         head_num=heads,
         head_dim=8,
@@ -55,7 +57,7 @@ def mha_pools(layout: str, dtype: torch.dtype = torch.bfloat16, heads: int = 2) 
         info,
         2.0,
         0,
-        PAGE,
+        page,
         layout,
         pin_memory=False,
         device_capacity_tokens=device.size,

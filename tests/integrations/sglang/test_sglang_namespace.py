@@ -84,9 +84,10 @@ def test_mla_pages_are_one_object_shared_by_tp_ranks(tmp_path) -> None:
     [
         (lambda: mha_pools("layer_first"), {}),
         (lambda: mha_pools("page_first", heads=4), {}),
+        (lambda: mha_pools("page_first", page=2 * PAGE), {}),
         (lambda: mha_pools("page_first"), {"model_name": "org/another-model"}),
     ],
-    ids=["layout", "heads", "model"],
+    ids=["layout", "heads", "page-size", "model"],
 )
 def test_another_format_is_a_miss(tmp_path, other_pools, other_config) -> None:
     writer, _ = stored(tmp_path)
@@ -266,3 +267,29 @@ def test_generic_and_flat_paths_agree_on_bf16_bytes(tmp_path) -> None:
     assert storage.get(HASHES[0], page) is page
     assert page.view(torch.uint8).numpy().tobytes() == page_bytes(source, SRC[0] * PAGE)
     storage.close()
+
+
+def test_a_put_in_chunks_stores_every_page(tmp_path, monkeypatch) -> None:
+    """Large batches are written in chunks whose checksums overlap the writes."""
+    import hicache.integrations.sglang_io as sglang_io
+
+    monkeypatch.setattr(sglang_io, "_MIN_PUT_CHUNK_BYTES", 1)  # every batch in 2 chunks
+    pools = mha_pools("page_first")
+    fill_random(pools[1], 1)
+    storage = create_storage(extra_config(f"file://{tmp_path}"), pools[1])
+    backend = storage.io.backend
+    calls: list[int] = []
+    original = backend.put_missing
+
+    async def counted(keys, values):
+        calls.append(len(keys))
+        return await original(keys, values)
+
+    monkeypatch.setattr(backend, "put_missing", counted)
+    assert all(storage.batch_set_v1(HASHES, slots(SRC)))
+    assert calls == [2, 2]
+    other, target = reader(tmp_path)
+    assert other.batch_get_v1(HASHES, slots(DST)) == [True] * 4
+    assert same_pages(pools[1], target)
+    storage.close()
+    other.close()
