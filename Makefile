@@ -57,16 +57,17 @@ pytest: setup
 
 # The engines whose own code drives tests/integrations: each in a venv of its own, with the CPU
 # torch, the engine without its dependencies (their pins pull a CUDA torch) and a complete pinned
-# list of what it imports. Built once; rebuilt when the list or pyproject.toml changes.
+# list of what it imports. Built once; rebuilt when the list, pyproject.toml or this file changes.
+# --no-compile: the tests import a small part of each engine, compiled when first imported.
 ENGINE_sglang := sglang==0.5.23
 ENGINE_lmcache := lmcache==0.5.6
 
 .venv-%/.built: engines/%-requirements.txt pyproject.toml Makefile
 	rm -rf .venv-$*
 	$(PYTHON) -m venv .venv-$*
-	.venv-$*/bin/python -m pip install -q torch==2.13.0
-	.venv-$*/bin/python -m pip install -q --no-deps '$(ENGINE_$*)'
-	.venv-$*/bin/python -m pip install -q --no-deps -r engines/$*-requirements.txt
+	.venv-$*/bin/python -m pip install -q --no-compile torch==2.13.0
+	.venv-$*/bin/python -m pip install -q --no-compile --no-deps '$(ENGINE_$*)'
+	.venv-$*/bin/python -m pip install -q --no-compile --no-deps -r engines/$*-requirements.txt
 	.venv-$*/bin/python -m pip install -q --no-deps -e .
 	# SGLang imports torchvision for its vision models; the stub stands in for it (see its doc).
 	[ "$*" != sglang ] || echo "$(CURDIR)/engines/stubs" > \
