@@ -121,7 +121,7 @@ class SGLangStorage(HiCacheStorage):  # type: ignore[misc]
     def _bind(self, name: Any, host_pool: Any) -> None:
         binding = PoolBinding(name, host_pool, self.shard)
         self.pools[binding.name] = binding
-        self.io.register_pool_memory(host_pool)
+        self.io.register_pool_memory(binding)
 
     def _pool(self, name: Any) -> PoolBinding | None:
         binding = self.pools.get(str(getattr(name, "value", name)))

@@ -20,7 +20,7 @@ from hicache.backends.base import StorageBackend
 from hicache.backends.registered_memory import MemoryRegistrar
 from hicache.codec import HEADER_SIZE
 from hicache.errors import CodecError, HiCacheError, InvalidKeyError
-from hicache.integrations.page_runs import check_runs, contiguous_runs, encode_runs, uint8_dtype
+from hicache.integrations.page_runs import check_runs, contiguous_runs, encode_runs
 from hicache.integrations.sglang_pools import PoolBinding
 from hicache.integrations.sync_loop import SyncLoop
 
@@ -106,14 +106,11 @@ class PageIo:
         registrar = isinstance(backend, MemoryRegistrar)
         self._headers = _HeaderArenas(self._register_memory if registrar else None)
 
-    def register_pool_memory(self, host_pool: Any) -> None:
+    def register_pool_memory(self, pool: PoolBinding) -> None:
         """Register a host pool's buffer with a backend that moves registered memory without a
         copy (Mooncake, NIXL): pages then go straight between the pool and the store."""
-        buffer = getattr(host_pool, "kv_buffer", None)
-        if not isinstance(self.backend, MemoryRegistrar) or buffer is None:
-            return
-        if buffer.is_contiguous() and buffer.device.type == "cpu":
-            self._register_memory(memoryview(buffer.view(-1).view(uint8_dtype()).numpy()))
+        if isinstance(self.backend, MemoryRegistrar) and pool.buffer_bytes is not None:
+            self._register_memory(pool.buffer_bytes)
 
     def _register_memory(self, view: Any) -> None:
         backend = self.backend
@@ -195,7 +192,9 @@ class PageIo:
 
     def present(self, pool: PoolBinding, keys: Sequence[str]) -> list[bool]:
         """For each page, whether it is stored and not known to be bad."""
-        backend_keys = _backend_keys(pool, keys)
+        return self._present(_backend_keys(pool, keys))
+
+    def _present(self, backend_keys: list[str | None]) -> list[bool]:
         names = [str(key) for key in backend_keys if key is not None]
         found = iter(self._call(self.backend.exists(names), "exists") or [False] * len(names))
         with self._suspect_lock:
@@ -214,7 +213,7 @@ class PageIo:
             return [True] * len(keys)
         started = time.perf_counter()
         backend_keys = _backend_keys(pool, keys)
-        present = self.present(pool, keys)
+        present = self._present(backend_keys)
         todo = [i for i, key in enumerate(backend_keys) if key is not None and not present[i]]
         results = [bool(present[i]) for i in range(len(keys))]
         if not todo:
@@ -259,7 +258,7 @@ class PageIo:
                 head[:] = value[0]  # the header into registered memory, with its page
                 value[0] = head
             try:
-                in_flight.append((start, self._submit(put(names[start:end], values))))
+                in_flight.append((start, self._loop.submit(put(names[start:end], values))))
             except HiCacheError as exc:  # the adapter was closed under this call
                 log.warning("hicache: pages not stored: %s", exc)
                 break
@@ -286,13 +285,10 @@ class PageIo:
     def _call(self, coro: Any, what: str) -> Any:
         """Run one backend call; a storage failure is logged and given back as None."""
         try:
-            return self._result(self._submit(coro), what)
+            return self._result(self._loop.submit(coro), what)
         except HiCacheError as exc:  # the loop is closed
             log.warning("hicache: storage %s failed, counted as a miss: %s", what, exc)
         return None
-
-    def _submit(self, coro: Any) -> Any:
-        return self._loop.submit(coro)
 
     def _result(self, future: Any, what: str) -> Any:
         """A submitted call's result; a storage failure is logged and given back as None."""

@@ -90,9 +90,9 @@ class PoolBinding:
     """One registered host pool: its key prefix, its page kind and how pages are reached."""
 
     __slots__ = (
-        "_base",
         "_base_address",
         "aliases_pool",
+        "buffer_bytes",
         "host_pool",
         "meta",
         "name",
@@ -131,12 +131,13 @@ class PoolBinding:
         self.aliases_pool = _address(sample) == _address(again)
         self.writes = shard.writes(self.name)
         self.prefix = f"sgl-{self._digest(shard, layout)}-"
-        # The pool's whole buffer as bytes, once: a page's runs are then slices of it.
+        # The pool's whole buffer as bytes, once: a page's runs are then slices of it, and it
+        # is what a backend taking registered memory registers.
         buffer: Any = getattr(host_pool, "kv_buffer", None)
-        self._base: memoryview | None = None
+        self.buffer_bytes: memoryview | None = None
         self._base_address = 0
         if buffer is not None and buffer.is_contiguous() and buffer.device.type == "cpu":
-            self._base = memoryview(buffer.view(-1).view(uint8_dtype()).numpy())
+            self.buffer_bytes = memoryview(buffer.view(-1).view(uint8_dtype()).numpy())
             self._base_address = int(buffer.data_ptr())
 
     def _digest(self, shard: ShardIdentity, layout: str) -> str:
@@ -155,9 +156,11 @@ class PoolBinding:
 
     def key(self, engine_key: object) -> str:
         """The backend key of one of SGLang's page keys; :class:`InvalidKeyError` if malformed."""
-        if not isinstance(engine_key, str) or _ENGINE_KEY_RE.match(engine_key) is None:
-            raise InvalidKeyError(f"not an SGLang page key: {engine_key!r:.80}")
-        if ".." in engine_key:
+        if (
+            not isinstance(engine_key, str)
+            or _ENGINE_KEY_RE.match(engine_key) is None
+            or ".." in engine_key
+        ):
             raise InvalidKeyError(f"not an SGLang page key: {engine_key!r:.80}")
         return self.prefix + engine_key
 
@@ -167,8 +170,8 @@ class PoolBinding:
 
     def runs(self, page: Any) -> list[memoryview]:
         """A page view's contiguous runs (see :mod:`hicache.integrations.page_runs`)."""
-        if self._base is not None:
-            runs = runs_within(self._base, self._base_address, page)
+        if self.buffer_bytes is not None:
+            runs = runs_within(self.buffer_bytes, self._base_address, page)
             if runs is not None:
                 return runs
         return contiguous_runs(page)

@@ -14,12 +14,20 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang.srt.runtime_context import get_parallel
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGE = 4
 LAYERS = 3
 DEVICE_TOKENS = 64
+
+
+def one_rank() -> Any:
+    """SGLang's parallel state for a single rank (no process groups are built in the tests)."""
+    return get_parallel().override(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
+    )
 
 
 def storage_config(

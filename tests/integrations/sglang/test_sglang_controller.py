@@ -12,8 +12,7 @@ pytest.importorskip(
 )
 
 from sglang.srt.managers.cache_controller import get_storage_hash_str
-from sglang.srt.runtime_context import get_parallel
-from sglang_kit import PAGE, fill_random, mha_pools, page_bytes
+from sglang_kit import PAGE, fill_random, mha_pools, one_rank, page_bytes
 from test_sglang_pages import controller
 
 from hicache.errors import ConfigError
@@ -88,9 +87,7 @@ def test_detach_closes_the_backend_and_attach_finds_the_pages(tmp_path) -> None:
     ctl.detach_storage_backend()
     assert storage.io.backend.closed and ctl.storage_backend is None
     assert storage.batch_exists(HASHES) == 0  # a closed adapter answers, it does not raise
-    with get_parallel().override(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
-    ):
+    with one_rank():
         ctl.attach_storage_backend(
             "dynamic",
             model_name="org/tiny",
@@ -107,9 +104,7 @@ def test_an_attach_with_a_bad_url_fails_and_leaves_the_controller_usable(tmp_pat
     pools = mha_pools("page_first")
     ctl = controller(pools, f"file://{tmp_path}", zero_copy=True)
     ctl.detach_storage_backend()
-    with get_parallel().override(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
-    ):
+    with one_rank():
         with pytest.raises(ConfigError, match="nosuchscheme"):
             ctl.attach_storage_backend(
                 "dynamic",

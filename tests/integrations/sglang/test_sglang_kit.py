@@ -19,7 +19,6 @@ import torch
 from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE
 from sglang.srt.managers.cache_controller import get_storage_hash_str
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-from sglang.srt.runtime_context import get_parallel
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 from sglang.test.kits.unified_radix_cache.config import CacheConfig
 from sglang.test.kits.unified_radix_cache.fixtures import (
@@ -30,7 +29,7 @@ from sglang.test.kits.unified_radix_cache.storage import (
     UnifiedRadixCacheStorageFixtures,
 )
 from sglang.test.test_utils import CustomTestCase
-from sglang_kit import torch_device_copies
+from sglang_kit import one_rank, torch_device_copies
 
 from hicache.backends.registry import open_backend
 from hicache.integrations.sglang import extra_config
@@ -51,11 +50,7 @@ class _KitOverHicache(UnifiedRadixCacheStorageFixtures):
                 "sglang.test.kits.unified_radix_cache.fixtures.get_device", return_value="cpu"
             )
         )
-        self._enter(
-            get_parallel().override(
-                tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
-            )
-        )
+        self._enter(one_rank())
         original = assembler.get_mha_host_pool_cls
 
         def unpinned(info):  # page-locked host memory needs CUDA

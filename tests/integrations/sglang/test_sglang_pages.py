@@ -18,7 +18,6 @@ from sglang.srt.managers.cache_controller import (
     get_storage_hash_str,
 )
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-from sglang.srt.runtime_context import get_parallel
 from sglang_kit import (
     MHA_LAYOUTS,
     MLA_LAYOUTS,
@@ -26,6 +25,7 @@ from sglang_kit import (
     fill_random,
     mha_pools,
     mla_pools,
+    one_rank,
     page_bytes,
     slots,
 )
@@ -43,9 +43,7 @@ def controller(pools, url: str, zero_copy: bool, model: str = "org/tiny") -> HiC
         size=device.size, dtype=device.dtype, device="cpu", kvcache=device, need_sort=False
     )
     extra = extra_config(url, interface_v1=int(zero_copy))
-    with get_parallel().override(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
-    ):
+    with one_rank():
         ctl = HiCacheController(
             allocator,
             host,
