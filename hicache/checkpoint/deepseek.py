@@ -29,7 +29,13 @@ from hicache.checkpoint.deepseek_moe import (
 from hicache.checkpoint.hf_config import Architecture, RawConfig, RopeConfig
 from hicache.checkpoint.paged_attention import StepLayout
 from hicache.checkpoint.rope import rotate_half_split
-from hicache.checkpoint.step import OneChunk, decoder_shapes, rms_norm, step_inputs
+from hicache.checkpoint.step import (
+    OneChunk,
+    decoder_shapes,
+    last_logits,
+    rms_norm,
+    step_inputs,
+)
 from hicache.checkpoint.weights import TensorFiles
 from hicache.checkpoint.yarn import ScaledRotary, YarnRope, rope_and_scale
 from hicache.dtypes import DType
@@ -217,7 +223,7 @@ class DeepseekV3Model(OneChunk):
             h = rms_norm(x, layer["post_attention_layernorm.weight"], eps)
             x = x + feed_forward(self.cfg.moe, layer, h)
         lasts = rms_norm(x[layout.last_rows], self.norm, eps)
-        return list(F.linear(lasts, self.lm_head).to(torch.float32).cpu())
+        return last_logits(lasts, self.lm_head)
 
     def _rotate(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``x`` (n, heads, rope dim) rotated. An interleaved checkpoint's pairs are (0, 1),

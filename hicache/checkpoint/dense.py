@@ -21,6 +21,7 @@ from hicache.checkpoint.rope import RotaryTable, rotate_half_split
 from hicache.checkpoint.step import (
     OneChunk,
     decoder_shapes,
+    last_logits,
     rms_norm,
     step_inputs,
     swiglu,
@@ -111,7 +112,7 @@ class DenseCheckpointModel(OneChunk):
             h = rms_norm(x, layer["post_attention_layernorm.weight"], self.hf.rms_eps)
             x = x + swiglu(layer, "mlp", h)
         lasts = rms_norm(x[layout.last_rows], self.norm, self.hf.rms_eps)
-        return list(F.linear(lasts, self.lm_head).to(torch.float32).cpu())
+        return last_logits(lasts, self.lm_head)
 
     def _qkv(
         self, layer: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

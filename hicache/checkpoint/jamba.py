@@ -27,6 +27,7 @@ from hicache.checkpoint.paged_attention import StepLayout, cache_and_attend
 from hicache.checkpoint.step import (
     OneChunk,
     decoder_shapes,
+    last_logits,
     rms_norm,
     routed_experts,
     step_inputs,
@@ -269,7 +270,7 @@ class JambaModel(OneChunk):
                 self.cfg, layer, rms_norm(x, layer["pre_ff_layernorm.weight"], eps)
             )
         lasts = rms_norm(x[layout.last_rows], self.norm, eps)
-        return list(F.linear(lasts, self.lm_head).to(torch.float32).cpu())
+        return last_logits(lasts, self.lm_head)
 
     def _attention(
         self,

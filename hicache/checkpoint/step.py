@@ -17,6 +17,7 @@ from hicache.serving.model import ChunkInput, LayerWait
 __all__ = [
     "OneChunk",
     "decoder_shapes",
+    "last_logits",
     "rms_norm",
     "routed_experts",
     "step_inputs",
@@ -51,6 +52,18 @@ def step_inputs(
         [len(c.tokens) for c in chunks],
     )  # fmt: skip
     return layout, ids
+
+
+def last_logits(lasts: torch.Tensor, lm_head: torch.Tensor) -> list[torch.Tensor]:
+    """Each chunk's logits (vocab,) in float32 on the CPU from its last hidden state (``lasts``:
+    (chunks, hidden)). Computed as ``lm_head @ lasts.T``: a step has a few chunks, and for so
+    few rows MKL's ``lasts @ lm_head.T`` path read a (32000, 512) float32 head at a third to a
+    sixth of the speed on this project's CPU (2-6 rows: 13-24 ms against 2.5-7.4 ms), and its
+    matrix-vector path for one row as slowly (7.3 ms): one row is computed as two."""
+    rows = len(lasts)
+    wide = lasts if rows > 1 else torch.cat([lasts, lasts])
+    logits = torch.mm(lm_head, wide.T).T[:rows]  # wide.T as a view: MKL's fast operand order
+    return list(logits.to(torch.float32).cpu())
 
 
 class OneChunk:

@@ -30,6 +30,7 @@ from hicache.radix.tree import RadixCache
 from hicache.scheduling.scheduler import PrefillDelayer, PrefixScheduler, SchedulerConfig
 from hicache.serving.engine_admission import EngineAdmission
 from hicache.serving.engine_config import CacheMode, EngineConfig, RequestSource
+from hicache.serving.forward_thread import forward_executor
 from hicache.serving.l3_reads import L3Reads
 from hicache.serving.model import ChunkInput, ServingModel
 from hicache.serving.pool_slots import PoolSlots
@@ -92,7 +93,7 @@ class Engine(EngineAdmission):
         do the loop sleeps until then instead of polling."""
         # One thread runs every forward: torch's intra-op thread team is set up per calling
         # thread, and a new one for each step costs more than a small step.
-        with ThreadPoolExecutor(1, thread_name_prefix="hicache-forward") as pool:
+        with forward_executor() as pool:
             self._forward_pool = pool
             try:
                 return await self._run(source, wake)

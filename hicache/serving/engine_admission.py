@@ -102,13 +102,20 @@ class EngineAdmission:
         # so one round does not send every waiting request to L3 at once.
         taken = 0
         in_line = 0  # requests before this one that run first: started, or reading from L3
+        ahead = 0  # requests past this round's slots whose L3 read-back starts now
+        # Whether a request before in line is still reading: it gets its host pages first.
+        reading = False
         for request in sorted(plan.requests, key=lambda r: -r.priority):  # stable: plan order
             if taken >= slots:
-                break
+                if ahead >= slots or reading:
+                    break
+                ahead += self._read_ahead(request)
+                continue
             tree = self.hiradix
             if tree is not None and not tree.prefetcher.may_run(request.rid):
                 taken += request.had_turn  # reading back what it lacks, next to run
                 in_line += 1
+                reading = True
                 continue  # its prefetch is still worth waiting for; others may go first
             if hold is not None and hold.holds(request, plan.cached_tokens.get(request.rid)):
                 request.record.held_rounds += 1  # one in flight computes its prefix: hit it later
@@ -120,6 +127,7 @@ class EngineAdmission:
             if read_back:  # its cached prefix was evicted meanwhile, or it found no host room
                 taken += 1  # at first: it reads that back, then starts
                 in_line += 1
+                reading = True
                 continue
             if reads is not None and reads.short_of_l3(request):
                 continue  # L3 holds more of its prefix: it reads that when its turn comes
@@ -132,10 +140,27 @@ class EngineAdmission:
                 if hold is not None:
                     hold.claim(request.key)
         self._holding = hold is not None and bool(hold.held)
+        self._observe_admitted(admitted)
+
+    def _observe_admitted(self, admitted: list[ServeRequest]) -> None:
+        """Tell the prefill delayer how much of what a round admitted was cached."""
         if self.delayer is not None and admitted:
             records = [r.record for r in admitted]
             hits = sum(r.hit_device + r.hit_host + r.hit_l3 for r in records)
             self.delayer.observe(hits, sum(r.prompt_tokens for r in records))
+
+    def _read_ahead(self, request: ServeRequest) -> int:
+        """Start the read-back a request would start when next to run (see
+        :mod:`~hicache.serving.l3_reads`) while the step before its turn computes, so that its
+        pages are on the host when the turn comes instead of a step later; 1 if it is in
+        line for a turn (it waits for no prefetch, or for one of its read-back), else 0."""
+        reads, tree = self.l3_reads, self.hiradix
+        if reads is None or tree is None or request.had_turn:
+            return 0
+        if tree.prefetcher.reading(request.rid) or request.read_ahead:
+            return 1  # reading already, or read ahead once (its turn may still read the rest)
+        request.read_ahead = reads.maybe_prefetch(request, ahead=True)
+        return 1
 
     def _start(self, request: ServeRequest) -> bool:
         prefix, last, hits = self._cached_prefix(request)

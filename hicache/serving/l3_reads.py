@@ -3,8 +3,11 @@
 A request prefetches what device and host lack when it is queued. When it is about to be
 scheduled it prefetches again if what was cached then has been evicted meanwhile, or, once, if
 its last prefetch left pages in L3 for lack of host room (then as an ``urgent`` prefetch, which
-may go past the prefetch share of host memory as a load-back would). What a prefetch inserts
-stays reserved for the request until it is admitted
+may go past the prefetch share of host memory as a load-back would). The requests next in line
+after those of an admission round start that read then ("ahead": while the step before their
+turn computes, and only where the prefetch share of host memory has room for all of it), so
+that their pages are on the host when their turn comes rather than a step later. What a
+prefetch inserts stays reserved for the request until it is admitted
 (:meth:`~hicache.tiering.prefetcher.Prefetcher.release`). A read expected to be slower than
 computing the same tokens (measured rates) is skipped when ``skip_slow`` is on.
 """
@@ -25,8 +28,13 @@ class L3Reads:
         self.skip_slow = skip_slow
         self.prefill_tokens_per_s: float | None = None  # the engine's, smoothed
 
-    def maybe_prefetch(self, request: ServeRequest, admitting: bool = False) -> bool:
-        """Start a prefetch of what device and host lack now; whether one started."""
+    def maybe_prefetch(
+        self, request: ServeRequest, admitting: bool = False, ahead: bool = False
+    ) -> bool:
+        """Start a prefetch of what device and host lack now; whether one started.
+        ``admitting``: the request is next to run; ``ahead``: it is next after those, and reads
+        now what it would read then, if the prefetch share of host memory has room for all of
+        it (the share past it stays for the reads of requests next to run)."""
         tree = self.tree
         if not tree.storage.enabled or not len(request.key):
             return False
@@ -36,7 +44,7 @@ class L3Reads:
         prefetcher = tree.prefetcher
         threshold = prefetcher.config.threshold_tokens
         short = prefetcher.shortfall_tokens(request.rid)
-        short = short if admitting and not request.had_turn else 0
+        short = short if (admitting or ahead) and not request.had_turn else 0
         if missing < threshold or (cached >= request.cached_at_submit and short < threshold):
             request.cached_at_submit = min(request.cached_at_submit, cached)
             return False
@@ -44,7 +52,9 @@ class L3Reads:
         if not self._pays(missing):
             tree.metrics.add("prefetch_skipped_slow")
             return False
-        return prefetcher.start(request.rid, request.key, match, reserve=True, urgent=admitting)
+        return prefetcher.start(
+            request.rid, request.key, match, reserve=True, urgent=admitting, whole=ahead
+        )
 
     def short_of_l3(self, request: ServeRequest) -> bool:
         """Whether the request's last prefetch left pages in L3 for lack of host room, and it

@@ -74,6 +74,7 @@ class ServeRequest:
     hot: Any = None  # HiSparse: what it holds of the hot buffer (a HotRequest), once admitted
     cached_at_submit: int = 1 << 62  # device + host tokens when last checked for a prefetch
     had_turn: bool = False  # was next to run: what L3 held beyond its host room was read then
+    read_ahead: bool = False  # that read was tried once already, during the step before its turn
     temperature: float | None = None  # None: the engine's
     priority: int = 0  # admitted before lower ones; its pages evicted after theirs (priority)
     on_token: Callable[[int], None] | None = None  # told of each token as it is sampled

@@ -82,13 +82,16 @@ class Prefetcher:
         match: MatchResult,
         reserve: bool = False,
         urgent: bool = False,
+        whole: bool = False,
     ) -> bool:
         """Read from L3 the page-aligned part of ``key`` after ``match``'s device and host hit.
 
         Only when L3 is on, at least ``threshold_tokens`` are asked for and the request has no
         prefetch yet; whether one started. ``reserve``: keep what it inserts for ``rid`` until
         :meth:`release`. ``urgent``: for a request about to run, which needs its pages as a
-        load-back does: host pages past ``capacity_share`` may be taken.
+        load-back does: host pages past ``capacity_share`` may be taken. ``whole``: read all
+        the pages L3 holds or none (a read ahead of the request's turn, which may read the
+        rest then, takes no part of them).
         """
         if not self._storage.enabled or not self.config.enabled or rid in self.running:
             return False
@@ -108,7 +111,7 @@ class Prefetcher:
             return hit
 
         def grant(n_pages: int) -> list[BundlePage] | None:
-            return self.grant(candidates, reads[:n_pages], limited=not urgent)
+            return self.grant(candidates, reads[:n_pages], limited=not urgent, whole=whole)
 
         op = PrefetchOp(rid, candidates, grant, self._clock(), plan, (last, key, start))
         self.anchors[last.id] += 1
@@ -141,19 +144,26 @@ class Prefetcher:
         return self.inserted_tokens.pop(rid, 0)
 
     def grant(
-        self, candidates: list[BundlePage], reads: list[frozenset[str]], limited: bool = True
+        self,
+        candidates: list[BundlePage],
+        reads: list[frozenset[str]],
+        limited: bool = True,
+        whole: bool = False,
     ) -> list[BundlePage] | None:
         """Host pages for a prefetch whose first ``len(reads)`` candidate pages L3 can serve:
         as many leading pages as the capacity share (when ``limited``) and the host pools
-        allow, each with a host page for every pool it reads; or None."""
+        allow (all of them or None when ``whole``), each with a host page for every pool it
+        reads; or None."""
         n_pages = len(reads)
         room = self.room_pages if limited else n_pages
         if room < n_pages:
             self.metrics.add("prefetch_skipped_capacity")
-            n_pages = max(room, 0)
+            n_pages = 0 if whole else max(room, 0)
         if n_pages == 0:
             return None
         pages = self._evictor.alloc(n_pages)
+        if pages is None and whole:
+            return None
         if pages is None:
             n_pages = min(n_pages, self._host.available_pages)
             pages = self._host.alloc(n_pages) if n_pages else None
@@ -183,6 +193,11 @@ class Prefetcher:
             for i, page in zip(at, got.tolist(), strict=True):
                 host_pages[i].update(dict.fromkeys(groups[owner], page))
         return True
+
+    def reading(self, rid: str) -> bool:
+        """Whether ``rid`` has a prefetch that has not been stopped or settled yet."""
+        op = self.running.get(rid)
+        return op is not None and op.taken_pages is None
 
     # ----- stopping -------------------------------------------------------------------------
     def may_run(self, rid: str) -> bool:

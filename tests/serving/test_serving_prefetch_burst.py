@@ -16,6 +16,7 @@ from serving_helpers import ENGINE, VOCAB, assert_same_run, hicache_config, serv
 
 from hicache.serving.engine import CacheMode
 from hicache.serving.presets import ModelPreset
+from hicache.serving.request import ServeRequest
 from hicache.serving.setup import ServingSetup
 
 DENSE = ModelPreset.DENSE
@@ -32,8 +33,8 @@ def unreserved(setup: ServingSetup) -> None:
     assert setup.cache is not None
     prefetcher = setup.cache.prefetcher
     start = prefetcher.start
-    prefetcher.start = lambda rid, key, match, reserve=False, urgent=False: start(  # type: ignore[method-assign]
-        rid, key, match, urgent=urgent
+    prefetcher.start = lambda rid, key, match, reserve=False, urgent=False, whole=False: start(  # type: ignore[method-assign]
+        rid, key, match, urgent=urgent, whole=whole
     )
 
 
@@ -58,3 +59,54 @@ async def test_a_burst_reads_every_history_back_from_l3(tmp_path: pathlib.Path) 
     # depending on how the run's timing falls.
     reserved_bytes = got.metrics["bytes_l3_to_host"]
     assert before.hits("l3") < got.hits("l3") or before.metrics["bytes_l3_to_host"] > reserved_bytes
+
+
+async def test_a_request_reads_its_history_while_the_one_before_it_runs(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A request whose arrival prefetch found no host room reads its pages back during the
+    steps of the request before it (read ahead): that read starts in the round that admits the
+    request before it, not once its own turn has come (a turn still reads what the read ahead
+    found no room for), and every history is still an L3 hit."""
+    histories = [tokens(10 + i, HISTORY) for i in range(8)]
+    prompts = [h + tokens(100 + i, 8) for i, h in enumerate(histories)]
+    await serve(DENSE, CacheMode.DEVICE_HOST_L3, trace(histories), hicache_config(tmp_path))
+    steps: list[object] = []
+    admitted: list[tuple[ServeRequest, int]] = []  # each admitted request, steps before it
+    reads: dict[str, list[int]] = {}  # rid -> steps before each of its prefetches started
+
+    def record(setup: ServingSetup) -> None:
+        engine, prefetcher = setup.engine, setup.cache.prefetcher  # type: ignore[union-attr]
+        start, prefetch = engine._start, prefetcher.start
+        engine.on_step = steps.append
+
+        def admitting(request: ServeRequest) -> bool:
+            started: bool = start(request)
+            if started:
+                admitted.append((request, len(steps)))
+            return started
+
+        def prefetching(rid: str, *args: object, **kwargs: object) -> bool:
+            started: bool = prefetch(rid, *args, **kwargs)  # type: ignore[arg-type]
+            if started:
+                reads.setdefault(rid, []).append(len(steps))
+            return started
+
+        engine._start = admitting  # type: ignore[method-assign]
+        prefetcher.start = prefetching  # type: ignore[method-assign]
+
+    small = hicache_config(tmp_path, host_pages=48)
+    want = await serve(DENSE, CacheMode.NONE, trace(prompts), engine=ONE_AT_A_TIME)
+    got = await serve(
+        DENSE, CacheMode.DEVICE_HOST_L3, trace(prompts), small, engine=ONE_AT_A_TIME,
+        watch=record,
+    )  # fmt: skip
+    assert_same_run(got, want, "burst over L3, read ahead")
+    assert got.hits("l3") == 8 * HISTORY, [(r.rid, r.hit_l3) for r in got.records]
+    ahead = [
+        (request.rid, reads[request.rid], before_steps)
+        for (request, _), (_, before_steps) in zip(admitted[1:], admitted, strict=False)
+        if request.read_ahead
+    ]
+    assert ahead, "no request read its pages back before its turn"
+    assert any(before in starts for _, starts, before in ahead), ahead
