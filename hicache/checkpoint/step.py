@@ -58,8 +58,9 @@ def last_logits(lasts: torch.Tensor, lm_head: torch.Tensor) -> list[torch.Tensor
     """Each chunk's logits (vocab,) in float32 on the CPU from its last hidden state (``lasts``:
     (chunks, hidden)). Computed as ``lm_head @ lasts.T``: a step has a few chunks, and for so
     few rows MKL's ``lasts @ lm_head.T`` path read a (32000, 512) float32 head at a third to a
-    sixth of the speed on this project's CPU (2-6 rows: 13-24 ms against 2.5-7.4 ms), and its
-    matrix-vector path for one row as slowly (7.3 ms): one row is computed as two."""
+    sixth of the speed on the 2-core AMD EPYC the project is measured on (2-6 rows: 13-24 ms
+    against 2.5-7.4 ms), and its matrix-vector path for one row as slowly (7.3 ms): one row is
+    computed as two."""
     rows = len(lasts)
     wide = lasts if rows > 1 else torch.cat([lasts, lasts])
     logits = torch.mm(lm_head, wide.T).T[:rows]  # wide.T as a view: MKL's fast operand order

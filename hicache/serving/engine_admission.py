@@ -152,8 +152,8 @@ class EngineAdmission:
     def _read_ahead(self, request: ServeRequest) -> int:
         """Start the read-back a request would start when next to run (see
         :mod:`~hicache.serving.l3_reads`) while the step before its turn computes, so that its
-        pages are on the host when the turn comes instead of a step later; 1 if it is in
-        line for a turn (it waits for no prefetch, or for one of its read-back), else 0."""
+        pages are on the host when the turn comes instead of a step later. 1 when it counts
+        toward the requests read ahead (it has not been next to run yet), else 0."""
         reads, tree = self.l3_reads, self.hiradix
         if reads is None or tree is None or request.had_turn:
             return 0

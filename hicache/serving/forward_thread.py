@@ -6,8 +6,8 @@ while the process's OpenMP threads do not outnumber its CPUs; beyond that each o
 team through the kernel. The forward runs in a thread of its own (the event loop meanwhile
 moves L3 reads and writes), so once the event loop's thread has a team too (anything it
 computed before, a model's weights included), the two oversubscribe a machine with few
-cores and every small op of a step pays for a wake-up: on 2 cores a 4-row DSA decode step took
-28 ms instead of 10, and a 16-row one 44 ms instead of 24-31.
+cores and every small op of a step pays for a wake-up: on 2 cores, in one process, a 16-row DSA
+decode step took 40-44 ms from a plain worker thread and 20-22 ms from this one.
 
 So while a forward thread runs, it computes with the thread count its caller had, and the
 caller (the event loop's thread) computes on one thread with its idle team released
