@@ -45,6 +45,8 @@ def summarize(
     - ``l3_unavailable``: 1 when an L3 was configured but could not be opened, so the run went
       on with L3 off;
     - ``corrupt_pages``: L3 pages that failed their checks and were treated as misses;
+    - ``l3_lookup_pages`` of ``l3_lookup_candidates``: pages prefetches asked L3 about, of
+      those they could have (a lookup ends after the first page L3 lacks);
     - ``held_requests``, ``held_rounds``: requests admission held back for a prefix another
       request was computing (:mod:`hicache.scheduling.prefix_hold`), and rounds they waited.
     """
@@ -81,6 +83,8 @@ def summarize(
         "l3_write_failures": int(metrics.get("l3_write_failures", 0)),
         "l3_unavailable": int(metrics.get("l3_unavailable", 0)),
         "prefetch_skipped_slow": int(metrics.get("prefetch_skipped_slow", 0)),
+        "l3_lookup_pages": int(metrics.get("l3_lookup_pages", 0)),
+        "l3_lookup_candidates": int(metrics.get("l3_lookup_candidates", 0)),
         "held_requests": sum(1 for r in ok if r.held_rounds),
         "held_rounds": sum(r.held_rounds for r in ok),
     }

@@ -79,7 +79,8 @@ class PrefetchConfig:
     timeout_per_1k_tokens_s: float = 0.1
     timeout_max_s: float = 30.0
     capacity_share: float = 0.5  # at most this share of host pages held by running prefetches
-    batch_pages: int = 32  # pages read per backend call; one acknowledgement per batch
+    # Pages read per backend call (one acknowledgement per batch); also the first lookup batch
+    batch_pages: int = 32
     # Prefetches talking to L3 at once; the rest wait their turn in the order they started, so
     # under a burst the first requests' reads finish first instead of all finishing last.
     concurrency: int = 4

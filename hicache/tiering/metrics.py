@@ -39,6 +39,8 @@ COUNTERS: dict[str, str] = {
     "errors": "backend calls that raised",
     "task_restarts": "background tasks that failed and were restarted",
     "prefetch_started": "prefetches started",
+    "l3_lookup_candidates": "pages prefetches could have asked L3 about",
+    "l3_lookup_pages": "pages prefetches asked L3 about (up to the first page it lacked)",
     "prefetch_skipped_small": "prefetch candidates under the threshold",
     "prefetch_skipped_capacity": "prefetches refused by the host capacity limit",
     "prefetch_skipped_slow": "prefetches skipped because reading L3 was slower than recomputing",

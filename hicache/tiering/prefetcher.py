@@ -74,6 +74,12 @@ class Prefetcher:
         self._reserved: dict[str, list[tuple[TreeNode, int]]] = {}  # rid -> (node, pages)
         self._shortfall: dict[str, int] = {}  # rid -> pages L3 held that were not read
 
+    @property
+    def _required(self) -> frozenset[str]:
+        """The pools every usable page needs in L3: the anchor and its sidecars."""
+        roles = self._target.roles
+        return frozenset(name for name, owner in roles.owner_of.items() if owner == roles.anchor)
+
     # ----- starting -------------------------------------------------------------------------
     def start(
         self,
@@ -113,7 +119,8 @@ class Prefetcher:
         def grant(n_pages: int) -> list[BundlePage] | None:
             return self.grant(candidates, reads[:n_pages], limited=not urgent, whole=whole)
 
-        op = PrefetchOp(rid, candidates, grant, self._clock(), plan, (last, key, start))
+        op = PrefetchOp(rid, candidates, grant, self._clock(), plan, (last, key, start),
+                        self._required)  # fmt: skip
         self.anchors[last.id] += 1
         self.running[rid] = op
         if reserve:

@@ -6,7 +6,8 @@ submits never waits. Worker tasks skip pages L3 already holds (one ``exists`` ca
 rest in batches, and acknowledge each job once every call has returned.
 
 At most ``concurrency`` prefetches talk to L3 at once, the others wait in the order they started.
-A prefetch asks L3 how many leading pages it holds, takes host pages for them through a callback
+A prefetch asks L3 how many leading pages it holds (in growing batches, up to the first page
+whose anchor objects are missing), takes host pages for them through a callback
 of the tree (which may evict host pages and applies the capacity limit), and reads them in
 batches, acknowledging each batch. A stop request ends it between batches. A backend call that
 runs past its deadline counts as failed, but its buffers stay reserved until it has returned:
@@ -65,6 +66,9 @@ class PrefetchOp:
     start_s: float
     plan: ReadPlanner
     owner: Any = None
+    # Pools whose objects every usable page needs (the anchor and its sidecars): L3 is asked
+    # no further than the first page missing one of them. Empty: every candidate is asked.
+    required: frozenset[str] = frozenset()
     hit_pages: int | None = None  # None until L3 answered how many leading pages it holds
     host_pages: list[BundlePage] = field(default_factory=list)  # granted, per pool
     completed_pages: int = 0  # read and checked, batch by batch
@@ -303,8 +307,7 @@ class StorageTier:
     async def _prefetch_steps(self, op: PrefetchOp) -> None:
         assert self.backend is not None
         backend = self.backend
-        keys = [self.bundler.keys(p) for p in op.candidates]
-        hits = await self._bounded(self._usable_pages(backend, keys, op), op)
+        hits = await self._bounded(self._usable_pages(backend, op.candidates, op), op)
         if hits is None:  # nothing is known of these pages: every one is a failed read
             self.metrics.add("l3_read_failures", len(op.candidates))
         op.hit_pages = hits or 0
@@ -352,12 +355,28 @@ class StorageTier:
         self.read_bytes_per_s = _smoothed(self.read_bytes_per_s, nbytes, seconds)
 
     async def _usable_pages(
-        self, backend: StorageBackend, keys: Sequence[Mapping[str, str]], op: PrefetchOp
+        self, backend: StorageBackend, candidates: Sequence[BundlePage], op: PrefetchOp
     ) -> int:
-        """How many leading pages L3 can serve, by the op's planner (every pool's hit rule)."""
-        flat = [k for ks in keys for k in ks.values()]
-        found = iter(await backend.exists(flat))
-        return op.plan([{name: next(found) for name in ks} for ks in keys])
+        """How many leading pages L3 can serve, by the op's planner (every pool's hit rule).
+
+        Asked in batches that double from ``batch_pages``, until a page lacks one of the op's
+        ``required`` objects: no usable prefix reaches past it, so the pages after it are not
+        asked about (a burst's requests mostly miss early, and each key asked costs the backend a
+        lookup). They count as absent.
+        """
+        found: list[dict[str, bool]] = []
+        size = self.prefetch_config.batch_pages
+        while len(found) < len(candidates) and not op.stop_requested:
+            keys = [self.bundler.keys(p) for p in candidates[len(found) : len(found) + size]]
+            present = iter(await backend.exists([k for ks in keys for k in ks.values()]))
+            batch = [{name: next(present) for name in ks} for ks in keys]
+            found += batch
+            if any(not all(page.get(n, False) for n in op.required) for page in batch):
+                break
+            size *= 2
+        self.metrics.add("l3_lookup_candidates", len(candidates))
+        self.metrics.add("l3_lookup_pages", len(found))
+        return op.plan(found + [{} for _ in range(len(candidates) - len(found))])
 
     # ----- deadlines ------------------------------------------------------------------------
     async def _bounded(self, call: Awaitable[T], op: PrefetchOp | None) -> T | None:
