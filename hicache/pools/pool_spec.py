@@ -106,24 +106,35 @@ def usable_ends(rule: HitRule, present: Sequence[bool]) -> list[bool]:
     for per-token pools; for STATE_AT_END, a snapshot of the state after pages ``0..i``. The empty
     prefix is always usable (nothing to load, or the initial state).
     """
+    if rule.kind is HitRuleKind.ALL_PAGES:  # every prefix up to the first absent page
+        first_absent = _first_absent(present)
+        return [True] * (first_absent + 1) + [False] * (len(present) - first_absent)
     ends = [True] * (len(present) + 1)
     run = 0  # consecutive present pages ending at page n - 1
     for n in range(1, len(present) + 1):
         held = bool(present[n - 1])
         run = run + 1 if held else 0
-        if rule.kind is HitRuleKind.ALL_PAGES:
-            ends[n] = run == n
-        elif rule.kind is HitRuleKind.TRAILING_PAGES:
+        if rule.kind is HitRuleKind.TRAILING_PAGES:
             ends[n] = run >= min(rule.pages, n)
         else:
             ends[n] = held
     return ends
 
 
+def _first_absent(present: Sequence[bool]) -> int:
+    """The index of the first false entry of ``present``, or its length (C loops, no Python
+    one per page: a long cached prefix has hundreds)."""
+    flags = list(map(bool, present))
+    try:
+        return flags.index(False)
+    except ValueError:
+        return len(flags)
+
+
 def usable_prefix(rule: HitRule, present: Sequence[bool]) -> int:
     """The longest prefix, in pages, that the pool can serve (see :func:`usable_ends`)."""
     ends = usable_ends(rule, present)
-    return max(n for n, ok in enumerate(ends) if ok)
+    return len(ends) - 1 - ends[::-1].index(True)  # the empty prefix is always usable
 
 
 def common_usable_prefix(pools: Iterable[tuple[HitRule, Sequence[bool]]]) -> int:
@@ -143,7 +154,7 @@ def common_usable_prefix(pools: Iterable[tuple[HitRule, Sequence[bool]]]) -> int
         common = [a and b for a, b in zip(common, ends)]
     if common is None:
         raise InvalidArgumentError("no pools given")
-    return max(n for n, ok in enumerate(common) if ok)
+    return len(common) - 1 - common[::-1].index(True)  # the empty prefix is always usable
 
 
 class Granularity(enum.Enum):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,7 +91,7 @@ class ServeRequest:
     @property
     def key(self) -> RadixKey:
         if self._key is None:
-            self._key = RadixKey(self.prompt[:-1], self.namespace)
+            self._key = RadixKey(_packed(self.prompt[:-1]), self.namespace)
         return self._key
 
     @property
@@ -100,3 +101,15 @@ class ServeRequest:
     @property
     def all_tokens(self) -> list[int]:
         return self.prompt + self.generated
+
+
+def _packed(tokens: list[int]) -> Sequence[int]:
+    """``tokens`` as 32-bit words when they fit: the tree packs a key of them with one copy
+    instead of a conversion per token, and the scheduler packs every waiting request's key each
+    round. Ids that do not fit stay a list, for the tree to refuse with its own error."""
+    words = array("I")
+    try:
+        words.fromlist(tokens)
+    except (OverflowError, TypeError):
+        return tokens
+    return words

@@ -100,6 +100,34 @@ def test_usable_ends_matches_the_definition_on_every_short_input() -> None:
                 assert usable_ends(rule, present) == want, (rule, present)
 
 
+def test_hit_rules_read_entries_by_truth_on_long_inputs() -> None:
+    """Entries count by their truth (0/1, None, a 0-d tensor), as the per-page loop read them,
+    and long prefixes (hundreds of pages, a long cached prompt) give the definition's answer."""
+    import random
+
+    import torch
+
+    assert usable_ends(ALL_PAGES, [1, 1, 0, 1]) == [T, T, T, F, F]
+    assert usable_ends(ALL_PAGES, [torch.tensor(True), None]) == [T, T, F]
+    rng = random.Random(0)
+    rules = [ALL_PAGES, STATE_AT_END, HitRule.trailing(4)]
+    for _ in range(50):
+        length = rng.randrange(0, 400)
+        cut = rng.randrange(0, length + 1)
+        present = [T] * cut + [rng.random() < 0.8 for _ in range(length - cut)]
+        for rule in rules:
+            want = [_brute_force(rule, tuple(present), n) for n in range(length + 1)]
+            assert usable_ends(rule, present) == want
+            assert usable_prefix(rule, present) == max(n for n, ok in enumerate(want) if ok)
+        pools = [(ALL_PAGES, present), (STATE_AT_END, [rng.random() < 0.3 for _ in present])]
+        both = [
+            _brute_force(ALL_PAGES, tuple(present), n)
+            and _brute_force(STATE_AT_END, tuple(pools[1][1]), n)
+            for n in range(length + 1)
+        ]
+        assert common_usable_prefix(pools) == max(n for n, ok in enumerate(both) if ok)
+
+
 def test_hit_rule_validation_and_window() -> None:
     for bad in (
         lambda: HitRule.trailing(0),
