@@ -8,8 +8,8 @@
 * **After prefill** (:meth:`HiSparseRequests.enter`): the prompt's whole pages are committed to
   the radix tree and copied to host now where they are not there yet (the eager backup; when
   host memory cannot take them yet, held by copies in flight to L3, the request waits a step);
-  the
-  request protects those host pages (shared with every other request on the same prefix),
+  the request protects those host pages (shared with every other request on the same prefix),
+  each as soon as it is on host, before a later node's backup can evict it,
   copies its last partial page to its own host page and its indexer keys to its slots, then
   gives back its anchor slots and its lock: the device copies of its prefix stay in the tree as
   cache, evictable like any other.
@@ -99,12 +99,38 @@ class HiSparseRequests:
         cached.token_ids = request.all_tokens
         commit(cached, request.pool_state)
         path = list(reversed(cached.last_node.path_to_root())) if cached.last_node else []
-        ps, prompt_len = self.page_size, len(request.prompt)
-        # All of the path on host, or none of it used.
-        hosted = [n.host_value for n in path if self._on_host(n) and n.host_value is not None]
-        if len(hosted) < len(path):
+        hosted = self._hold_on_host(path)
+        if hosted is None:  # all of the path on host, or none of it used
             return HotEntry.HOST_BUSY
-        shared = torch.cat(hosted) if hosted else hot.own_host[:0]
+        try:
+            return self._enter_hosted(request, hot, torch.cat(hosted) if hosted else None)
+        finally:
+            for pages in hosted:
+                self.tree.host.release(pages)
+
+    def _hold_on_host(self, path: list[TreeNode]) -> list[torch.Tensor] | None:
+        """Each node's host pages, each protected from the time it is seen (backing up a later
+        node may evict host copies, and a copy the device and L3 also hold is the first to go:
+        left unprotected, an earlier node's pages could be freed and given to a later one);
+        None, with nothing protected, when a node cannot be had on host now."""
+        hosted: list[torch.Tensor] = []
+        for node in path:
+            if not self._on_host(node) or node.host_value is None:
+                for pages in hosted:
+                    self.tree.host.release(pages)
+                return None
+            self.tree.host.protect(node.host_value)
+            hosted.append(node.host_value)
+        return hosted
+
+    def _enter_hosted(
+        self, request: ServeRequest, hot: HotRequest, shared: torch.Tensor | None
+    ) -> HotEntry:
+        """:meth:`enter` once the request's path is on host (``shared``: its pages in order)."""
+        cached = request.cached
+        assert cached is not None
+        ps, prompt_len = self.page_size, len(request.prompt)
+        shared = hot.own_host[:0] if shared is None else shared
         if len(shared) + len(hot.own_host) < -(-(prompt_len + request.max_new_tokens) // ps):
             return HotEntry.SHORT_PREFIX
         self.tree.host.protect(shared)

@@ -212,6 +212,43 @@ async def test_outputs_identical_with_and_without_hisparse(
     assert again.result.hits("l3") > 0 and again.result.metrics["bytes_l3_to_host"] > 0
 
 
+def _host_short_at_every_backup(setup: ServingSetup) -> None:
+    """Before each node of an entering request's path is had on host, evict everything host
+    eviction may take: the copies the device and L3 also hold go first, so an earlier node of
+    the same path is a candidate unless entering protects it."""
+    sparse, tree = setup.engine.sparse, setup.cache
+    assert sparse is not None and tree is not None
+    on_host = sparse._on_host
+
+    def pressed(node: Any) -> bool:
+        tree.host_evictor.evict(1 << 30)
+        return bool(on_host(node))
+
+    sparse._on_host = pressed  # type: ignore[method-assign]
+
+
+async def test_entering_keeps_the_host_pages_of_its_path_when_host_memory_is_short(
+    tmp_path: pathlib.Path,
+) -> None:
+    """After a restart over L3 a request's path is on the device and in L3, so its host copies
+    are the first host eviction drops. Entering the hot buffer backs each node up in turn:
+    an earlier node's pages, freed by a later node's backup and given to it, once showed up
+    twice in the request's host table."""
+    want = await baseline(DSA)
+    engine = hot_engine(TOPK)
+    config = hicache_config(tmp_path / "l3")
+    first = await serve_hot(CacheMode.DEVICE_HOST_L3, workload("chat"), config, engine)
+    assert_same_run(first.result, want, "device+host+l3")
+    again = await serve_hot(
+        CacheMode.DEVICE_HOST_L3, workload("chat"), config, engine,
+        watch=_host_short_at_every_backup,
+    )  # fmt: skip
+    assert_same_run(again.result, want, "after a restart, host memory short")
+    assert_hisparse_used(again, "after a restart, host memory short")
+    assert_given_back(again, "after a restart, host memory short")
+    assert again.result.metrics["host_evicted_tokens"] > 0
+
+
 async def test_chunked_prefill_then_hot_decode_is_identical() -> None:
     """Prompts computed over several steps (chunks of 5 tokens, across page boundaries) beside
     other requests' decode rows; each moves to the buffer once its prompt is done."""
