@@ -131,10 +131,14 @@ def _first_absent(present: Sequence[bool]) -> int:
         return len(flags)
 
 
+def _longest(ends: list[bool]) -> int:
+    """The last usable prefix length of ``ends`` (the empty prefix always is)."""
+    return len(ends) - 1 - ends[::-1].index(True)
+
+
 def usable_prefix(rule: HitRule, present: Sequence[bool]) -> int:
     """The longest prefix, in pages, that the pool can serve (see :func:`usable_ends`)."""
-    ends = usable_ends(rule, present)
-    return len(ends) - 1 - ends[::-1].index(True)  # the empty prefix is always usable
+    return _longest(usable_ends(rule, present))
 
 
 def common_usable_prefix(pools: Iterable[tuple[HitRule, Sequence[bool]]]) -> int:
@@ -154,7 +158,7 @@ def common_usable_prefix(pools: Iterable[tuple[HitRule, Sequence[bool]]]) -> int
         common = [a and b for a, b in zip(common, ends)]
     if common is None:
         raise InvalidArgumentError("no pools given")
-    return len(common) - 1 - common[::-1].index(True)  # the empty prefix is always usable
+    return _longest(common)
 
 
 class Granularity(enum.Enum):

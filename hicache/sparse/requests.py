@@ -103,7 +103,8 @@ class HiSparseRequests:
         if hosted is None:  # all of the path on host, or none of it used
             return HotEntry.HOST_BUSY
         try:
-            return self._enter_hosted(request, hot, torch.cat(hosted) if hosted else None)
+            shared = torch.cat(hosted) if hosted else hot.own_host[:0]
+            return self._enter_hosted(request, hot, shared)
         finally:
             for pages in hosted:
                 self.tree.host.release(pages)
@@ -124,13 +125,12 @@ class HiSparseRequests:
         return hosted
 
     def _enter_hosted(
-        self, request: ServeRequest, hot: HotRequest, shared: torch.Tensor | None
+        self, request: ServeRequest, hot: HotRequest, shared: torch.Tensor
     ) -> HotEntry:
         """:meth:`enter` once the request's path is on host (``shared``: its pages in order)."""
         cached = request.cached
         assert cached is not None
         ps, prompt_len = self.page_size, len(request.prompt)
-        shared = hot.own_host[:0] if shared is None else shared
         if len(shared) + len(hot.own_host) < -(-(prompt_len + request.max_new_tokens) // ps):
             return HotEntry.SHORT_PREFIX
         self.tree.host.protect(shared)

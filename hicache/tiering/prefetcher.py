@@ -74,12 +74,6 @@ class Prefetcher:
         self._reserved: dict[str, list[tuple[TreeNode, int]]] = {}  # rid -> (node, pages)
         self._shortfall: dict[str, int] = {}  # rid -> pages L3 held that were not read
 
-    @property
-    def _required(self) -> frozenset[str]:
-        """The pools every usable page needs in L3: the anchor and its sidecars."""
-        roles = self._target.roles
-        return frozenset(name for name, owner in roles.owner_of.items() if owner == roles.anchor)
-
     # ----- starting -------------------------------------------------------------------------
     def start(
         self,
@@ -119,8 +113,9 @@ class Prefetcher:
         def grant(n_pages: int) -> list[BundlePage] | None:
             return self.grant(candidates, reads[:n_pages], limited=not urgent, whole=whole)
 
+        anchor_group = frozenset(self._target.controller.groups[self._target.roles.anchor])
         op = PrefetchOp(rid, candidates, grant, self._clock(), plan, (last, key, start),
-                        self._required)  # fmt: skip
+                        anchor_group)  # fmt: skip
         self.anchors[last.id] += 1
         self.running[rid] = op
         if reserve:

@@ -307,7 +307,7 @@ class StorageTier:
     async def _prefetch_steps(self, op: PrefetchOp) -> None:
         assert self.backend is not None
         backend = self.backend
-        hits = await self._bounded(self._usable_pages(backend, op.candidates, op), op)
+        hits = await self._bounded(self._usable_pages(backend, op), op)
         if hits is None:  # nothing is known of these pages: every one is a failed read
             self.metrics.add("l3_read_failures", len(op.candidates))
         op.hit_pages = hits or 0
@@ -354,9 +354,7 @@ class StorageTier:
     def _observe_read(self, nbytes: int, seconds: float) -> None:
         self.read_bytes_per_s = _smoothed(self.read_bytes_per_s, nbytes, seconds)
 
-    async def _usable_pages(
-        self, backend: StorageBackend, candidates: Sequence[BundlePage], op: PrefetchOp
-    ) -> int:
+    async def _usable_pages(self, backend: StorageBackend, op: PrefetchOp) -> int:
         """How many leading pages L3 can serve, by the op's planner (every pool's hit rule).
 
         Asked in batches that double from ``batch_pages``, until a page lacks one of the op's
@@ -364,6 +362,7 @@ class StorageTier:
         asked about (a burst's requests mostly miss early, and each key asked costs the backend a
         lookup). They count as absent.
         """
+        candidates = op.candidates
         found: list[dict[str, bool]] = []
         size = self.prefetch_config.batch_pages
         while len(found) < len(candidates) and not op.stop_requested:

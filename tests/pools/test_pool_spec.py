@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 
 import pytest
+import torch
 
 from hicache.codec import PageMeta
 from hicache.dtypes import DType
@@ -103,10 +105,6 @@ def test_usable_ends_matches_the_definition_on_every_short_input() -> None:
 def test_hit_rules_read_entries_by_truth_on_long_inputs() -> None:
     """Entries count by their truth (0/1, None, a 0-d tensor), as the per-page loop read them,
     and long prefixes (hundreds of pages, a long cached prompt) give the definition's answer."""
-    import random
-
-    import torch
-
     assert usable_ends(ALL_PAGES, [1, 1, 0, 1]) == [T, T, T, F, F]
     assert usable_ends(ALL_PAGES, [torch.tensor(True), None]) == [T, T, F]
     rng = random.Random(0)
