@@ -39,6 +39,7 @@ __all__ = [
     "chain_packed_hashes",
     "chain_page_hashes",
     "namespace_digest",
+    "namespace_tag",
     "pack_token_ids",
     "storage_key",
     "validate_key",
@@ -300,12 +301,18 @@ class StorageFormat:
         object.__setattr__(self, "digest", hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
+def namespace_tag(namespace: bytes) -> str:
+    """What every storage key of the namespace ``namespace`` (its digest) starts with, before
+    the first dash: 16 hex digits."""
+    return namespace[:8].hex()
+
+
 def storage_key(namespace: bytes, fmt: StorageFormat, page_hash: bytes) -> ValidKey:
     """The backend key of one page: namespace tag, format digest, page hash (hex digits and
     dashes only, 98 characters: valid by construction)."""
     if len(page_hash) != HASH_BYTES or len(namespace) != HASH_BYTES:
         raise InvalidArgumentError("namespace and page hash must be 32-byte digests")
-    return ValidKey(f"{namespace[:8].hex()}-{fmt.digest}-{page_hash.hex()}")
+    return ValidKey(f"{namespace_tag(namespace)}-{fmt.digest}-{page_hash.hex()}")
 
 
 class PageKeyScheme:

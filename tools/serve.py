@@ -300,6 +300,8 @@ async def _run_one(
     if not args.quiet and not args.json:
         print(file=sys.stderr)
     run.row = config_row(setup, mode.value, records, wall, l3, sizes)
+    if mode is CacheMode.DEVICE_HOST_L3 and hicache.storage.discard_on_close and setup.cache:
+        run.row["l3_discarded_objects"] = int(setup.cache.metrics.counts["l3_discarded_objects"])
     run.first_error = next((r.error for r in records if r.error is not None), None)
     return run
 

@@ -122,12 +122,13 @@ def hisparse_config(args: argparse.Namespace) -> HiSparseConfig | None:
 
 def l3_namespace(config: HiCacheConfig, warm: bool) -> HiCacheConfig:
     """``config`` with an L3 namespace of the run's own (a model id no earlier run used: its
-    keys match no stored page), unless ``warm``: then the model's shared namespace, where
-    earlier warm runs wrote."""
+    keys match no stored page, and no later run can name them, so they are deleted when the
+    run closes its cache), unless ``warm``: then the model's shared namespace, where earlier
+    warm runs wrote and later ones read."""
     if warm or config.storage.url is None:
         return config
     model_id = f"{config.storage.model_id}-run-{secrets.token_hex(6)}"
-    return config.with_changes("storage", model_id=model_id)
+    return config.with_changes("storage", model_id=model_id, discard_on_close=True)
 
 
 def write_outputs(path: str, outputs: dict[str, list[int]]) -> None:

@@ -43,6 +43,7 @@ from hicache.keys import (
     chain_packed_hashes,
     chain_page_hashes,
     namespace_digest,
+    namespace_tag,
     storage_key,
 )
 from hicache.layouts import Layout, page_shape, storage_layout
@@ -94,6 +95,11 @@ class PageHasher:
         if seed is None:
             seed = self._seeds[namespace] = namespace_digest(self.model_id, *namespace)
         return seed
+
+    def namespace_tags(self) -> frozenset[str]:
+        """The key tags (:func:`~hicache.keys.namespace_tag`) of every namespace this hasher
+        has seeded a chain in: every key it made starts with one of them."""
+        return frozenset(namespace_tag(seed) for seed in self._seeds.values())
 
     def node_hashes(self, node: TreeNode) -> list[bytes]:
         """The chained page hashes of ``node`` (computed once, kept through splits)."""

@@ -121,9 +121,10 @@ class HiRadixCache(ShadowRadixCache):
         return cls(controller, radix)
 
     async def close(self, drain_s: float = 0.0) -> None:
-        """Apply finished work, give queued L3 writes up to ``drain_s`` to land, close L3."""
+        """Apply finished work, give queued L3 writes up to ``drain_s`` to land, close L3 (its
+        pages deleted first where the namespaces are scratch: ``storage.discard_on_close``)."""
         self.check_events()
-        await self.controller.close(drain_s)
+        await self.controller.close(drain_s, self._discarded_tags())
 
     async def detach_l3(self, drain_s: float = 10.0) -> bool:
         """Stop using L3 at run time (queued writes get ``drain_s``); whether one was attached.
@@ -131,12 +132,19 @@ class HiRadixCache(ShadowRadixCache):
         this cache no longer reaches."""
         if self.storage.backend is None:
             return False
-        await self.controller.close(drain_s)
+        await self.controller.close(drain_s, self._discarded_tags())
         self.check_events()
         for node in self.all_nodes():
             node.in_storage = False
             node.pool_stored = frozenset()
         return True
+
+    def _discarded_tags(self) -> frozenset[str]:
+        """The namespaces whose L3 pages go at close: every one this cache keyed pages in,
+        when they are scratch."""
+        if not self.controller.config.storage.discard_on_close:
+            return frozenset()
+        return self.writer.hasher.namespace_tags()
 
     @property
     def idle(self) -> bool:

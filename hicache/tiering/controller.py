@@ -16,7 +16,7 @@ pool, a state pool) is named by its owner in :meth:`HiCacheController.write` and
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from hicache.pools.device import DevicePool
 from hicache.pools.host import HostPool
 from hicache.tiering.bundler import PageBundler
 from hicache.tiering.config import HiCacheConfig, check_config
+from hicache.tiering.discard import discard_namespaces
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.storage_tier import StorageTier
 
@@ -166,13 +167,19 @@ class HiCacheController:
             raise InvalidArgumentError("an L3 is attached already: detach it first")
         self.storage.start(await self._open_url(url))
 
-    async def close(self, drain_s: float = 0.0) -> None:
-        """Stop the L3 tasks (after up to ``drain_s`` for queued writes to land) and close L3."""
+    async def close(self, drain_s: float = 0.0, discard: Collection[str] = ()) -> None:
+        """Stop the L3 tasks (after up to ``drain_s`` for queued writes to land) and close L3.
+
+        ``discard``: namespace tags whose objects are deleted from L3 once its tasks have
+        stopped (no write can land after); queued writes are then dropped, not drained.
+        """
         backend = self.storage.backend
+        drain_s = 0.0 if discard else drain_s
         if drain_s > 0 and backend is not None and not await self.storage.drain(drain_s):
             logger.warning("closing L3 with writes still queued after %.1f s", drain_s)
         await self.storage.stop()
         if backend is not None:
+            self.metrics.add("l3_discarded_objects", await discard_namespaces(backend, discard))
             try:
                 await backend.close()
             except HiCacheError as exc:  # closing a broken connection must not hide the rest

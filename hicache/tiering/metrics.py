@@ -47,6 +47,8 @@ COUNTERS: dict[str, str] = {
     "host_evicted_tokens": "tokens evicted from host memory",
     "device_evicted_tokens": "tokens evicted from the device",
     "l3_unavailable": "starts with L3 configured but unreachable",
+    "l3_discarded_objects": "L3 objects deleted at close because the cache's namespaces were "
+    "scratch (storage.discard_on_close)",
 }
 for _reason in TerminationReason:
     COUNTERS[f"prefetch_{_reason.value}"] = f"prefetches that ended: {_reason.value}"

@@ -129,20 +129,32 @@ def test_cli_compare_runs_four_configs(
         assert row["hit_rate"] <= oracle  # nothing beats an unbounded cache from cold
     assert rows[0]["hit_rate"] == 0
     assert rows[1]["hit_tokens_device"] > 0
-    assert any(p.is_file() for p in l3.rglob("*")), "the L3 config wrote no pages"
+    assert rows[3]["bytes_host_to_l3"] > 0, "the L3 config wrote no pages"
+    # ... in a namespace of the run's own, deleted when it ended
+    assert rows[3]["l3_discarded_objects"] > 0
+    assert not any(p.is_file() for p in l3.rglob("*"))
 
 
 def test_cli_restart_reads_l3(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
     """Runs with --l3-warm share the model's L3 namespace: the second reads what the first
     wrote. A run without it starts from an empty namespace of its own (reproducible)."""
     args = [*CHAT, "--cache-dir", str(tmp_path / "l3")]
+
+    def stored() -> list[pathlib.Path]:
+        return sorted(p for p in (tmp_path / "l3").rglob("*") if p.is_file())
+
     first = _serve_json(capsys, *args, "--l3-warm")
+    kept = stored()
     cold = _serve_json(capsys, *args)
     warm = _serve_json(capsys, *args, "--l3-warm")
     assert [r["name"] for r in warm["configs"]] == ["device+host+l3"]
     assert first["configs"][0]["hit_tokens_l3"] == 0 and first["l3_warm"] is True
     assert cold["configs"][0]["hit_tokens_l3"] == 0 and cold["l3_warm"] is False
     assert warm["configs"][0]["hit_tokens_l3"] > 0 and warm["l3_warm"] is True
+    # The cold run's own namespace is gone when it ends; the warm runs' pages stay.
+    assert kept and stored() == kept
+    assert cold["configs"][0]["l3_discarded_objects"] == len(kept)
+    assert "l3_discarded_objects" not in warm["configs"][0]
 
 
 def test_cli_dump_outputs(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
