@@ -18,7 +18,7 @@ __all__ = ["discard_namespaces"]
 
 logger = logging.getLogger(__name__)
 
-_DELETE_BATCH = 512  # keys per delete call: bounded memory, few round trips
+_DELETE_BATCH = 512  # keys per delete call: few round trips, no request too large
 
 
 async def discard_namespaces(backend: StorageBackend, tags: Collection[str]) -> int:
