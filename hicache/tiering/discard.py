@@ -2,8 +2,8 @@
 (``StorageConfig.discard_on_close``) does when it closes, instead of leaving them behind.
 
 Every storage key starts with its namespace's tag (:func:`~hicache.keys.namespace_tag`), so the
-pages are found by a prefix listing. A backend that cannot list keeps them: they are unreachable
-by key and go the way the store's own eviction (or ``hicache compact --max-age``) sends them.
+pages are found by a prefix listing. A backend that cannot list keeps them: nothing reads them
+again, and they stay until the store itself evicts them.
 """
 
 from __future__ import annotations

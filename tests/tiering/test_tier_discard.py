@@ -69,8 +69,8 @@ async def test_closing_deletes_every_namespace_it_wrote_and_nothing_else(
 
 
 async def test_writes_still_queued_are_dropped_not_left_behind(tmp_path: pathlib.Path) -> None:
-    """Close right after the writes are queued, with a drain time: a scratch cache does not
-    wait for them, and none lands after its pages were deleted."""
+    """Close right after the writes are queued, with a drain time: none of them lands after the
+    scratch cache's pages were deleted."""
     url = f"file://{tmp_path}/l3"
     run = await Harness.build(url=url, **scratch("run-model"))
     for i in range(6):
@@ -116,10 +116,15 @@ async def test_a_failing_delete_is_logged_and_close_still_closes(
     assert backend.closed and inner.closed
 
 
-async def test_discarding_nothing_lists_nothing(tmp_path: pathlib.Path) -> None:
+async def test_discarding_no_namespace_or_another_one_deletes_nothing(
+    tmp_path: pathlib.Path,
+) -> None:
     backend = await open_backend(f"file://{tmp_path}/l3")
     try:
+        key = f"{namespace_tag(namespace_digest('kept-model'))}-0000000000000000-00"
+        assert await backend.put([key], [b"page"]) == [True]
         assert await discard_namespaces(backend, ()) == 0
         assert await discard_namespaces(backend, {"0123456789abcdef"}) == 0
+        assert await backend.exists([key]) == [True]
     finally:
         await backend.close()
