@@ -1,4 +1,5 @@
-"""Buffer helpers shared by backends that register host memory (mooncake, nixl)."""
+"""Buffer helpers shared by backends that register host memory and stage the rest (mooncake,
+nixl)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,21 @@ import numpy as np
 
 from hicache.errors import InvalidArgumentError
 
-__all__ = ["address_of", "flat_view"]
+__all__ = ["address_of", "copy_outside_gil", "flat_view"]
 
 
 def address_of(view: memoryview) -> int:
     """The address of a flat byte view's first byte (read-only views too)."""
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def copy_outside_gil(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` (same size) through numpy, which drops the GIL for a plain byte copy.
+
+    A memoryview slice assignment holds the GIL: a large copy into fresh pages (faulting) would
+    stall the event loop for milliseconds.
+    """
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def flat_view(buffer: Any) -> memoryview:

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from hicache.errors import BackendClosedError
 
-__all__ = ["IOThreads", "outlive_cancel"]
+__all__ = ["IOThreads", "in_thread", "outlive_cancel"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -48,6 +48,12 @@ async def outlive_cancel(work: asyncio.Future[T]) -> T:
         if not work.cancelled():
             work.exception()  # retrieved: the caller's cancellation is what it asked for
         raise
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a worker thread (``asyncio.to_thread``); a cancelled caller still waits
+    for it to end (:func:`outlive_cancel`)."""
+    return await outlive_cancel(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
 
 
 class IOThreads:

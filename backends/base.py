@@ -9,6 +9,8 @@ Buffers: a value is one buffer or a sequence of buffers (scatter-gather segments
 page header and a view of the payload), all C-contiguous. ``put`` copies what it needs before it
 returns; the caller may reuse its buffers at once. ``get_into`` fills caller-owned buffers.
 The helpers for such values live in :mod:`hicache.backends.segments` and are re-exported here.
+Which calls may overlap, on which event loop, and what a cancelled call owes its caller: see
+the concurrency contract in :class:`StorageBackend`'s docstring.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, TypeAlias, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Literal, TypeAlias, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from hicache.backends.segments import (
@@ -45,9 +47,6 @@ __all__ = [
     "ReadOnlyStoreError",
     "Segments",
     "StorageBackend",
-    "TEMP_GRACE_S",
-    "TempFile",
-    "TempFileOwner",
     "UrlPart",
     "as_segments",
     "copy_into_segments",
@@ -58,8 +57,6 @@ __all__ = [
 
 UrlPart: TypeAlias = Literal["host", "path"]
 MISS = -1
-# A temporary file younger than this may belong to a write in progress: never removed.
-TEMP_GRACE_S = 15 * 60.0
 B = TypeVar("B", bound="StorageBackend")
 
 
@@ -83,32 +80,6 @@ class ObjectInfo:
     mtime: float
 
 
-@dataclass(frozen=True, slots=True)
-class TempFile:
-    """A writer's temporary file (``path`` relative to the store), as a cleaner sees it."""
-
-    path: str
-    size: int
-    age_s: float  # seconds since it was last written
-
-
-@runtime_checkable
-class TempFileOwner(Protocol):
-    """A backend whose writers leave temporary files when they crash (``file``).
-
-    Backends without temporary files simply do not have these methods; tools check with
-    ``isinstance(backend, TempFileOwner)``.
-    """
-
-    def scan_temp_files(self) -> AsyncIterator[TempFile]:
-        """Every temporary file in the store, whatever its age."""
-        ...
-
-    async def remove_temp_files(self, min_age_s: float = TEMP_GRACE_S) -> list[TempFile]:
-        """Remove temporary files not written for ``min_age_s`` seconds; those removed."""
-        ...
-
-
 def _validate_keys(keys: Sequence[str]) -> list[str]:
     if isinstance(keys, (str, bytes)):
         raise InvalidArgumentError("pass a sequence of keys, not a single key")
@@ -116,7 +87,32 @@ def _validate_keys(keys: Sequence[str]) -> list[str]:
 
 
 class StorageBackend(abc.ABC):
-    """Async object store over validated keys. See the module docstring for buffer rules."""
+    """Async object store over validated keys. See the module docstring for buffer rules.
+
+    Concurrency contract: what hicache's callers do, and so what every backend must take.
+
+    - **One event loop.** Every call on an instance, the synchronous ones included
+      (``register_memory``, ``unregister_memory``), is made on the thread of the loop it was
+      opened on: the tiered cache's loop, the SGLang adapter's loop thread, LMCache's storage
+      loop. A backend may bind locks, semaphores and sessions to that loop at open; blocking
+      work goes to threads, never onto the loop. A backend that blocks in its coroutines
+      anyway is run behind :class:`~hicache.backends.wrappers.ThreadedBackend`.
+    - **Calls overlap.** Any number of ``exists``, ``get_into``, ``put``, ``put_missing``,
+      ``delete``, ``peek``, ``scan`` and ``stats`` calls may be in flight at once, from several
+      tasks: the storage tier runs its writer tasks (``exists``, then ``put`` batches) beside
+      its prefetch tasks (``exists``, ``get_into`` batches, ``delete`` of pages that failed
+      their checks). Batches in flight together may name the same key: a reader then gets
+      the old object or the new one whole, never a mix.
+    - **Calls are cancelled** (a deadline passed, a shutdown). A cancelled ``put`` leaves the
+      old object or the whole new one. A cancelled call ends only when nothing of the backend
+      touches the caller's buffers any more (a thread still copying is waited for:
+      :func:`~hicache.backends._io_threads.outlive_cancel`): the caller reuses them at once.
+    - **close() comes last.** Callers close once every other call of theirs has returned (the
+      storage tier stops its tasks first); a call after it raises ``BackendClosedError``.
+
+    The conformance suite (:mod:`hicache.backends.testing`) checks each point a backend can
+    show: overlapping batches, overwrites racing reads, cancelled reads and writes.
+    """
 
     name: ClassVar[str]
     url_schemes: ClassVar[tuple[str, ...]] = ()

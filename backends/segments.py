@@ -8,23 +8,27 @@ They are re-exported by :mod:`hicache.backends.base`, where backends import them
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 from hicache.errors import InvalidArgumentError
 
 __all__ = [
     "BufferLike",
+    "CopyFn",
     "Segments",
     "as_segments",
     "copy_into_segments",
     "fill_from_segments",
     "join_segments",
+    "segments_after",
     "segments_nbytes",
 ]
 
 BufferLike: TypeAlias = "bytes | bytearray | memoryview | Any"
 Segments: TypeAlias = "BufferLike | Sequence[BufferLike]"
+#: How a helper copies one piece, ``copy(destination, source)`` of equal size.
+CopyFn: TypeAlias = Callable[[memoryview, memoryview], None]
 _FIELD_NAME_RE = re.compile(r":[^:]*:")
 
 
@@ -63,6 +67,16 @@ def segments_nbytes(segments: Sequence[memoryview]) -> int:
     return sum(s.nbytes for s in segments)
 
 
+def segments_after(segments: Sequence[memoryview], skip: int) -> list[memoryview]:
+    """The views left once the first ``skip`` bytes of ``segments`` are done (a partial
+    vector read or write goes on from there)."""
+    for i, seg in enumerate(segments):
+        if skip < seg.nbytes:
+            return [seg[skip:], *segments[i + 1 :]]
+        skip -= seg.nbytes
+    return []
+
+
 def join_segments(segments: Sequence[memoryview]) -> bytearray:
     """One new buffer holding the segments back to back (one copy)."""
     out = bytearray(segments_nbytes(segments))
@@ -70,20 +84,28 @@ def join_segments(segments: Sequence[memoryview]) -> bytearray:
     return out
 
 
-def fill_from_segments(segments: Sequence[memoryview], target: bytearray) -> None:
+def _assign(dst: memoryview, src: memoryview) -> None:
+    dst[:] = src
+
+
+def fill_from_segments(
+    segments: Sequence[memoryview], target: bytearray | memoryview, copy: CopyFn = _assign
+) -> None:
     """Copy ``segments`` back to back into ``target``, which holds exactly their bytes."""
     view, offset = memoryview(target), 0
     for seg in segments:
-        view[offset : offset + seg.nbytes] = seg
+        copy(view[offset : offset + seg.nbytes], seg)
         offset += seg.nbytes
 
 
-def copy_into_segments(source: memoryview, segments: Sequence[memoryview]) -> None:
+def copy_into_segments(
+    source: memoryview, segments: Sequence[memoryview], copy: CopyFn = _assign
+) -> None:
     """Copy ``source`` across ``segments`` in order; the caller checked it fits."""
     offset, total = 0, source.nbytes
     for seg in segments:
         if offset >= total:
             return
         n = min(seg.nbytes, total - offset)
-        seg[:n] = source[offset : offset + n]
+        copy(seg[:n], source[offset : offset + n])
         offset += n

@@ -10,6 +10,7 @@ and compares every answer, and, when the test class has raw hooks, what storage 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import pathlib
@@ -245,6 +246,64 @@ class StatefulConformanceTests(SuiteHooks):
         assert final is not None and final in {patterns[p] for p in range(1, writers + 1)}
 
     @pytest.mark.asyncio
+    async def test_overlapping_batches(self, backend: StorageBackend) -> None:
+        # What the storage tier does on one loop: writer tasks (exists, then put batches) beside
+        # prefetch tasks (exists, get_into batches) and the removal of pages that failed checks.
+        stored = {f"ob-{i}": random_bytes(2000 + i, seed=i) for i in range(32)}
+        fresh = {f"ob-new-{i}": random_bytes(1000 + i, seed=100 + i) for i in range(32)}
+        doomed = [f"ob-bad-{i}" for i in range(8)]
+        assert await backend.put([*stored, *doomed], [*stored.values(), *[b"x"] * 8]) == [True] * 40
+
+        async def write(keys: list[str]) -> None:
+            assert await backend.exists(keys) == [False] * len(keys)
+            assert await backend.put(keys, [fresh[k] for k in keys]) == [True] * len(keys)
+
+        async def read(keys: list[str]) -> None:
+            assert await backend.exists(keys) == [True] * len(keys)
+            buffers = [bytearray(len(stored[k])) for k in keys]
+            assert await backend.get_into(keys, buffers) == [len(stored[k]) for k in keys]
+            assert [bytes(b) for b in buffers] == [stored[k] for k in keys]
+
+        async def remove() -> None:
+            assert await backend.delete(doomed) == [True] * len(doomed)
+
+        batches = [list(keys)[lo : lo + 8] for keys in (stored, fresh) for lo in range(0, 32, 8)]
+        reads = [read(b) for b in batches[:4] * 2]
+        await asyncio.gather(*(write(b) for b in batches[4:]), *reads, remove())
+        assert await backend.get(list(fresh)) == list(fresh.values())
+        assert await backend.exists(doomed) == [False] * len(doomed)
+
+    @pytest.mark.asyncio
+    async def test_a_cancelled_read_leaves_the_buffer_alone(self, backend: StorageBackend) -> None:
+        # The caller reuses its buffer once the call has ended, cancelled or not. A byte every
+        # 64 KiB is sampled when the call ends: a copy still running would change some later.
+        size = min(self.large_size(backend), 8 << 20)
+        assert await backend.put(["cancel-r"], [np.full(size, 7, np.uint8)]) == [True]
+        buf = np.zeros(size, np.uint8)
+        call = asyncio.ensure_future(backend.get_into(["cancel-r"], [buf]))
+        await asyncio.sleep(0)  # the read has started (a thread of the backend may hold buf)
+        await _cancelled(call)
+        sampled = buf[:: 1 << 16].copy()
+        await asyncio.sleep(0.05)
+        assert np.array_equal(buf[:: 1 << 16], sampled), "the buffer changed after the call"
+
+    @pytest.mark.asyncio
+    async def test_a_cancelled_put_is_whole_or_absent(self, backend: StorageBackend) -> None:
+        size = min(self.large_size(backend), 8 << 20)
+        old, new = np.full(size, 1, np.uint8), np.full(size, 2, np.uint8)
+        assert await backend.put(["cancel-w"], [old]) == [True]
+        call = asyncio.ensure_future(backend.put(["cancel-w"], [new]))
+        await asyncio.sleep(0)
+        await _cancelled(call)
+        # The caller reuses its buffer, the end first (ahead of any copy still running): what
+        # is stored must not change with it.
+        new[:: -(1 << 16)] = 3
+        new.fill(3)
+        await asyncio.sleep(0.05)
+        (got,) = await backend.get(["cancel-w"], size_hint=size)
+        assert got in (old.tobytes(), np.full(size, 2, np.uint8).tobytes()), "a torn object"
+
+    @pytest.mark.asyncio
     async def test_scan_while_putting_and_deleting(self, backend: StorageBackend) -> None:
         require_listable(backend)
         base = {f"base-{i}": random_bytes(50 + i, seed=i) for i in range(20)}
@@ -325,3 +384,10 @@ class StatefulConformanceTests(SuiteHooks):
         if backend.capabilities.listable:
             assert {i.key: i.size for i in await scan_all(backend, "large")} == {"large": n}
         assert await backend.delete(["large"]) == [True]
+
+
+async def _cancelled(call: asyncio.Future[Any]) -> None:
+    """Cancel ``call`` and wait for it to end, whether the cancellation came in time or not."""
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await call

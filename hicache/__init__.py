@@ -13,8 +13,9 @@ tools, which never touch tensors, do not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hicache.lazy_exports import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -30,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "encode_page": "hicache.codec",
     "decode_page": "hicache.codec",
     "DType": "hicache.dtypes",
-    "Layout": "hicache.layouts",
+    "Layout": "hicache.dtypes",
     # the radix tree
     "RadixCache": "hicache.radix.tree",
     "RadixCacheConfig": "hicache.radix.tree",
@@ -40,9 +41,9 @@ _EXPORTS: dict[str, str] = {
     "ShadowRadixCache": "hicache.radix.shadow",
     # pools
     "PoolSpec": "hicache.pools.pool_spec",
-    "PoolPreset": "hicache.pools.pool_spec",
-    "ModelShape": "hicache.pools.pool_spec",
-    "preset": "hicache.pools.pool_spec",
+    "PoolPreset": "hicache.pools.presets",
+    "ModelShape": "hicache.pools.presets",
+    "preset": "hicache.pools.presets",
     "DevicePool": "hicache.pools.device",
     "device_pools": "hicache.pools.device",
     "HostPool": "hicache.pools.host",
@@ -130,13 +131,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hicache' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:
@@ -147,7 +142,7 @@ if TYPE_CHECKING:
     from hicache.backends.base import Capabilities, StorageBackend
     from hicache.backends.registry import list_backends, open_backend, register_backend
     from hicache.codec import PageMeta, decode_page, encode_page
-    from hicache.dtypes import DType
+    from hicache.dtypes import DType, Layout
     from hicache.errors import (
         BackendError,
         BackendNotFoundError,
@@ -160,10 +155,10 @@ if TYPE_CHECKING:
         ReadOnlyStoreError,
     )
     from hicache.keys import PageKeyScheme, RadixKey, StorageFormat, namespace_digest, storage_key
-    from hicache.layouts import Layout
     from hicache.pools.device import DevicePool, device_pools
     from hicache.pools.host import HostPool, host_pools
-    from hicache.pools.pool_spec import ModelShape, PoolPreset, PoolSpec, preset
+    from hicache.pools.pool_spec import PoolSpec
+    from hicache.pools.presets import ModelShape, PoolPreset, preset
     from hicache.pools.req_to_token import ReqToTokenPool
     from hicache.radix.eviction import EvictionPolicy
     from hicache.radix.lifecycle import CachedRequest

@@ -27,6 +27,7 @@ __all__ = [
     "InvalidKeyError",
     "InvalidTokenError",
     "LayoutError",
+    "MissingSlotError",
     "PayloadChecksumError",
     "ReadOnlyStoreError",
     "TraceFormatError",
@@ -71,6 +72,12 @@ class TraceFormatError(InvalidArgumentError):
     def __init__(self, line: int, problem: str) -> None:
         super().__init__(f"trace line {line}: {problem}")
         self.line = line
+
+
+class MissingSlotError(InvalidArgumentError, RuntimeError):
+    """A model was asked to read a pool at a position its chunk gives no slot for (a -1 inside
+    a window it reads). A RuntimeError too: the caller's pool bookkeeping went wrong, not one
+    argument's value."""
 
 
 class LayoutError(InvalidArgumentError):

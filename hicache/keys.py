@@ -25,9 +25,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hicache.dtypes import DType
+from hicache.dtypes import DType, Layout
 from hicache.errors import InvalidArgumentError, InvalidKeyError, InvalidTokenError
-from hicache.layouts.kinds import Layout
 
 __all__ = [
     "HASH_BYTES",

@@ -35,7 +35,7 @@ from typing import Any
 
 import xxhash
 
-from hicache.dtypes import DType
+from hicache.dtypes import DType, Layout
 from hicache.errors import (
     BadMagicError,
     CorruptHeaderError,
@@ -45,7 +45,6 @@ from hicache.errors import (
     TruncatedPageError,
     UnsupportedVersionError,
 )
-from hicache.layouts.kinds import Layout
 
 __all__ = [
     "CHECKSUMS_AT",

@@ -2,15 +2,16 @@
 
 ``import hicache.layouts``. The byte order of every layout, and so of every stored page, is in
 :mod:`hicache.layouts.shapes`. The tensor parts (views, conversion, transfers) are imported on
-first use, so modules that only need ``Layout`` (keys, the codec) do not import torch.
+first use, so modules that only need shapes do not import torch. ``Layout`` is defined beside
+``DType`` in :mod:`hicache.dtypes` (keys and the codec use it without this package) and
+re-exported here.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from hicache.layouts.kinds import Layout
+from hicache.dtypes import Layout
 from hicache.layouts.shapes import (
     KV_LAYOUTS,
     Axis,
@@ -27,6 +28,7 @@ from hicache.layouts.shapes import (
     storage_layout,
 )
 from hicache.layouts.spec import KV_COMPONENTS, LATENT_COMPONENTS, LayoutSpec, SpecPreset
+from hicache.lazy_exports import lazy_getattr
 
 if TYPE_CHECKING:
     from hicache.layouts.conversion import conversions, convert
@@ -48,20 +50,20 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
-    "conversions": "conversion",
-    "convert": "conversion",
-    "LayerEvent": "transfer",
-    "LayerTransfer": "transfer",
-    "TransferStream": "transfer",
-    "gather": "transfer",
-    "scatter": "transfer",
-    "check_buffer": "views",
-    "empty_buffer": "views",
-    "page_segments": "views",
-    "page_tensor": "views",
-    "page_view": "views",
-    "read_page": "views",
-    "write_page": "views",
+    "conversions": ".conversion",
+    "convert": ".conversion",
+    "LayerEvent": ".transfer",
+    "LayerTransfer": ".transfer",
+    "TransferStream": ".transfer",
+    "gather": ".transfer",
+    "scatter": ".transfer",
+    "check_buffer": ".views",
+    "empty_buffer": ".views",
+    "page_segments": ".views",
+    "page_tensor": ".views",
+    "page_view": ".views",
+    "read_page": ".views",
+    "write_page": ".views",
 }
 
 __all__ = [
@@ -100,10 +102,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
+from hicache.dtypes import Layout
 from hicache.errors import LayoutError
-from hicache.layouts.kinds import Layout
 from hicache.layouts.shapes import Axis, axis_order, buffer_num_pages, expanded_shape
 from hicache.layouts.spec import LayoutSpec
 from hicache.layouts.views import canonical_words, check_buffer, word_size, word_view

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from hicache.dtypes import Layout
 from hicache.errors import LayoutError, UnsupportedLayoutError
-from hicache.layouts.kinds import Layout
 from hicache.layouts.shapes import KV_LAYOUTS, axis_order, buffer_shape, expanded_shape
 from hicache.layouts.spec import LayoutSpec
 from hicache.layouts.views import check_buffer, word_size, word_view

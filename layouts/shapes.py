@@ -27,8 +27,8 @@ import enum
 import math
 from typing import NamedTuple
 
+from hicache.dtypes import Layout
 from hicache.errors import LayoutError, UnsupportedLayoutError
-from hicache.layouts.kinds import Layout
 from hicache.layouts.spec import LayoutSpec
 
 __all__ = [

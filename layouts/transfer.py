@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import torch
 
+from hicache.dtypes import Layout
 from hicache.errors import LayoutError
 from hicache.layouts._plans import CopyPlan, IndexLike, make_plan
-from hicache.layouts.kinds import Layout
 from hicache.layouts.spec import LayoutSpec
 
 __all__ = ["LayerEvent", "LayerTransfer", "TransferStream", "gather", "scatter"]

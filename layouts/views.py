@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from hicache.dtypes import Layout
 from hicache.errors import LayoutError
-from hicache.layouts.kinds import Layout
 from hicache.layouts.shapes import (
     Axis,
     axis_order,

@@ -1,6 +1,6 @@
 """Write the burst replay trace: ``python -m hicache.tools.burst_trace OUT.jsonl``.
 
-The trace is :func:`~hicache.serving.workloads.burst_conversations_trace` (long multi-turn
+The trace is :func:`~hicache.workloads.synthetic.burst_conversations_trace` (long multi-turn
 conversations, every turn present); measure it with
 ``hicache serve --compare --json --trace OUT.jsonl --rate 0`` so every turn arrives at once.
 """
@@ -11,9 +11,9 @@ import argparse
 import dataclasses
 import sys
 
-from hicache.serving.traces import dump_trace
-from hicache.serving.workloads import BURST_CHAT, burst_conversations_trace
 from hicache.tools.cli_parsing import int_range, output_file
+from hicache.workloads.synthetic import BURST_CHAT, burst_conversations_trace
+from hicache.workloads.traces import dump_trace
 
 __all__ = ["main"]
 

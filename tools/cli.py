@@ -25,26 +25,27 @@ COMMANDS: dict[str, Command] = {
     "backends": Command("list registered storage backends", "hicache.tools.cli_info:add_backends"),
     "bench": Command(
         "benchmarks against a baseline measured in the same run",
-        "hicache.tools.cli_bench:add_bench",
+        "hicache.tools.bench.commands:add_bench",
         nested=True,
     ),
     "inspect": Command(
-        "what a store holds, from page headers", "hicache.tools.cli_store:add_inspect"
+        "what a store holds, from page headers", "hicache.tools.store.commands:add_inspect"
     ),
     "verify": Command(
-        "read every object and check header and checksum", "hicache.tools.cli_store:add_verify"
+        "read every object and check header and checksum", "hicache.tools.store.commands:add_verify"
     ),
     "compact": Command(
-        "remove bad, orphaned, stale and over-budget pages", "hicache.tools.cli_store:add_compact"
+        "remove bad, orphaned, stale and over-budget pages",
+        "hicache.tools.store.commands:add_compact",
     ),
-    "stats": Command("the counters a backend keeps", "hicache.tools.cli_store:add_stats"),
+    "stats": Command("the counters a backend keeps", "hicache.tools.store.commands:add_stats"),
     "config": Command(
         "check a tiered-cache config (file and flags) and print what takes effect",
         "hicache.tools.cli_info:add_config",
     ),
     "serve": Command(
         "serve a workload with the tiered cache (L3 on local disk by default)",
-        "hicache.tools.serve:add_serve_parser",
+        "hicache.tools.serve.command:add_serve_parser",
     ),
 }
 

@@ -52,7 +52,7 @@ main() {
     local tests_rc=$?
 
     echo "== bench layouts --json (limit ${bench_limit}s)"
-    local bench=(-m hicache.tools.bench_layouts)
+    local bench=(-m hicache.tools.bench.layouts)
     if (cd "$src" && "$py" -m hicache.tools.cli bench layouts --help >/dev/null 2>&1); then
         bench=(-m hicache.tools.cli bench layouts)
     fi

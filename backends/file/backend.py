@@ -38,16 +38,16 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
-from urllib.parse import unquote
 
 from hicache.backends._io_threads import outlive_cancel
+from hicache.backends._urls import local_root
 from hicache.backends.base import Capabilities, ObjectInfo, StorageBackend
 from hicache.backends.file.config import FileConfig
 from hicache.backends.file.io import write_all
 from hicache.backends.file.lru_index import LruIndex
-from hicache.backends.file.maintenance import StoreMaintenance
 from hicache.backends.file.reads import ObjectReads
 from hicache.backends.file.scan import scan_top, top_dirs
+from hicache.backends.file.store_maintenance import StoreMaintenance
 from hicache.backends.file.tree import (
     LinkRefusedError,
     fan_of,
@@ -62,7 +62,6 @@ from hicache.backends.file.tree import (
 from hicache.errors import (
     BackendError,
     BackendUnavailableError,
-    ConfigError,
     ReadOnlyStoreError,
 )
 
@@ -130,11 +129,8 @@ class FileBackend(ObjectReads, StoreMaintenance, StorageBackend):
     # ----- construction -------------------------------------------------------------------
     @classmethod
     def url_location_fields(cls, netloc: str, path: str) -> dict[str, Any]:
-        if netloc not in ("", "localhost"):
-            raise ConfigError(f"a file URL names a local path (file:///abs/path), not {netloc!r}")
-        if not path:
-            raise ConfigError("a file URL needs a path, for example file:///var/cache/hicache")
-        return {"root": unquote(path)}
+        example = "file:///var/cache/hicache"
+        return local_root(netloc, path, "file", "a local path (file:///abs/path)", example)
 
     @classmethod
     async def open(cls: type[F], config: Any) -> F:

@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import multiprocessing
 import pickle
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from concurrent.futures import ProcessPoolExecutor
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 from hicache.backends.file.io import ReadBuffer
+from hicache.backends.file.maintenance import ObjectCheck
 from hicache.backends.file.scan import read_groups, read_tree
 
 __all__ = ["picklable", "read_in_processes", "read_in_threads", "read_store"]
@@ -25,16 +26,13 @@ __all__ = ["picklable", "read_in_processes", "read_in_threads", "read_store"]
 _WIDE_READ_BYTES = 256 << 10  # all threads are used once objects average this size
 
 T = TypeVar("T")
+#: Per group of top-level directories read: the checks' results, bytes read, failed reads.
+Outcomes: TypeAlias = AsyncGenerator[tuple[list[T], int, int], None]
 
 
 async def read_in_threads(
-    root: str,
-    names: list[str],
-    prefix: str,
-    check: Callable[[str, memoryview], T],
-    threads: int,
-    wide: bool,
-) -> AsyncGenerator[tuple[list[T], int, int], None]:
+    root: str, names: list[str], prefix: str, check: ObjectCheck[T], threads: int, wide: bool
+) -> Outcomes[T]:
     # A hop costs far more than a read: a few hops per thread.
     step = max(1, len(names) // (8 * max(1, threads)))
     groups = iter([names[i : i + step] for i in range(0, len(names), step)])
@@ -62,8 +60,8 @@ async def read_in_threads(
 
 
 async def read_in_processes(
-    root: str, names: list[str], prefix: str, check: Callable[[str, memoryview], T], processes: int
-) -> AsyncGenerator[tuple[list[T], int, int], None]:
+    root: str, names: list[str], prefix: str, check: ObjectCheck[T], processes: int
+) -> Outcomes[T]:
     # spawn, not fork: this process runs threads (the event loop's executor), and a fork
     # could copy a lock some other thread holds.
     pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
@@ -92,13 +90,8 @@ def picklable(fn: object) -> bool:
 
 
 async def read_store(
-    root: str,
-    names: list[str],
-    prefix: str,
-    check: Callable[[str, memoryview], T],
-    threads: int,
-    processes: int,
-) -> AsyncGenerator[tuple[list[T], int, int], None]:
+    root: str, names: list[str], prefix: str, check: ObjectCheck[T], threads: int, processes: int
+) -> Outcomes[T]:
     """``(results, bytes, failures)`` per group of the top-level directories ``names``.
 
     One thread reads the first directory; it tells how large objects are. Small objects cost

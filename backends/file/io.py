@@ -12,6 +12,8 @@ import ctypes
 import errno
 import os
 
+from hicache.backends.segments import segments_after
+
 __all__ = [
     "ReadBuffer",
     "aligned",
@@ -33,22 +35,13 @@ def aligned(view: memoryview) -> bool:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
 
 
-def _tail(segs: list[memoryview], skip: int) -> list[memoryview]:
-    """The views left once the first ``skip`` bytes of ``segs`` are done."""
-    for i, seg in enumerate(segs):
-        if skip < seg.nbytes:
-            return [seg[skip:], *segs[i + 1 :]]
-        skip -= seg.nbytes
-    return []
-
-
 # One syscall moves the whole object in the common case; the loops only finish partial
 # transfers (a signal, a write past 2 GiB, more than IOV_MAX segments). Extra Python per object
 # is kept out of the common path: right after a 2 MiB copy it runs on cold caches.
 def write_all(fd: int, segs: list[memoryview], size: int) -> None:
     done = os.writev(fd, segs) if size and len(segs) <= _IOV_MAX else 0
     while done < size:
-        n = os.writev(fd, _tail(segs, done)[:_IOV_MAX])
+        n = os.writev(fd, segments_after(segs, done)[:_IOV_MAX])
         if n <= 0:
             raise OSError(errno.EIO, "write made no progress")
         done += n
@@ -62,7 +55,7 @@ def read_into(fd: int, segs: list[memoryview], size: int) -> int:
     """
     got = os.preadv(fd, segs, 0) if size and len(segs) <= _IOV_MAX else 0
     while got < size:
-        n = os.preadv(fd, _tail(segs, got)[:_IOV_MAX], got)
+        n = os.preadv(fd, segments_after(segs, got)[:_IOV_MAX], got)
         if n <= 0:
             break
         got += n

@@ -1,85 +1,75 @@
-"""The ``file`` backend's side for the operating tools: whole-store reads (the ``BulkReader``
-protocol) and writers' temporary files (the ``TempFileOwner`` protocol).
+"""What the operating tools (``hicache verify``, ``hicache compact``) check a backend for.
 
-A mixin of :class:`~hicache.backends.file.backend.FileBackend`, kept apart so that the backend's
-own module holds the object operations. Every walk here goes through :mod:`.scan`, which never
-follows a link below the root.
+Two optional capabilities beyond :class:`~hicache.backends.base.StorageBackend`, offered today
+by the ``file`` backend (:mod:`.store_maintenance`); tools test for them with ``isinstance`` and
+fall back to the plain API where a backend has neither:
+
+- :class:`BulkReader`: read every object once, checking each one as it lands. Listing, then
+  fetching in batches, then checking makes each object cross the event loop and a thread hop
+  several times, and a large payload is checksummed long after its read, on cold caches; a
+  backend that walks its own storage instead reads each object into a reusable buffer in a
+  worker and calls the tool's check right there, and only the results come back, in batches.
+- :class:`TempFileOwner`: list and remove the temporary files that writers which crashed
+  left behind (:class:`TempFile`), never one younger than :data:`TEMP_GRACE_S`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias, TypeVar, runtime_checkable
 
-from hicache.backends.base import TEMP_GRACE_S, TempFile
-from hicache.backends.file.bulk_read import read_store
-from hicache.backends.file.scan import (
-    remove_if_stale,
-    root_temp_files,
-    temp_files_under,
-    top_dirs,
-)
-
-__all__ = ["StoreMaintenance"]
+__all__ = [
+    "TEMP_GRACE_S",
+    "BulkReader",
+    "ObjectBatches",
+    "ObjectCheck",
+    "TempFile",
+    "TempFileOwner",
+]
 
 T = TypeVar("T")
+#: A tool's check of one object, ``check(key, data)``; ``data`` is valid during the call only.
+ObjectCheck: TypeAlias = Callable[[str, memoryview], T]
+#: The checks' results, a batch at a time.
+ObjectBatches: TypeAlias = AsyncGenerator[list[T], None]
+# A temporary file younger than this may belong to a write in progress: never removed.
+TEMP_GRACE_S = 15 * 60.0
 
 
-class StoreMaintenance:
-    """``read_all``, ``scan_temp_files`` and ``remove_temp_files`` over ``_root``."""
+@runtime_checkable
+class BulkReader(Protocol):
+    def read_all(
+        self, prefix: str, check: ObjectCheck[T], *, threads: int = 2, processes: int = 0
+    ) -> ObjectBatches[T]:
+        """``check(key, data)`` for every object whose key starts with ``prefix``, in batches.
 
-    # Provided by the backend (and its base class).
-    _root: str
-    _bump: Callable[..., None]
-    _warn_once: Callable[[str, str], None]
-    _check_open: Callable[[], None]
-    _check_writable: Callable[[str], None]
-
-    async def read_all(
-        self,
-        prefix: str,
-        check: Callable[[str, memoryview], T],
-        *,
-        threads: int = 2,
-        processes: int = 0,
-    ) -> AsyncGenerator[list[T], None]:
-        """``check(key, data)`` for every object, one thread hop per few top-level directories.
-
-        Each worker has its own buffer; like ``peek``, these reads leave the eviction order
-        alone. One thread runs until the objects prove large: a small object's cost is mostly
-        Python (the check, the walk), which the GIL serialises, and two threads handing it back
-        and forth are slower than one; a large object's copy and checksum run without it. Small
-        objects go to up to ``processes`` worker processes instead, when ``check`` can be sent
-        to them (a module-level function) and the store is big enough to pay for starting them.
+        ``check`` runs in a worker thread and ``data`` is only valid during the call (the buffer
+        is reused): return what is needed, never the view. Objects removed while the walk runs
+        are skipped; an object is read at most once. Closing the iterator early waits for the
+        reads in flight. With ``processes`` > 1 a backend may run ``check`` in worker processes
+        instead: it must then be picklable (a module-level function), and so must its results.
         """
-        self._check_open()
-        names = await asyncio.to_thread(top_dirs, self._root)
-        outcomes = read_store(self._root, names, prefix, check, threads, processes)
-        async with contextlib.aclosing(outcomes) as batches:
-            async for results, _, failed in batches:
-                if failed:
-                    self._bump("read_errors", failed)
-                    self._warn_once("read", f"{failed} objects could not be read")
-                yield results
+        ...
 
-    async def scan_temp_files(self) -> AsyncIterator[TempFile]:
-        """Every writer's temporary file, with its age; one thread hop per top directory."""
-        self._check_open()
-        for info in await asyncio.to_thread(root_temp_files, self._root):  # open()'s probe
-            yield info
-        for top in await asyncio.to_thread(top_dirs, self._root):
-            for info in await asyncio.to_thread(temp_files_under, self._root, top):
-                yield info
+
+@dataclass(frozen=True, slots=True)
+class TempFile:
+    """A writer's temporary file (``path`` relative to the store), as a cleaner sees it."""
+
+    path: str
+    size: int
+    age_s: float  # seconds since it was last written
+
+
+@runtime_checkable
+class TempFileOwner(Protocol):
+    """A backend whose writers leave temporary files when they crash (``file``)."""
+
+    def scan_temp_files(self) -> AsyncIterator[TempFile]:
+        """Every temporary file in the store, whatever its age."""
+        ...
 
     async def remove_temp_files(self, min_age_s: float = TEMP_GRACE_S) -> list[TempFile]:
         """Remove temporary files not written for ``min_age_s`` seconds; those removed."""
-        self._check_writable("removing temporary files")
-        removed: list[TempFile] = []
-        async for info in self.scan_temp_files():
-            if info.age_s >= min_age_s and await asyncio.to_thread(
-                remove_if_stale, self._root, info.path, min_age_s
-            ):
-                removed.append(info)
-        return removed
+        ...

@@ -16,8 +16,9 @@ from typing import TypeVar
 
 import xxhash
 
-from hicache.backends.base import ObjectInfo, TempFile
+from hicache.backends.base import ObjectInfo
 from hicache.backends.file.io import ReadBuffer
+from hicache.backends.file.maintenance import ObjectCheck, TempFile
 from hicache.backends.file.tree import (
     READ_FLAGS,
     LinkRefusedError,
@@ -47,17 +48,26 @@ _TEMP_RE = re.compile(r"\..+\.[0-9]+\.[0-9a-f]{12}\.tmp\Z")
 T = TypeVar("T")
 
 
-def top_dirs(root: str) -> list[str]:
-    """The store's first-level fan-out directories (links skipped)."""
+def _in_root(root: str, fn: Callable[[int], list[T]]) -> list[T]:
+    """``fn`` of the open root directory (closed after); nothing when there is no root."""
     try:
         fd = open_path_dir(root)
     except FileNotFoundError:
         return []
     try:
-        with os.scandir(fd) as it:
-            return [e.name for e in it if is_fan_name(e.name) and e.is_dir(follow_symlinks=False)]
+        return fn(fd)
     finally:
         os.close(fd)
+
+
+def top_dirs(root: str) -> list[str]:
+    """The store's first-level fan-out directories (links skipped)."""
+
+    def fan_dirs(fd: int) -> list[str]:
+        with os.scandir(fd) as it:
+            return [e.name for e in it if is_fan_name(e.name) and e.is_dir(follow_symlinks=False)]
+
+    return _in_root(root, fan_dirs)
 
 
 def _object_info(entry: os.DirEntry[str], fan: str) -> ObjectInfo | None:
@@ -164,11 +174,7 @@ def _names_in(leaf: int, fan: str, prefix: str) -> list[str]:
 
 
 def read_tree(
-    root: str,
-    tops: list[str],
-    prefix: str,
-    check: Callable[[str, memoryview], T],
-    buf: ReadBuffer,
+    root: str, tops: list[str], prefix: str, check: ObjectCheck[T], buf: ReadBuffer
 ) -> tuple[list[T], int, int]:
     """``check(name, data)`` for each object below ``root/top`` for each of ``tops``, read
     whole into ``buf``.
@@ -199,7 +205,7 @@ def read_tree(
 
 
 def read_groups(
-    root: str, tops: list[str], prefix: str, check: Callable[[str, memoryview], T]
+    root: str, tops: list[str], prefix: str, check: ObjectCheck[T]
 ) -> tuple[list[T], int, int]:
     """:func:`read_tree` with a buffer of its own: what a worker process runs."""
     return read_tree(root, tops, prefix, check, ReadBuffer(1 << 20))
@@ -207,11 +213,4 @@ def read_groups(
 
 def root_temp_files(root: str) -> list[TempFile]:
     """Temporary files directly in the root (``open()``'s write probes)."""
-    try:
-        fd = open_path_dir(root)
-    except FileNotFoundError:
-        return []
-    try:
-        return temp_files_in(fd, "")
-    finally:
-        os.close(fd)
+    return _in_root(root, lambda fd: temp_files_in(fd, ""))

@@ -18,20 +18,16 @@ import errno
 import functools
 import os
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import fsspec
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
 from hicache.backends.base import MISS, ObjectInfo
+from hicache.backends.fsspec.config import OBJECT_STORES, S3_PROTOCOLS, FsspecConfig
 from hicache.errors import BackendLoadError, BackendUnavailableError, ConfigError
 
-if TYPE_CHECKING:
-    from hicache.backends.fsspec.backend import FsspecConfig
-
 __all__ = [
-    "OBJECT_STORES",
-    "S3_PROTOCOLS",
     "FsOps",
     "ObjectStoreOps",
     "S3Ops",
@@ -39,9 +35,6 @@ __all__ = [
     "open_error",
 ]
 
-S3_PROTOCOLS = frozenset({"s3", "s3a"})
-# Single writes are atomic and there are buckets; everything else gets temp-and-move writes.
-OBJECT_STORES = S3_PROTOCOLS | {"gs", "gcs", "az", "abfs", "abfss", "adl"}
 _INSTALL_HINTS = {
     **dict.fromkeys(S3_PROTOCOLS, "pip install 'hicache[s3]'"),
     **dict.fromkeys(("gs", "gcs"), "pip install gcsfs"),

@@ -39,9 +39,9 @@ import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
-from urllib.parse import unquote
 
 from hicache.backends._io_threads import IOThreads
+from hicache.backends._urls import local_root
 from hicache.backends.base import (
     MISS,
     Capabilities,
@@ -159,11 +159,8 @@ class Hf3fsBackend(StorageBackend):
     # ----- construction -------------------------------------------------------------------
     @classmethod
     def url_location_fields(cls, netloc: str, path: str) -> dict[str, Any]:
-        if netloc not in ("", "localhost"):
-            raise ConfigError(f"a 3fs URL names a mount path (3fs:///mnt/3fs), not {netloc!r}")
-        if not path:
-            raise ConfigError("a 3fs URL needs a path, for example 3fs:///mnt/3fs/hicache")
-        return {"root": unquote(path)}
+        example = "3fs:///mnt/3fs/hicache"
+        return local_root(netloc, path, "3fs", "a mount path (3fs:///mnt/3fs)", example)
 
     @classmethod
     async def open(cls: type[H], config: Any) -> H:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from hicache.backends.base import segments_nbytes
+from hicache.backends.segments import segments_after
 from hicache.errors import BackendUnavailableError
 
 __all__ = ["IOItem", "PosixSlotIO", "SlotIO", "check_root", "open_data_file", "open_store_file"]
@@ -41,15 +42,6 @@ class SlotIO(Protocol):
     def read(self, items: Sequence[IOItem]) -> list[int]: ...
 
     def close(self) -> None: ...
-
-
-def _tail(segs: Sequence[memoryview], skip: int) -> list[memoryview]:
-    """The views left once the first ``skip`` bytes of ``segs`` are done."""
-    for i, seg in enumerate(segs):
-        if skip < seg.nbytes:
-            return [seg[skip:], *segs[i + 1 :]]
-        skip -= seg.nbytes
-    return []
 
 
 class PosixSlotIO:
@@ -85,7 +77,7 @@ class PosixSlotIO:
         want = segments_nbytes(segs)
         try:
             while done < want:
-                n = fn(self._fd, _tail(segs, done)[:_IOV_MAX], off + done)
+                n = fn(self._fd, segments_after(segs, done)[:_IOV_MAX], off + done)
                 if n <= 0:
                     break  # end of file on a read: the caller sees a short count
                 done += n

@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from hicache.backends._buffers import address_of, flat_view
+from hicache.backends._io_threads import outlive_cancel
 from hicache.backends.base import MISS, Capabilities, ObjectInfo, StorageBackend, segments_nbytes
 from hicache.backends.mooncake.admin import MARKER, list_objects
 from hicache.backends.mooncake.client import (
@@ -209,18 +210,22 @@ class MooncakeBackend(StorageBackend):
 
     # ----- operations -----------------------------------------------------------------------
     async def _exists(self, keys: list[str]) -> list[bool]:
+        return await self._object_or_marker(keys, lambda s, m: s.batch_is_exist(m), 1, "exists")
+
+    async def _object_or_marker(
+        self, keys: list[str], call: Callable[[Any, list[str]], list[int]], hit: int, what: str
+    ) -> list[bool]:
+        """``call(store, mkeys)`` over each key's object and its empty-object marker; per key,
+        whether either answered ``hit``. All False while the master cannot be reached."""
         mkeys = self._mkeys(keys) + self._markers(keys)
-        found = await self._call(
-            lambda c: self._checked(c.store.batch_is_exist(mkeys), "exists"), None
-        )
-        if found is None:
+        out = await self._call(lambda c: self._checked(call(c.store, mkeys), what), None)
+        if out is None:
             return [False] * len(keys)
         n = len(keys)
-        return [found[i] == 1 or found[n + i] == 1 for i in range(n)]
+        return [out[i] == hit or out[n + i] == hit for i in range(n)]
 
     async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
-        got = await self._call(lambda c: self._read(c, keys, buffers), None)
-        return [MISS] * len(keys) if got is None else got
+        return await self._call(lambda c: self._read(c, keys, buffers), [MISS] * len(keys))
 
     def _read(
         self, client: MooncakeClient, keys: list[str], buffers: list[list[memoryview]]
@@ -238,8 +243,7 @@ class MooncakeBackend(StorageBackend):
         return [rc if rc >= 0 else MISS for rc in codes]
 
     async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
-        done = await self._call(lambda c: self._write(c, keys, values), None)
-        return [False] * len(keys) if done is None else done
+        return await self._call(lambda c: self._write(c, keys, values), [False] * len(keys))
 
     def _write(
         self, client: MooncakeClient, keys: list[str], values: list[list[memoryview]]
@@ -288,14 +292,9 @@ class MooncakeBackend(StorageBackend):
 
     async def _delete(self, keys: list[str]) -> list[bool]:
         # Forced: a cache delete must take effect even while a reader holds the object's lease.
-        mkeys = self._mkeys(keys) + self._markers(keys)
-        out = await self._call(
-            lambda c: self._checked(c.store.batch_remove(mkeys, True), "delete"), None
+        return await self._object_or_marker(
+            keys, lambda s, m: s.batch_remove(m, True), OK, "delete"
         )
-        if out is None:
-            return [False] * len(keys)
-        n = len(keys)
-        return [out[i] == OK or out[n + i] == OK for i in range(n)]
 
     async def _scan(self, prefix: str) -> AsyncIterator[ObjectInfo]:
         admin = self.config.admin_url
@@ -338,7 +337,8 @@ class MooncakeBackend(StorageBackend):
         """``op`` on the client's worker thread; ``fallback`` while the master is down."""
         conn = self._live()
         try:
-            return await asyncio.get_running_loop().run_in_executor(conn.executor, conn.run, op)
+            work = asyncio.get_running_loop().run_in_executor(conn.executor, conn.run, op)
+            return await outlive_cancel(work)  # the op may still be moving the caller's bytes
         except Unavailable:
             self._count("unavailable")
             return fallback

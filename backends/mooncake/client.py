@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache.backends.base import copy_into_segments, segments_nbytes
+from hicache.backends._buffers import copy_outside_gil
+from hicache.backends.base import copy_into_segments, fill_from_segments, segments_nbytes
 from hicache.backends.mooncake.plan import Move, Plan, RegisteredRanges, Scatter, classify, trimmed
 from hicache.errors import BackendLoadError, BackendUnavailableError
 
@@ -191,7 +192,8 @@ class MooncakeClient:
         if rnd.moves:
             for m in rnd.moves:
                 if m.segments is not None:
-                    _fill(rnd.buffer, m.staged_at, m.segments)
+                    staged = rnd.buffer.data[m.staged_at : m.staged_at + m.nbytes]
+                    fill_from_segments(m.segments, staged, copy_outside_gil)
             out = self.store.batch_upsert_from(
                 [mkeys[m.index] for m in rnd.moves],
                 [m.address for m in rnd.moves],
@@ -204,17 +206,19 @@ class MooncakeClient:
             if lost_master(out):
                 return False
         if rnd.scattered:
-            out = self.store.batch_put_from_multi_buffers(
-                [mkeys[s.index] for s in rnd.scattered],
-                [s.addresses for s in rnd.scattered],
-                [s.sizes for s in rnd.scattered],
-                self.placement,
-            )
+            out = self._put_scattered([mkeys[s.index] for s in rnd.scattered], rnd.scattered)
             for s, rc in zip(rnd.scattered, out, strict=True):
                 codes[s.index] = rc
-                self.zero_copy_bytes += s.nbytes if rc == OK else 0
             return not lost_master(out)
         return True
+
+    def _put_scattered(self, mkeys: list[str], scattered: list[Scatter]) -> list[int]:
+        """One multi-buffer put from registered memory (it keeps the object of a key that
+        exists); per key, Mooncake's code. The bytes stored count as zero-copy."""
+        addresses, sizes = [s.addresses for s in scattered], [s.sizes for s in scattered]
+        out = list(self.store.batch_put_from_multi_buffers(mkeys, addresses, sizes, self.placement))
+        self.zero_copy_bytes += sum(s.nbytes for s, rc in zip(scattered, out) if rc == OK)
+        return out
 
     def put_missing(self, mkeys: list[str], values: Sequence[list[memoryview]]) -> list[int] | None:
         """Store each value whose key is absent, keeping the objects of present keys, in one
@@ -225,15 +229,7 @@ class MooncakeClient:
         plan = classify(values, self.regions, segments_nbytes)
         if plan.direct or plan.staged or not plan.scattered:
             return None
-        out = self.store.batch_put_from_multi_buffers(
-            mkeys,
-            [s.addresses for s in plan.scattered],
-            [s.sizes for s in plan.scattered],
-            self.placement,
-        )
-        codes = list(out)
-        self.zero_copy_bytes += sum(s.nbytes for s, rc in zip(plan.scattered, codes) if rc == OK)
-        return codes
+        return self._put_scattered(mkeys, plan.scattered)
 
     def put_marker(self, mkeys: list[str]) -> list[int]:
         """Store a one-byte object under each key (the marker of an empty object)."""
@@ -374,13 +370,6 @@ class MooncakeClient:
             raise BackendUnavailableError(
                 f"Mooncake could not register {nbytes} bytes of memory (code {rc})"
             )
-
-
-def _fill(staging: np.ndarray, offset: int, segs: list[memoryview]) -> None:
-    for seg in segs:
-        n = seg.nbytes
-        staging[offset : offset + n] = np.frombuffer(seg, dtype=np.uint8)
-        offset += n
 
 
 def _placement(store: Any, prefer_local: bool) -> Any:

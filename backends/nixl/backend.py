@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
-from hicache.backends._io_threads import outlive_cancel
+from hicache.backends._io_threads import in_thread
 from hicache.backends.base import MISS, Capabilities, ObjectInfo, StorageBackend, segments_nbytes
 from hicache.backends.nixl.agent import (
     NixlAgent,
@@ -194,11 +194,8 @@ class NixlBackend(StorageBackend):
 
     # ----- operations -----------------------------------------------------------------------
     async def _exists(self, keys: list[str]) -> list[bool]:
-        store = self._store
-        if isinstance(store, ObjStore):
-            return await self._in_thread(store.exists_many, keys)
-        assert store is not None
-        return await self._in_thread(lambda: [store.exists(k) for k in keys])
+        assert self._store is not None
+        return await self._in_thread(self._store.exists_many, keys)
 
     async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
         step = self.config.batch_keys
@@ -295,11 +292,8 @@ class NixlBackend(StorageBackend):
                 agent.deregister(handle)
 
     async def _delete(self, keys: list[str]) -> list[bool]:
-        store = self._store
-        if isinstance(store, ObjStore):
-            return await self._in_thread(store.delete_many, keys)
-        assert store is not None
-        return await self._in_thread(lambda: [store.delete(k) for k in keys])
+        assert self._store is not None
+        return await self._in_thread(self._store.delete_many, keys)
 
     async def _scan(self, prefix: str) -> AsyncIterator[ObjectInfo]:
         assert self._store is not None
@@ -333,7 +327,7 @@ class NixlBackend(StorageBackend):
     # ----- helpers ----------------------------------------------------------------------------
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread; a cancelled caller still waits for it to finish."""
-        return await outlive_cancel(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
+        return await in_thread(fn, *args)
 
     def _note_read_errors(self, count: int, detail: str) -> None:
         with self._errors_lock:

@@ -137,6 +137,13 @@ class PosixStore:
     def exists(self, key: str) -> bool:
         return self._entry(key) is not None
 
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        return [self.exists(k) for k in keys]
+
+    def delete_many(self, keys: list[str]) -> list[bool]:
+        """Each key removed in turn: a key named twice was there for its first mention only."""
+        return [self.delete(k) for k in keys]
+
     def delete(self, key: str) -> bool:
         try:
             if self._entry(key) is None:

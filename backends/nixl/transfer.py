@@ -13,9 +13,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from hicache.backends._buffers import address_of
+from hicache.backends._buffers import address_of, copy_outside_gil
+from hicache.backends.base import copy_into_segments, fill_from_segments
 from hicache.backends.nixl.agent import NixlAgent, RegisteredMemory, Staging
 from hicache.backends.nixl.stores import Target
 
@@ -150,14 +149,15 @@ class Mover:
             for job, offset in rnd.staged:
                 size = job.target.size
                 if op == "WRITE":
-                    _gather(job.segs, view[offset : offset + size])
+                    fill_from_segments(job.segs, view[offset : offset + size], copy_outside_gil)
                 local.append((staging.address + offset, size, 0))
                 remote.append((0, size, job.target.dev))
                 bytes_staged += size
             ok = self.agent.transfer(op, local, remote, remote_mem)
             if ok and op == "READ":
                 for job, offset in rnd.staged:
-                    _scatter(view[offset : offset + job.target.size], job.segs)
+                    staged = view[offset : offset + job.target.size]
+                    copy_into_segments(staged, job.segs, copy_outside_gil)
         self._account(ok, zero_copy_bytes=direct_bytes, bytes_staged=bytes_staged)
         return ok
 
@@ -166,11 +166,11 @@ class Mover:
         with self.staging.oversize(size) as buf:
             view = buf.data
             if op == "WRITE":
-                _gather(job.segs, view)
+                fill_from_segments(job.segs, view, copy_outside_gil)
             local = [(int(buf.ctypes.data), size, 0)]
             ok = self.agent.transfer(op, local, [(0, size, job.target.dev)], remote_mem)
             if ok and op == "READ":
-                _scatter(view, job.segs)
+                copy_into_segments(view, job.segs, copy_outside_gil)
         self._account(ok, bytes_staged=size, oversize_transfers=1)
         return ok
 
@@ -187,31 +187,3 @@ class Mover:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counters)
-
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    # numpy drops the GIL for a plain byte copy; memoryview slice assignment holds it, and
-    # a large copy into fresh pages (faulting) would stall the event loop for milliseconds.
-    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-
-
-def _gather(segs: list[memoryview], target: memoryview) -> None:
-    """Copy ``segs`` back to back into ``target`` (exactly their bytes)."""
-    offset = 0
-    for seg in segs:
-        n = seg.nbytes
-        if n:
-            _copy(target[offset : offset + n], seg)
-            offset += n
-
-
-def _scatter(source: memoryview, segs: list[memoryview]) -> None:
-    """Copy ``source`` across ``segs`` in order; the caller checked it fits."""
-    offset, total = 0, source.nbytes
-    for seg in segs:
-        if offset >= total:
-            return
-        n = min(seg.nbytes, total - offset)
-        if n:
-            _copy(seg[:n], source[offset : offset + n])
-            offset += n

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from hicache.backends._io_threads import in_thread
 from hicache.backends.base import (
     MISS,
     Capabilities,
@@ -243,7 +244,7 @@ class SharedMemoryBackend(StorageBackend):
 
     # ----- work done in threads ----------------------------------------------------------------
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.to_thread(self._guarded, fn, *args)
+        return await in_thread(self._guarded, fn, *args)
 
     def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
         # Counted in the worker thread itself, so close() waits for every copy into the mapping

@@ -9,7 +9,7 @@ import asyncio
 import enum
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -163,14 +163,20 @@ class FaultInjectionBackend(WrapperBackend):
             raise BackendUnavailableError(f"injected failure in {op.value}")
         self._faults["injected_failures"] += sum(plan.failed)
 
-    async def _exists(self, keys: list[str]) -> list[bool]:
-        plan = self._plan(Operation.EXISTS, len(keys))
+    async def _keys_only(
+        self, op: Operation, keys: list[str], call: Callable[[list[str]], Awaitable[list[bool]]]
+    ) -> list[bool]:
+        """``call`` (the inner ``exists`` or ``delete``) with ``op``'s faults: a failed key is
+        False without reaching the inner backend."""
+        plan = self._plan(op, len(keys))
         if plan is None:
-            return await self.inner.exists(keys)
-        await self._begin(Operation.EXISTS, plan)
+            return await call(keys)
+        await self._begin(op, plan)
         kept = [k for k, f in zip(keys, plan.failed, strict=True) if not f]
-        found = await self.inner.exists(kept) if kept else []
-        return _scatter(plan.failed, found, False)
+        return _scatter(plan.failed, await call(kept) if kept else [], False)
+
+    async def _exists(self, keys: list[str]) -> list[bool]:
+        return await self._keys_only(Operation.EXISTS, keys, self.inner.exists)
 
     async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
         plan = self._plan(Operation.GET, len(keys))
@@ -210,13 +216,7 @@ class FaultInjectionBackend(WrapperBackend):
         return _scatter(plan.failed, stored, False)
 
     async def _delete(self, keys: list[str]) -> list[bool]:
-        plan = self._plan(Operation.DELETE, len(keys))
-        if plan is None:
-            return await self.inner.delete(keys)
-        await self._begin(Operation.DELETE, plan)
-        kept = [k for k, f in zip(keys, plan.failed, strict=True) if not f]
-        removed = await self.inner.delete(kept) if kept else []
-        return _scatter(plan.failed, removed, False)
+        return await self._keys_only(Operation.DELETE, keys, self.inner.delete)
 
     def _wrapper_stats(self) -> dict[str, int | float]:
         return dict(self._faults)

@@ -3,7 +3,9 @@
 For a backend whose "async" methods block (a plugin that calls a synchronous client straight
 from ``async def``): every call is handed to the backend's own loop, so the caller's loop, and
 the serving loop on it, never stall behind it. The thread is not a daemon: :meth:`close` stops
-the loop and joins it, and an error in the thread comes back to the caller of that call.
+the loop and joins it, and an error in the thread comes back to the caller of that call. A
+cancelled call returns once the inner call has ended, which it lets run: like a thread, the
+inner call may be using the caller's buffers until then.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+from hicache.backends._io_threads import outlive_cancel
 from hicache.backends.base import ObjectInfo, StorageBackend
 from hicache.backends.wrappers.base import WrapperBackend
 
@@ -38,7 +41,7 @@ class _LoopThread:
             coro,  # type: ignore[arg-type]
             self.loop,
         )
-        return await asyncio.wrap_future(future)
+        return await outlive_cancel(asyncio.wrap_future(future))
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -17,15 +17,13 @@ from hicache.pools.pool_spec import (
     HitRule,
     HitRuleKind,
     ModelPools,
-    ModelShape,
-    PoolPreset,
     PoolSpec,
     common_usable_prefix,
-    preset,
     usable_ends,
     usable_prefix,
     validate_pool_name,
 )
+from hicache.pools.presets import ModelPreset, ModelShape, PoolPreset, preset
 from hicache.pools.req_to_token import ReqToTokenPool
 
 __all__ = [
@@ -37,6 +35,7 @@ __all__ = [
     "HitRuleKind",
     "HostPool",
     "ModelPools",
+    "ModelPreset",
     "ModelShape",
     "PoolPreset",
     "PoolSpec",

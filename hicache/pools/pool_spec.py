@@ -1,4 +1,5 @@
-"""What a model caches: pool specs, hit rules, and presets for common attention families.
+"""What a model caches: pool specs and hit rules (the presets built from them:
+:mod:`hicache.pools.presets`).
 
 A :class:`PoolSpec` names one kind of cached state. Per-token pools (K/V, MLA latents, the DSA
 indexer, SWA K/V) hold one item per token per layer, in pages of ``page_size`` tokens. Per-sequence
@@ -21,7 +22,6 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from hicache.dtypes import DType
 from hicache.errors import InvalidArgumentError, LayoutError
 from hicache.layouts import LayoutSpec
 
@@ -33,11 +33,8 @@ __all__ = [
     "HitRule",
     "HitRuleKind",
     "ModelPools",
-    "ModelShape",
-    "PoolPreset",
     "PoolSpec",
     "common_usable_prefix",
-    "preset",
     "usable_ends",
     "usable_prefix",
     "validate_pool_name",
@@ -275,130 +272,3 @@ class ModelPools:
     @property
     def hit_rules(self) -> dict[str, HitRule]:
         return {p.name: p.hit_rule for p in self.pools}
-
-
-class PoolPreset(enum.Enum):
-    DENSE = "dense"  # GQA: K and V per layer
-    MLA = "mla"  # one latent per token per layer, the same on every TP rank
-    DSA = "dsa"  # MLA plus the sparse-attention indexer (fp8 key + fp32 scale per token)
-    SWA = "swa"  # sliding-window layers (window pages only) beside full-attention layers
-    HYBRID = "hybrid"  # attention layers plus recurrent layers (conv and SSM state snapshots)
-    DSV4 = "dsv4"  # DeepSeek-V4 style: 4:1 and 128:1 compressed KV, an indexer, an SWA window
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """Sizes the presets are built from; the defaults are tiny, for tests and CPU serving.
-
-    ``layers`` counts the attention layers of the preset's main pool: all of them for dense, MLA
-    and DSA; the windowed ones for SWA (beside ``full_layers`` full-attention layers); the
-    attention layers of a hybrid (beside ``recurrent_layers``).
-    """
-
-    layers: int = 2
-    heads: int = 2  # KV heads per tensor-parallel rank
-    head_dim: int = 16
-    page_size: int = 4
-    dtype: DType = DType.BFLOAT16
-    latent_dim: int = 24  # MLA: kv_lora_rank + rope dim
-    index_dim: int = 16  # DSA indexer key dim (fp8 bytes)
-    window: int = 8  # SWA window, in tokens
-    full_layers: int = 1  # SWA: full-attention layers beside the windowed ones (0: none)
-    recurrent_layers: int = 2  # hybrid: Mamba / linear-attention layers
-    conv_shape: tuple[int, ...] = (32, 3)  # hybrid: per layer, conv channels x (kernel - 1)
-    ssm_shape: tuple[int, ...] = (2, 16, 8)  # hybrid: per layer, heads x head_dim x state dim
-    state_dtype: DType = DType.FLOAT32  # hybrid: SSM states are kept in fp32
-    c4_dim: int = 32  # dsv4: width of one 4:1 compressed entry (a multiple of 4)
-    c128_dim: int = 128  # dsv4: width of one 128:1 compressed entry (a multiple of 128)
-
-
-def _dense(s: ModelShape) -> tuple[PoolSpec, ...]:
-    return (PoolSpec("kv", LayoutSpec.mha(s.layers, s.heads, s.head_dim, s.page_size, s.dtype)),)
-
-
-def _mla(s: ModelShape) -> tuple[PoolSpec, ...]:
-    latent = LayoutSpec.mla(s.layers, s.latent_dim, s.page_size, s.dtype)
-    return (PoolSpec("latent", latent, replicated_across_tp=True),)
-
-
-def _dsa(s: ModelShape) -> tuple[PoolSpec, ...]:
-    # Key and scale packed as bytes in one item, so a page is one object (as SGLang stores it).
-    item = (s.index_dim + INDEXER_SCALE_BYTES,)
-    indexer = LayoutSpec(s.layers, s.page_size, item, DType.UINT8, ("index",))
-    sidecar = PoolSpec("indexer", indexer, replicated_across_tp=True, shares_slots_with="latent")
-    return (*_mla(s), sidecar)
-
-
-def _swa(s: ModelShape) -> tuple[PoolSpec, ...]:
-    window = LayoutSpec.mha(s.layers, s.heads, s.head_dim, s.page_size, s.dtype)
-    pools = [PoolSpec("swa", window, HitRule.window(s.window, s.page_size))]
-    if s.full_layers:
-        full = LayoutSpec.mha(s.full_layers, s.heads, s.head_dim, s.page_size, s.dtype)
-        pools.insert(0, PoolSpec("kv", full))
-    return tuple(pools)
-
-
-def _hybrid(s: ModelShape) -> tuple[PoolSpec, ...]:
-    conv = LayoutSpec(s.recurrent_layers, 1, s.conv_shape, s.dtype, ("conv",))
-    ssm = LayoutSpec(s.recurrent_layers, 1, s.ssm_shape, s.state_dtype, ("ssm",))
-    seq = Granularity.PER_SEQUENCE
-    return (
-        *_dense(s),
-        PoolSpec("conv", conv, STATE_AT_END, seq),
-        PoolSpec("ssm", ssm, STATE_AT_END, seq, shares_slots_with="conv"),
-    )
-
-
-DSV4_RATIOS = (4, 128)  # tokens per compressed entry of the dsv4 pools
-
-
-def _dsv4(s: ModelShape) -> tuple[PoolSpec, ...]:
-    """A compressed entry is spread over the slots of its group's tokens (a quarter of a C4
-    entry per token, 1/128 of a C128 entry), so a page of P tokens holds P/4 and P/128
-    entries and the pools keep the tree's token slots; a group never straddles pages (the
-    page size is a multiple of 128)."""
-    if s.page_size % DSV4_RATIOS[-1] or s.c4_dim % 4 or s.c128_dim % 128:
-        raise InvalidArgumentError(
-            f"dsv4 needs a page size that is a multiple of {DSV4_RATIOS[-1]} (got {s.page_size}), "
-            f"c4_dim a multiple of 4 and c128_dim of 128"
-        )
-    if s.window % s.page_size:
-        raise InvalidArgumentError(f"window {s.window} must be a multiple of the page size")
-    c4 = LayoutSpec(s.layers, s.page_size, (s.c4_dim // 4,), s.dtype, ("c4",))
-    c128 = LayoutSpec(s.layers, s.page_size, (s.c128_dim // 128,), s.dtype, ("c128",))
-    index_bytes = s.index_dim + INDEXER_SCALE_BYTES
-    if index_bytes % 4:
-        raise InvalidArgumentError("dsv4: index_dim + 4 must be a multiple of 4")
-    indexer = LayoutSpec(s.layers, s.page_size, (index_bytes // 4,), DType.UINT8, ("index",))
-    window = LayoutSpec.mha(s.layers, 1, s.head_dim, s.page_size, s.dtype)
-    return (
-        PoolSpec("c4", c4, replicated_across_tp=True),
-        PoolSpec("indexer", indexer, replicated_across_tp=True, shares_slots_with="c4"),
-        PoolSpec("c128", c128, replicated_across_tp=True, shares_slots_with="c4"),
-        PoolSpec("swa", window, HitRule.window(s.window, s.page_size), replicated_across_tp=True),
-    )
-
-
-_BUILDERS = {
-    PoolPreset.DENSE: _dense,
-    PoolPreset.MLA: _mla,
-    PoolPreset.DSA: _dsa,
-    PoolPreset.SWA: _swa,
-    PoolPreset.HYBRID: _hybrid,
-    PoolPreset.DSV4: _dsv4,
-}
-
-
-def preset(name: PoolPreset, shape: ModelShape | None = None) -> ModelPools:
-    """The pools of a ``name`` model of ``shape`` (default: tiny; for dsv4 the smallest page
-    and window its 128:1 pool allows, 128 tokens)."""
-    if not isinstance(name, PoolPreset):
-        raise InvalidArgumentError(f"name must be a PoolPreset, got {name!r}")
-    if shape is None and name is PoolPreset.DSV4:
-        shape = ModelShape(page_size=DSV4_RATIOS[-1], window=DSV4_RATIOS[-1])
-    shape = shape or ModelShape()
-    if not isinstance(shape, ModelShape):
-        raise InvalidArgumentError(f"shape must be a ModelShape, got {type(shape).__name__}")
-    if shape.window < 1 or shape.full_layers < 0:
-        raise InvalidArgumentError("window must be >= 1 and full_layers >= 0")
-    return ModelPools(name.value, shape.page_size, _BUILDERS[name](shape))

@@ -10,7 +10,7 @@ partial page, which the tree never caches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,9 +21,14 @@ if TYPE_CHECKING:
     from hicache.pools.req_to_token import ReqToTokenPool
     from hicache.radix.node import TreeNode
     from hicache.radix.slots import SlotAllocator
-    from hicache.radix.tree import RadixCache
 
-__all__ = ["CachedRequest", "cache_finished_req", "cache_unfinished_req"]
+__all__ = [
+    "CachedRequest",
+    "CommitMatch",
+    "CommitTree",
+    "cache_finished_req",
+    "cache_unfinished_req",
+]
 
 
 @dataclass(slots=True)
@@ -46,13 +51,44 @@ class CachedRequest:
         return RadixKey(tokens, self.extra_key, self.is_bigram).page_aligned(page_size)
 
 
-def _pools(tree: RadixCache) -> tuple[SlotAllocator, ReqToTokenPool]:
+class CommitMatch(Protocol):
+    """What a commit reads of the tree's re-match of the committed key."""
+
+    @property
+    def prefix_len(self) -> int: ...
+    @property
+    def last_device_node(self) -> TreeNode: ...
+    @property
+    def device_indices(self) -> torch.Tensor: ...
+
+
+class CommitTree(Protocol):
+    """What committing a request needs of a tree; a :class:`~hicache.radix.tree.RadixCache` fits.
+
+    ``allocator`` frees the duplicate slots, ``req_to_token`` holds the request's row.
+    """
+
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def allocator(self) -> SlotAllocator | None: ...
+    @property
+    def req_to_token(self) -> ReqToTokenPool | None: ...
+    def insert(
+        self, key: RadixKey, value: torch.Tensor | None = ..., priority: int = ...
+    ) -> int: ...
+    def match_prefix(self, key: RadixKey, count_hits: bool = ...) -> CommitMatch: ...
+    def inc_lock_ref(self, node: TreeNode) -> None: ...
+    def dec_lock_ref(self, node: TreeNode) -> None: ...
+
+
+def _pools(tree: CommitTree) -> tuple[SlotAllocator, ReqToTokenPool]:
     if tree.allocator is None or tree.req_to_token is None:
         raise InvalidArgumentError("the request lifecycle needs an allocator and a req_to_token")
     return tree.allocator, tree.req_to_token
 
 
-def _commit(tree: RadixCache, req: CachedRequest) -> tuple[RadixKey, torch.Tensor]:
+def _commit(tree: CommitTree, req: CachedRequest) -> tuple[RadixKey, torch.Tensor]:
     """Insert the request's whole pages and free the duplicate slots; (key, row slots)."""
     allocator, table = _pools(tree)
     if req.kv_len > req.allocated or req.kv_len > len(req.token_ids):
@@ -67,7 +103,7 @@ def _commit(tree: RadixCache, req: CachedRequest) -> tuple[RadixKey, torch.Tenso
     return key, row
 
 
-def cache_finished_req(tree: RadixCache, req: CachedRequest) -> None:
+def cache_finished_req(tree: CommitTree, req: CachedRequest) -> None:
     """Commit a finished request, free its leftover slots and its row, release its lock."""
     key, row = _commit(tree, req)
     allocator, table = _pools(tree)
@@ -80,7 +116,7 @@ def cache_finished_req(tree: RadixCache, req: CachedRequest) -> None:
     req.allocated = 0
 
 
-def cache_unfinished_req(tree: RadixCache, req: CachedRequest) -> None:
+def cache_unfinished_req(tree: CommitTree, req: CachedRequest) -> None:
     """Commit what a running request has computed and move its lock to its new last node.
 
     Afterwards the request's row points at the tree's slots for its cached prefix, so a

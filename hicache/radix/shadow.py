@@ -47,6 +47,7 @@ from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.pools.pool_spec import ModelPools, common_usable_prefix
 from hicache.radix.node import TreeNode
+from hicache.radix.packing import unit_bytes
 from hicache.radix.pool_ledger import PoolLedger
 from hicache.radix.shadow_rules import (
     check_pool_values,
@@ -55,7 +56,7 @@ from hicache.radix.shadow_rules import (
     pool_indices,
     pool_roles,
 )
-from hicache.radix.slots import SlotAllocator
+from hicache.radix.slots import SlotAllocator, concat_slots
 from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ class ShadowRadixCache(RadixCache):
         self.pools = pools
         self.roles = roles
         self.allocators = dict(allocators)
-        self.ledger = PoolLedger(roles, allocators, self.page_size, self, self._requeue)
+        self.ledger = PoolLedger(roles, allocators, self.page_size, self, self.requeue)
 
     # ----- matching -------------------------------------------------------------------------
     def match_prefix(self, key: RadixKey, count_hits: bool = True) -> ShadowMatchResult:
@@ -128,9 +129,9 @@ class ShadowRadixCache(RadixCache):
         for node in path:
             self._touch(node, now, tick, count_hits, 0)
         last = path[-1] if path else root
-        if path and self._is_evictable_leaf(last):
-            self._push(last)  # its sort key changed
-        indices = self._concat([n.value for n in path])
+        if path:
+            self.requeue(last)  # its sort key changed
+        indices = concat_slots([n.value for n in path])
         result = ShadowMatchResult(usable, last, indices, path=path)
         result.pool_indices = pool_indices(self.roles, path, indices)
         return result
@@ -211,7 +212,7 @@ class ShadowRadixCache(RadixCache):
                 unused[name].append(slots)
         empty = torch.empty(0, dtype=torch.int64)
         return ShadowInsertResult(
-            already, {n: self._concat(p) if p else empty for n, p in unused.items()}
+            already, {n: concat_slots(p) if p else empty for n, p in unused.items()}
         )
 
     def _insert_anchor(self, key: RadixKey, value: torch.Tensor | None, priority: int) -> int:
@@ -278,6 +279,40 @@ class ShadowRadixCache(RadixCache):
                 else:
                     unused[name].append(given[name])
 
+    # ----- steps for the tiers below the device (the tiered cache) --------------------------
+    def hang_leaf(self, key: RadixKey, after: int) -> tuple[TreeNode, int, TreeNode | None]:
+        """Extend ``key``'s cached path with a new, empty leaf: for pages another tier holds.
+
+        Walks the path of ``key``'s whole pages as :meth:`insert` does (splitting the node the
+        key leaves inside, refreshing access times, counting no hit, registering the namespace's
+        root). When the path covers at least ``after`` units but not all of them, the rest hangs
+        under its last node as a new leaf that holds no slots on any tier: the caller gives it
+        its data. Returns (the path's last node, the units it covers, the new leaf or None).
+        """
+        data, unit = self._pack(key)
+        node, pos, _ = self._walk(self._root(key), data, unit, hit=False)
+        if pos // unit < after or pos == len(data):
+            return node, pos // unit, None
+        leaf = self._new_node(node, data[pos:], unit, key.extra_key, key.is_bigram)
+        return node, pos // unit, leaf
+
+    def split_node(self, node: TreeNode, units: int) -> TreeNode:
+        """Cut ``node`` after its first ``units`` units (whole pages, fewer than it holds): a new
+        upper node takes its place with that part of every tier's data, and is returned."""
+        if node.parent is None or not 0 < units < node.length or units % self.page_size:
+            raise InvalidArgumentError(f"cannot split {node!r} after {units} units")
+        unit = unit_bytes(node.namespace[1])
+        return self._split(node, units * unit, unit)
+
+    def restore_device_slots(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """Give ``node``, whose data is on another tier only, the device slots ``slots`` that
+        data is (being) copied into; they count as evictable. The caller queues the node
+        (:meth:`requeue`) once the rest of its path has its slots too."""
+        if node.value is not None or len(slots) != node.length:
+            raise InvalidArgumentError(f"{node!r} cannot take {len(slots)} device slots")
+        node.value = slots
+        self.evictable_size += node.length
+
     # ----- pool eviction --------------------------------------------------------------------
     def evict_pool(self, pool: str, num_slots: int) -> int:
         """Free at least ``num_slots`` of ``pool``'s slots, least recently used nodes first,
@@ -318,11 +353,6 @@ class ShadowRadixCache(RadixCache):
     def _evict_leaf(self, node: TreeNode) -> int:
         self.ledger.drop_all(node)
         return super()._evict_leaf(node)
-
-    def _requeue(self, node: TreeNode) -> None:
-        """The ledger's ``released`` hook: a leaf a pool lock let go of may be evictable now."""
-        if self._is_evictable_leaf(node):
-            self._push(node)
 
     def reset(self) -> None:
         nodes = self.all_nodes()

@@ -16,19 +16,19 @@ import heapq
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.errors import HiCacheError, InvalidArgumentError, InvalidTokenError
+from hicache.errors import InvalidArgumentError, InvalidTokenError
 from hicache.keys import RadixKey
 from hicache.radix.eviction import EvictionPolicy, SortKey, eviction_key
 from hicache.radix.lifecycle import CachedRequest, cache_finished_req, cache_unfinished_req
 from hicache.radix.node import TreeNode
 from hicache.radix.packing import common_prefix_bytes, pack_key, unit_bytes
-from hicache.radix.slots import SlotAllocator
+from hicache.radix.slots import SlotAllocator, concat_slots
 
 if TYPE_CHECKING:
     from hicache.pools.req_to_token import ReqToTokenPool
@@ -115,7 +115,7 @@ class RadixCache:
             node, pos, path = self._walk(root, data, unit, hit=count_hits)
             result = MatchResult(pos // unit, node, path=path)
         if not self.config.simulated:
-            result.device_indices = self._concat([n.value for n in result.path])
+            result.device_indices = concat_slots([n.value for n in result.path])
         return result
 
     def peek_prefix(self, key: RadixKey) -> tuple[int, TreeNode | None]:
@@ -159,10 +159,7 @@ class RadixCache:
             raise InvalidArgumentError(f"a key of {len(key)} units with {len(value)} slots")
         if not data:
             return 0  # shorter than a page: nothing to cache
-        root = self._roots.get((key.extra_key, key.is_bigram))
-        if root is None:
-            root = self._roots[(key.extra_key, key.is_bigram)] = self._make_root(key)
-        node, pos, _ = self._walk(root, data, unit, hit=False, priority=priority)
+        node, pos, _ = self._walk(self._root(key), data, unit, hit=False, priority=priority)
         if pos < len(data):
             leaf = self._new_node(node, data[pos:], unit, key.extra_key, key.is_bigram)
             leaf.priority = priority
@@ -190,8 +187,7 @@ class RadixCache:
             if n.lock_ref == 0:
                 self.protected_size -= n.length
                 self.evictable_size += n.length
-                if self._is_evictable_leaf(n):
-                    self._push(n)
+                self.requeue(n)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` tokens of unlocked leaves, by policy, if there are as many.
@@ -279,6 +275,23 @@ class RadixCache:
             self.config, self.allocator, self.req_to_token, self._clock
         )
 
+    # ----- steps for the tiers built on the tree ---------------------------------------------
+    def release_device_slots(self, node: TreeNode) -> None:
+        """Free ``node``'s device slots (to the tree's allocator) and stop counting them; the
+        node stays in the tree, its data on another tier, unless the caller detaches it."""
+        if node.value is not None and self.allocator is not None:
+            self.allocator.free(node.value)
+        node.value = None
+        self.evictable_size -= node.length
+        if node.protected:
+            self._unprotect(node)
+
+    def requeue(self, node: TreeNode) -> None:
+        """Queue ``node`` for eviction when it is an evictable leaf now: after a change the
+        tree's own steps do not see (data arrived, a lock held outside the tree let go)."""
+        if self._is_evictable_leaf(node):
+            self._push(node)
+
     # ----- walking --------------------------------------------------------------------------
     def _walk(
         self, root: TreeNode, data: bytes, unit: int, hit: bool, priority: int = 0
@@ -299,8 +312,8 @@ class RadixCache:
             path.append(child)
             pos += len(span)
             node = child
-        if path and self._is_evictable_leaf(node):
-            self._push(node)  # its sort key changed
+        if path:
+            self.requeue(node)  # its sort key changed
         return node, pos, path
 
     def _touch(self, node: TreeNode, now: float, tick: int, hit: bool, priority: int) -> None:
@@ -355,16 +368,11 @@ class RadixCache:
         heapq.heappush(self._heap, (self.eviction_order(node), node.heap_version, node.id, node))
 
     def _evict_leaf(self, node: TreeNode) -> int:
-        if node.value is not None and self.allocator is not None:
-            self.allocator.free(node.value)
-        node.value = None
-        self.evictable_size -= node.length
-        if node.protected:
-            self._unprotect(node)
+        self.release_device_slots(node)
         parent = node.parent
         self.detach_leaf(node)
-        if parent is not None and parent.parent is not None and self._is_evictable_leaf(parent):
-            self._push(parent)
+        if parent is not None:
+            self.requeue(parent)
         return node.length
 
     def detach_leaf(self, node: TreeNode) -> None:
@@ -382,8 +390,7 @@ class RadixCache:
     def _rebuild_heap(self) -> None:
         self._heap = []
         for node in self.all_nodes():
-            if self._is_evictable_leaf(node):
-                self._push(node)
+            self.requeue(node)
 
     # ----- SLRU segments --------------------------------------------------------------------
     def _promote(self, node: TreeNode) -> None:
@@ -398,8 +405,7 @@ class RadixCache:
             _, oldest = self._protected.popitem(last=False)
             oldest.protected = False
             self._protected_tokens -= oldest.length
-            if self._is_evictable_leaf(oldest):
-                self._push(oldest)
+            self.requeue(oldest)
 
     def _unprotect(self, node: TreeNode) -> None:
         node.protected = False
@@ -413,6 +419,14 @@ class RadixCache:
         if len(key) == 0:
             raise InvalidTokenError("an empty key cannot be matched or cached")
         return pack_key(key, self.page_size)
+
+    def _root(self, key: RadixKey) -> TreeNode:
+        """``key``'s namespace root, registered now if the namespace had none."""
+        namespace = (key.extra_key, key.is_bigram)
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = self._make_root(key)
+        return root
 
     def _make_root(self, key: RadixKey) -> TreeNode:
         root = TreeNode(0, b"", 0, None, self._clock())
@@ -429,13 +443,3 @@ class RadixCache:
         parent.children[span[: self.page_size * unit]] = node
         self.total_nodes += 1
         return node
-
-    @staticmethod
-    def _concat(values: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """The device slots of consecutive nodes (``node.value``) as one tensor."""
-        slots = [v for v in values if v is not None]
-        if len(slots) != len(values):  # a gap would shift every later slot: refuse it
-            raise HiCacheError("a node on a device path holds no device slots")
-        if not slots:
-            return torch.empty(0, dtype=torch.int64)
-        return slots[0] if len(slots) == 1 else torch.cat(slots)

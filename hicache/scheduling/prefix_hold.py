@@ -25,14 +25,11 @@ is never held: the loop cannot deadlock on holds.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from typing import TYPE_CHECKING
 
 from hicache.errors import InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.radix import RadixCache, RadixCacheConfig
-
-if TYPE_CHECKING:
-    from hicache.scheduling.scheduler import SchedulableRequest
+from hicache.scheduling.request import SchedulableRequest
 
 __all__ = ["PrefixHold"]
 

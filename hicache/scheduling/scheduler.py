@@ -26,23 +26,22 @@ import random
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.radix import RadixCache, RadixCacheConfig, TreeNode
 from hicache.scheduling.prefix_hold import PrefixHold
+from hicache.scheduling.request import SchedulableRequest
 
 __all__ = [
     "DelayerConfig",
     "PrefillDelayer",
     "PrefixScheduler",
     "QueueStats",
-    "SchedulableRequest",
     "SchedulePlan",
     "SchedulePolicy",
     "SchedulerConfig",
-    "WaitingRequest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -125,33 +124,6 @@ class SchedulerConfig:
             _check_int("seed", self.seed, 0)
         if not isinstance(self.delayer, DelayerConfig):
             raise ConfigError("delayer must be a DelayerConfig")
-
-
-class SchedulableRequest(Protocol):
-    """What the scheduler reads from a waiting request; the serving loop's request fits.
-
-    ``key`` is the part of the prompt that may be reused (usually the prompt less its last
-    token, which must be computed to produce logits). ``arrival_time`` is on the delayer's clock.
-    """
-
-    @property
-    def rid(self) -> Hashable: ...
-    @property
-    def key(self) -> RadixKey: ...
-    @property
-    def max_new_tokens(self) -> int: ...
-    @property
-    def arrival_time(self) -> float: ...
-
-
-@dataclass(frozen=True, slots=True)
-class WaitingRequest:
-    """A plain :class:`SchedulableRequest`, for tests, tools and trace replay."""
-
-    rid: Hashable
-    key: RadixKey
-    max_new_tokens: int = 128
-    arrival_time: float = 0.0
 
 
 R = TypeVar("R", bound=SchedulableRequest)

@@ -9,8 +9,10 @@ plus host pages loaded back, whose per-layer events the forward pass waits on) a
 rest of its prompt and output, all at admission, so a running request never waits for memory. The
 model's extra pools (an SWA window pool, recurrent-state snapshots) have lifecycles of their own
 (:mod:`hicache.serving.pool_slots`): admission reserves what a request will hold there at most.
-With HiSparse (a DSA model, :mod:`hicache.sparse.requests`) a request takes anchor slots for its
+With HiSparse (a DSA model, :mod:`hicache.serving.hisparse`) a request takes anchor slots for its
 prompt only and decodes from a hot buffer row over host memory once its prompt is computed.
+:meth:`Engine.observe` registers a callback for one kind of event the loop reports (an admission
+round, an admitted request, a step, a chunk, a sampled token: :mod:`.engine_events`).
 """
 
 from __future__ import annotations
@@ -21,26 +23,29 @@ import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from hicache.models.types import ChunkInput, ServingModel
 from hicache.pools.req_to_token import ReqToTokenPool
 from hicache.radix.tree import RadixCache
 from hicache.scheduling.scheduler import PrefillDelayer, PrefixScheduler, SchedulerConfig
 from hicache.serving.engine_admission import EngineAdmission
 from hicache.serving.engine_config import CacheMode, EngineConfig, RequestSource
+from hicache.serving.engine_events import ChunkPlanned, EngineObservers, StepStarted, TokenSampled
 from hicache.serving.forward_thread import forward_executor
 from hicache.serving.l3_reads import L3Reads
-from hicache.serving.model import ChunkInput, ServingModel
 from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestRecord, RequestState, ServeRequest, StepRecord
 from hicache.serving.sampling import sample_token
 
 if TYPE_CHECKING:
-    from hicache.sparse.requests import HiSparseRequests
+    from hicache.serving.hisparse import HiSparseRequests
 
 __all__ = ["CacheMode", "Engine", "EngineConfig", "RequestSource"]  # the config re-exported
+
+E = TypeVar("E")
 
 
 class Engine(EngineAdmission):
@@ -70,7 +75,7 @@ class Engine(EngineAdmission):
         self.pool_slots = PoolSlots(model.config, pools, tree, config.chunk_tokens)
         self.records: list[RequestRecord] = []
         self.sparse: HiSparseRequests | None = None  # HiSparse decode (use_hisparse)
-        self.on_step: Callable[[StepRecord], None] | None = None  # told of every step
+        self.observers = EngineObservers()
         self._forward_pool: ThreadPoolExecutor | None = None  # while run() runs
         hiradix = self.hiradix
         self.l3_reads = L3Reads(hiradix, config.skip_slow_prefetch) if hiradix is not None else None
@@ -83,6 +88,12 @@ class Engine(EngineAdmission):
 
     def now(self) -> float:
         return self._clock() - self._t0
+
+    def observe(self, callback: Callable[[E], None], kind: type[E]) -> None:
+        """Call ``callback(event)`` for every event of ``kind`` the loop reports from now on:
+        a class of :mod:`hicache.serving.engine_events`, or
+        :class:`~hicache.serving.request.StepRecord` at the end of each step."""
+        self.observers.add(callback, kind)
 
     # ----- the loop ---------------------------------------------------------------------------
     async def run(
@@ -176,13 +187,17 @@ class Engine(EngineAdmission):
     async def _step(self, running: list[ServeRequest]) -> list[ServeRequest]:
         """One forward over a chunk of every running request; the ones that finished (or
         failed)."""
+        self.observers.tell(StepStarted(len(running)))
         done = self._enter_hot(running)
         active = [r for r in running if r.hot is None or r.hot.entered or not self._prefilled(r)]
         if not active:  # all wait for host memory to take their prompt (HiSparse)
             assert self.hiradix is not None
             await self.hiradix.storage.wait_for_activity(0.01)
             return done
-        chunks = [self._next_chunk(request) for request in active]
+        chunks = []
+        for request in active:
+            chunks.append(self._next_chunk(request))
+            self.observers.tell(ChunkPlanned(request, chunks[-1]))
         loads = [load for request in active for load in request.pending_loads]
         began = time.perf_counter()
         hot = self.sparse.buffer if self.sparse is not None else None
@@ -205,8 +220,7 @@ class Engine(EngineAdmission):
                 running.remove(request)
                 self._finish(request)
                 done.append(request)
-        if self.on_step is not None:
-            self.on_step(StepRecord(time.perf_counter() - began, prefill, decode))
+        self.observers.tell(StepRecord(time.perf_counter() - began, prefill, decode))
         return done
 
     def _enter_hot(self, running: list[ServeRequest]) -> list[ServeRequest]:
@@ -260,6 +274,7 @@ class Engine(EngineAdmission):
         if cached.kv_len < prompt_len:
             return False
         token = self._sample(request, logits)
+        self.observers.tell(TokenSampled(request, len(request.generated), logits, token))
         request.generated.append(token)
         if len(request.generated) == 1:
             request.record.first_token_s = self.now()

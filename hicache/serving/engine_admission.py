@@ -9,20 +9,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hicache.models.types import ServingModel
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.pool_lifecycle import path_anchor
 from hicache.radix.tree import RadixCache
 from hicache.scheduling.scheduler import PrefillDelayer, PrefixScheduler
 from hicache.serving.engine_config import EngineConfig
+from hicache.serving.engine_events import AdmissionRound, EngineObservers, RequestAdmitted
 from hicache.serving.l3_reads import L3Reads
-from hicache.serving.model import ServingModel
 from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestRecord, RequestState, ServeRequest
 from hicache.tiering.cache import HiRadixCache
 
 if TYPE_CHECKING:
     from hicache.pools.req_to_token import ReqToTokenPool
-    from hicache.sparse.requests import HiSparseRequests
+    from hicache.serving.hisparse import HiSparseRequests
 
 __all__ = ["EngineAdmission"]
 
@@ -41,6 +42,7 @@ class EngineAdmission:
     sparse: HiSparseRequests | None
     delayer: PrefillDelayer | None
     l3_reads: L3Reads | None
+    observers: EngineObservers
     _holding: bool
 
     def now(self) -> float:
@@ -89,6 +91,7 @@ class EngineAdmission:
         return self.pool_slots.refusal(request)
 
     def _admit(self, waiting: list[ServeRequest], running: list[ServeRequest]) -> None:
+        self.observers.tell(AdmissionRound(len(waiting), len(running)))
         self._holding = self._holding and bool(waiting)
         if not waiting or len(running) >= self.config.max_running:
             return
@@ -132,6 +135,7 @@ class EngineAdmission:
             if reads is not None and reads.short_of_l3(request):
                 continue  # L3 holds more of its prefix: it reads that when its turn comes
             if self._start(request):
+                self.observers.tell(RequestAdmitted(request))
                 admitted.append(request)
                 taken += 1
                 in_line += 1

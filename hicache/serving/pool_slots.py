@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from hicache.errors import ConfigError
+from hicache.models.config import ModelConfig
+from hicache.models.types import ChunkInput
 from hicache.pools.device import DevicePool
 from hicache.pools.pool_spec import HitRuleKind
 from hicache.radix.lifecycle import CachedRequest
@@ -44,8 +46,6 @@ from hicache.radix.pool_lifecycle import (
 )
 from hicache.radix.shadow_rules import pool_roles
 from hicache.radix.tree import RadixCache
-from hicache.serving.model import ChunkInput
-from hicache.serving.presets import ModelConfig
 from hicache.serving.request import ServeRequest
 
 __all__ = ["PoolSlots", "swa_reserve"]

@@ -9,16 +9,16 @@ from typing import Any
 import torch
 
 from hicache.errors import ConfigError
+from hicache.models.config import ModelConfig
+from hicache.models.types import ServingModel
 from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
 from hicache.radix.shadow import ShadowRadixCache
 from hicache.radix.tree import RadixCacheConfig
 from hicache.serving.engine import CacheMode, Engine, EngineConfig
-from hicache.serving.model import ServingModel
+from hicache.serving.hisparse import HiSparseRequests
 from hicache.serving.pool_slots import swa_reserve
-from hicache.serving.presets import ModelConfig
 from hicache.sparse.hot_buffer import HotBuffer
-from hicache.sparse.requests import HiSparseRequests
 from hicache.tiering.cache import HiRadixCache
 from hicache.tiering.config import HiCacheConfig
 from hicache.tiering.controller import HiCacheController

@@ -11,7 +11,7 @@ attention then reads the wanted pages from the buffer.
 A request's host pages (:class:`HotRequest`): its committed prefix's pages in the radix tree's
 host pool (shared with other requests and protected while it decodes), then pages of its own
 for the rest of its context. What the request holds is set up and released by
-:mod:`hicache.sparse.requests`.
+:mod:`hicache.serving.hisparse`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 
 from hicache.errors import ConfigError
 from hicache.layouts.shapes import Axis, axis_order, expanded_shape
+from hicache.models.config import ModelConfig, ModelPreset
+from hicache.models.types import DecodeRows
 from hicache.pools.allocator import TokenSlotAllocator
 from hicache.pools.device import take_rows
 from hicache.pools.host import HostPool
-from hicache.serving.model_sparse import DecodeRows
-from hicache.serving.presets import ModelConfig, ModelPreset
 from hicache.sparse.hot_step import hot_step
 
 __all__ = ["HiSparseConfig", "HotBuffer", "HotRequest", "HotStats", "canonical_pages"]

@@ -10,17 +10,14 @@ synchronously, since its device slots are freed right after.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
 from hicache.radix.node import TreeNode
 from hicache.tiering.controller import GroupTransfer
+from hicache.tiering.parts import BackupListener, HostCopies, HostPages, NodeLocks, TierPools
 from hicache.tiering.pool_host import host_of, set_host
-
-if TYPE_CHECKING:
-    from hicache.tiering.cache import HiRadixCache
 
 __all__ = ["Backups"]
 
@@ -32,12 +29,21 @@ class _InFlight:
     pool_locks: list[tuple[str, int | None]]  # (extra pool, lock pages) held for the copy
 
 
+@dataclass(eq=False, slots=True)
 class Backups:
-    """Starts backups of one tiered tree's nodes and settles them (:meth:`settle`)."""
+    """Starts backups of one tiered tree's nodes and settles them (:meth:`settle`).
 
-    def __init__(self, tree: HiRadixCache) -> None:
-        self._tree = tree
-        self.in_flight: list[_InFlight] = []
+    ``copies`` runs the copies, ``host`` gives the host pages, ``listener`` hears of every
+    node that reached host; with ``host_enabled`` False no anchor is copied to host.
+    """
+
+    tree: NodeLocks
+    pools: TierPools
+    copies: HostCopies
+    host: HostPages
+    listener: BackupListener
+    host_enabled: bool
+    in_flight: list[_InFlight] = field(default_factory=list)
 
     def backup(self, node: TreeNode, evicting: bool = False) -> bool:
         """Copy what of ``node`` the host lacks; whether its anchor is on host (or on its way).
@@ -45,7 +51,7 @@ class Backups:
         Outside eviction a node's anchor is backed up only after its parent's, so what is on
         host is a prefix of the tree.
         """
-        tree = self._tree
+        tree, roles, page_size = self.tree, self.pools.roles, self.pools.page_size
         parts: list[GroupTransfer] = []
         if node.host_value is None:
             pages = self._anchor_pages(node, evicting)
@@ -53,26 +59,26 @@ class Backups:
                 return False
             assert node.value is not None  # _anchor_pages
             node.host_value = pages
-            parts.append(tree.controller.write(node.value, pages))
+            parts.append(self.copies.write(node.value, pages))
         locks: list[tuple[str, int | None]] = []
-        for pool in tree.roles.extra:
+        for pool in roles.extra:
             data = tree.ledger.data(node, pool)
             if data is None or host_of(node, pool) is not None:
                 continue
-            token_pool = pool in tree.roles.token_pools
-            count = len(data) // tree.page_size if token_pool else len(data)
-            pages = tree.host_evictor.alloc_pool(pool, count)
+            token_pool = pool in roles.token_pools
+            count = len(data) // page_size if token_pool else len(data)
+            pages = self.host.alloc_pool(pool, count)
             if pages is None:
                 continue  # on the device only: a later backup tries again
             set_host(node, pool, pages)
-            parts.append(tree.controller.write(data, pages, owner=pool))
-            locks.append((pool, node.length // tree.page_size if token_pool else None))
+            parts.append(self.copies.write(data, pages, owner=pool))
+            locks.append((pool, node.length // page_size if token_pool else None))
         if not parts:
             return True
         transfer = GroupTransfer.merged(parts)
         if evicting:
             transfer.synchronize()
-            tree.writer.after_backup(node)
+            self.listener.after_backup(node)
             return True
         tree.inc_lock_ref(node)  # the device slots are read until the copy is done
         for pool, pages_locked in locks:
@@ -81,17 +87,16 @@ class Backups:
         return True
 
     def _anchor_pages(self, node: TreeNode, evicting: bool) -> torch.Tensor | None:
-        tree = self._tree
         parent = node.parent
-        if node.value is None or parent is None or not tree.tiers.host_enabled:
+        if node.value is None or parent is None or not self.host_enabled:
             return None
         if not evicting and parent.parent is not None and parent.host_value is None:
             return None
-        return tree.host_evictor.alloc(node.length // tree.page_size)
+        return self.host.alloc(node.length // self.pools.page_size)
 
     def settle(self) -> None:
         """Release the locks of finished copies and offer their nodes to L3."""
-        tree, still = self._tree, []
+        tree, still = self.tree, []
         for entry in self.in_flight:
             if not entry.transfer.done():
                 still.append(entry)
@@ -99,5 +104,5 @@ class Backups:
             tree.dec_lock_ref(entry.node)
             for pool, pages in entry.pool_locks:
                 tree.ledger.unlock(entry.node, pool, pages)
-            tree.writer.after_backup(entry.node)
+            self.listener.after_backup(entry.node)
         self.in_flight = still

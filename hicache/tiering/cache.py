@@ -19,10 +19,12 @@ host hit is a prefix. Device eviction keeps a backed-up node on host and drops o
 (write_back backs it up first). Host eviction (``HostEvictor``) removes leaves that are on
 host only, unlocked, not protected by an L3 write in flight and not anchoring a prefetch.
 
-The cache owns its parts: the controller (device <-> host copies, the storage tier), the
-:class:`~hicache.tiering.l3_writer.L3Writer` and the :class:`~hicache.tiering.prefetcher.
-Prefetcher`. Everything here runs on the scheduler's thread; :meth:`check_events` applies, once
-per scheduler step, what the controller finished meanwhile.
+The cache owns the controller (device <-> host copies, the storage tier) and composes its
+parts: backups, host eviction, load-back, prefetch insert, the L3 writer and the prefetcher. It
+is the only module that knows them all; each part receives only what it uses, the narrow views of
+:mod:`~hicache.tiering.parts`, which the tree fulfils with public operations. Everything here
+runs on the scheduler's thread; :meth:`check_events` applies, once per scheduler step, what the
+controller finished meanwhile.
 
 Per-pool lifecycles: the tree is a :class:`~hicache.radix.shadow.ShadowRadixCache`, so a model
 with more than one kind of cached state gives each extra pool (an SWA window pool, a Mamba state
@@ -49,6 +51,7 @@ from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.node import TreeNode
 from hicache.radix.shadow import ShadowMatchResult, ShadowRadixCache
 from hicache.radix.shadow_rules import path_presence, peek_path, pool_indices
+from hicache.radix.slots import concat_slots
 from hicache.radix.tree import MatchResult, RadixCacheConfig
 from hicache.tiering.backup import Backups
 from hicache.tiering.bundler import BundlePage, PageHasher
@@ -56,11 +59,12 @@ from hicache.tiering.config import HiCacheConfig
 from hicache.tiering.controller import GroupTransfer, HiCacheController
 from hicache.tiering.host_eviction import HostEvictor
 from hicache.tiering.l3_writer import L3Writer
-from hicache.tiering.load_back import load_back
+from hicache.tiering.load_back import LoadBack
 from hicache.tiering.metrics import HiCacheMetrics
+from hicache.tiering.parts import TierPools
 from hicache.tiering.policies import TerminationReason, WritePolicy, backup_on_hit
 from hicache.tiering.pool_host import held_anywhere, split_host
-from hicache.tiering.prefetch_insert import hang_prefetched
+from hicache.tiering.prefetch_insert import PrefetchInserter
 from hicache.tiering.prefetcher import Prefetcher
 
 __all__ = ["HiRadixCache"]
@@ -93,18 +97,28 @@ class HiRadixCache(ShadowRadixCache):
         self.device = controller.anchor_device  # the tree's allocator, typed
         self.metrics: HiCacheMetrics = controller.metrics
         self.storage = controller.storage
-        hasher = PageHasher(
-            controller.config.storage.model_id, self.page_size, list(controller.host_pools)
-        )
-        self.writer = L3Writer(self, hasher, controller.config.storage)
-        owner_hosts = {name: controller.host_pools[name] for name in controller.groups}
-        self.host_evictor = HostEvictor(self, owner_hosts, self.metrics)
-        self.prefetcher = Prefetcher(
-            self, self.host_evictor, self.storage, hasher, controller.config.prefetch, clock
-        )
-        self.backups = Backups(self)
+        self._build_parts(controller, clock)
         self.pending_loads: list[GroupTransfer] = []
         self._kept: list[TreeNode] = []  # leaves an eviction kept (see evict)
+
+    def _build_parts(self, controller: HiCacheController, clock: Callable[[], float]) -> None:
+        """The parts, each given only what it uses (see :mod:`hicache.tiering.parts`)."""
+        config, tiers = controller.config, self.tiers
+        owner_hosts = {name: controller.host_pools[name] for name in controller.groups}
+        pools = TierPools(self.roles, self.page_size, controller.groups, owner_hosts)
+        hasher = PageHasher(config.storage.model_id, self.page_size, list(controller.host_pools))
+        self.writer = L3Writer(pools, self.storage, hasher, config.storage)
+        self.host_evictor = HostEvictor(self, pools, self.metrics)
+        self.inserter = PrefetchInserter(self, pools)
+        self.prefetcher = Prefetcher(
+            self.inserter, self.host_evictor, self.storage, hasher, config.prefetch, clock
+        )
+        self.backups = Backups(
+            self, pools, controller, self.host_evictor, self.writer, tiers.host_enabled
+        )
+        anchors = self.host_evictor.anchors
+        threshold = tiers.load_back_threshold_tokens
+        self.loader = LoadBack(self, pools, controller, anchors, self.metrics, threshold)
 
     # ----- lifecycle ------------------------------------------------------------------------
     @classmethod
@@ -179,10 +193,10 @@ class HiRadixCache(ShadowRadixCache):
         request before it is scheduled, and for the tree's own re-matches.
         """
         data, unit = self._pack(key)
-        root = self._roots.get((key.extra_key, key.is_bigram))
+        root = self.namespace_root(key.extra_key, key.is_bigram)
         if root is None:
             root = self._make_root(key)
-            empty = ShadowMatchResult(0, root, self._concat([]), root, 0)
+            empty = ShadowMatchResult(0, root, concat_slots([]), root, 0)
             empty.pool_indices = pool_indices(self.roles, [], empty.device_indices)
             return empty
         path, device = self._tiered_path(root, data, unit)
@@ -191,9 +205,9 @@ class HiRadixCache(ShadowRadixCache):
             self._touch(node, now, tick, count_hits, 0)
         on_device = path[:device]
         last_device = on_device[-1] if on_device else root
-        if path and self._is_evictable_leaf(path[-1]):
-            self._push(path[-1])  # its sort key changed
-        indices = self._concat([n.value for n in on_device])
+        if path:
+            self.requeue(path[-1])  # its sort key changed
+        indices = concat_slots([n.value for n in on_device])
         matched = sum(n.length for n in on_device)
         result = ShadowMatchResult(matched, last_device, indices, path=on_device)
         result.pool_indices = pool_indices(self.roles, on_device, indices)
@@ -241,9 +255,9 @@ class HiRadixCache(ShadowRadixCache):
         """The anchor's device path for ``key`` whatever the other pools hold, counting no hit:
         for the request lifecycle's re-match after it committed a key."""
         data, unit = self._pack(key)
-        root = self._roots.get((key.extra_key, key.is_bigram))
+        root = self.namespace_root(key.extra_key, key.is_bigram)
         if root is None:
-            return MatchResult(0, self._make_root(key), self._concat([]))
+            return MatchResult(0, self._make_root(key), concat_slots([]))
         _, _, path = self._walk(root, data, unit, hit=False)
         device = []
         for node in path:
@@ -251,7 +265,7 @@ class HiRadixCache(ShadowRadixCache):
                 break
             device.append(node)
         last = device[-1] if device else root
-        indices = self._concat([n.value for n in device])
+        indices = concat_slots([n.value for n in device])
         return MatchResult(len(indices), last, indices, path=device)
 
     # ----- inserting ------------------------------------------------------------------------
@@ -268,17 +282,12 @@ class HiRadixCache(ShadowRadixCache):
             raise InvalidArgumentError(f"insert of {len(key)} units needs as many device slots")
         if not data:
             return 0
-        root = self._roots.get((key.extra_key, key.is_bigram))
-        if root is None:
-            root = self._roots[(key.extra_key, key.is_bigram)] = self._make_root(key)
-        node, pos, path = self._walk(root, data, unit, hit=False, priority=priority)
+        node, pos, path = self._walk(self._root(key), data, unit, hit=False, priority=priority)
         on_device, offset = 0, 0
         for n in path:
             if n.value is None:  # on host only: the request recomputed it, adopt its slots
-                n.value = value[offset : offset + n.length]
-                self.evictable_size += n.length
-                if self._is_evictable_leaf(n):
-                    self._push(n)
+                self.restore_device_slots(n, value[offset : offset + n.length])
+                self.requeue(n)
             elif offset == on_device:
                 on_device += n.length
             offset += n.length
@@ -303,9 +312,8 @@ class HiRadixCache(ShadowRadixCache):
         """Hang prefetched pages (``bundle``: their host pages per pool) under the tree as
         host-only nodes; free any duplicates. Returns how many pages were inserted (the rest
         was there already, or had no parent) and the node the prefix now ends at (None when
-        its parent was gone). See :func:`~hicache.tiering.prefetch_insert.
-        hang_prefetched`."""
-        return hang_prefetched(self, key, start, bundle)
+        its parent was gone). See :class:`~hicache.tiering.prefetch_insert.PrefetchInserter`."""
+        return self.inserter.insert(key, start, bundle)
 
     # ----- device -> host -------------------------------------------------------------------
     def _backup(self, node: TreeNode, evicting: bool = False) -> bool:
@@ -322,7 +330,10 @@ class HiRadixCache(ShadowRadixCache):
         at). All or nothing; nothing is loaded when the anchor span is under the load-back
         threshold or over ``mem_quota``, or device slots cannot be freed for it.
         """
-        return load_back(self, node, mem_quota)
+        slots, end, transfer = self.loader.load(node, mem_quota)
+        if transfer is not None:
+            self.pending_loads.append(transfer)
+        return slots, end
 
     def ready_to_load_host_cache(self) -> list[GroupTransfer]:
         """The loads started since the last call: a forward pass waits on them per layer."""
@@ -339,8 +350,7 @@ class HiRadixCache(ShadowRadixCache):
         finally:
             kept, self._kept = self._kept, []
             for node in kept:
-                if self._is_evictable_leaf(node):
-                    self._push(node)
+                self.requeue(node)
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         if node.lock_ref > 0 or node.value is None or node.parent is None or not node.key:
@@ -369,16 +379,9 @@ class HiRadixCache(ShadowRadixCache):
         # it can be); the node stays in the tree, on host.
         self._backup(node, evicting=True)
         self.ledger.drop_all(node)
-        assert node.value is not None  # an evictable leaf holds device slots
-        self.device.free(node.value)
-        node.value = None
-        self.evictable_size -= node.length
-        if node.protected:
-            self._unprotect(node)
-        parent = node.parent
-        assert parent is not None
-        if parent.parent is not None and self._is_evictable_leaf(parent):
-            self._push(parent)
+        self.release_device_slots(node)
+        assert node.parent is not None  # an evictable leaf hangs under a parent
+        self.requeue(node.parent)
         return node.length
 
     def _drop_pool(self, node: TreeNode, name: str) -> int:

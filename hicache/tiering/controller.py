@@ -11,6 +11,12 @@ The controller moves data and counts it; which pages move, and when, is the tree
 sidecars that share its slots (the anchor with the DSA indexer; the conv state with the SSM state)
 move together. The anchor's group is the default; a pool with slots of its own (an SWA window
 pool, a state pool) is named by its owner in :meth:`HiCacheController.write` and ``load``.
+
+Closing a cache whose namespaces no later run can name (``StorageConfig.discard_on_close``)
+removes their pages from L3 (:func:`discard_namespaces`) instead of leaving them behind. Every
+storage key starts with its namespace's tag (:func:`~hicache.keys.namespace_tag`), so the pages
+are found by a prefix listing; a backend that cannot list keeps them: nothing reads them again,
+and they stay until the store itself evicts them.
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ from hicache.pools.device import DevicePool
 from hicache.pools.host import HostPool
 from hicache.tiering.bundler import PageBundler
 from hicache.tiering.config import HiCacheConfig, check_config
-from hicache.tiering.discard import discard_namespaces
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.storage_tier import StorageTier
 
-__all__ = ["GroupTransfer", "HiCacheController"]
+__all__ = ["GroupTransfer", "HiCacheController", "discard_namespaces"]
 
 logger = logging.getLogger(__name__)
+
+_DELETE_BATCH = 512  # keys per delete call: few round trips, no request too large
 
 
 class GroupTransfer:
@@ -217,3 +224,28 @@ class HiCacheController:
 
     def stats(self) -> dict[str, Any]:
         return self.metrics.as_dict()
+
+
+async def discard_namespaces(backend: StorageBackend, tags: Collection[str]) -> int:
+    """Delete every object of ``backend`` whose key is in one of the namespaces ``tags`` names;
+    how many were deleted. Never raises for the store's sake: a failure is logged and what was
+    deleted so far is counted (closing a cache must not fail because its L3 did)."""
+    if not tags:
+        return 0
+    if not backend.capabilities.listable:
+        logger.warning(
+            "L3 backend %s cannot list its keys: the pages of %d discarded namespace(s) stay "
+            "until the store evicts them",
+            backend.name,
+            len(tags),
+        )
+        return 0
+    removed = 0
+    try:
+        for tag in sorted(tags):
+            keys = [info.key async for info in backend.scan(f"{tag}-")]
+            for lo in range(0, len(keys), _DELETE_BATCH):
+                removed += sum(await backend.delete(keys[lo : lo + _DELETE_BATCH]))
+    except HiCacheError as exc:
+        logger.warning("discarding L3 pages failed after %d objects: %s", removed, exc)
+    return removed

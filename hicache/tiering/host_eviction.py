@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.pools.host import HostPool
 from hicache.radix.node import TreeNode
 from hicache.tiering.metrics import HiCacheMetrics
+from hicache.tiering.parts import NodeIndex, TierPools
 from hicache.tiering.pool_host import drop_host, host_of, host_pools_of
-
-if TYPE_CHECKING:
-    from hicache.tiering.cache import HiRadixCache
 
 __all__ = ["HostEvictor"]
 
@@ -33,15 +29,11 @@ __all__ = ["HostEvictor"]
 class HostEvictor:
     """Host pages for the tree's backups and prefetches; host eviction by the tree's policy."""
 
-    def __init__(
-        self,
-        tree: HiRadixCache,
-        host_pools: dict[str, HostPool],
-        metrics: HiCacheMetrics,
-    ) -> None:
+    def __init__(self, tree: NodeIndex, pools: TierPools, metrics: HiCacheMetrics) -> None:
         self._tree = tree
-        self.host_pools = host_pools  # by owner pool: the anchor's and each extra pool's
-        self.host = host_pools[tree.roles.anchor]
+        self.pools = pools
+        self.host_pools = pools.hosts  # by owner pool: the anchor's and each extra pool's
+        self.host = pools.hosts[pools.roles.anchor]
         # Node id -> prefetches and load-backs hanging from it: their host chain stays.
         self.anchors: Counter[int] = Counter()
         self._metrics = metrics

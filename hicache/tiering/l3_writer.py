@@ -19,31 +19,30 @@ the admission policy alone.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from hicache.radix.node import TreeNode
 from hicache.tiering.bundler import PageHasher
 from hicache.tiering.config import StorageConfig
+from hicache.tiering.parts import TierPools
 from hicache.tiering.policies import admit_to_l3, admit_window
 from hicache.tiering.pool_host import host_pools_of
-from hicache.tiering.storage_tier import WriteJob
-
-if TYPE_CHECKING:
-    from hicache.tiering.cache import HiRadixCache
+from hicache.tiering.storage_tier import StorageTier, WriteJob
 
 __all__ = ["L3Writer"]
 
 
+@dataclass(eq=False, slots=True)
 class L3Writer:
-    """Submits host copies of nodes to the storage tier and applies its acknowledgements."""
+    """Submits host copies of nodes to the storage tier and applies its acknowledgements;
+    ``hasher`` keys their pages, ``config`` says which go."""
 
-    def __init__(self, tree: HiRadixCache, hasher: PageHasher, config: StorageConfig) -> None:
-        self._tree = tree
-        self.storage = tree.storage
-        self.hasher = hasher
-        self.config = config
+    pools: TierPools
+    storage: StorageTier
+    hasher: PageHasher
+    config: StorageConfig
 
     def after_backup(self, node: TreeNode) -> None:
         """``node`` just reached host memory: write it to L3 if admitted."""
@@ -62,8 +61,8 @@ class L3Writer:
         """Per owner pool, the host pages of ``node`` that L3 does not hold yet."""
         out: dict[str, torch.Tensor] = {}
         if not node.in_storage and node.host_value is not None:
-            out[self._tree.roles.anchor] = node.host_value
-        windows = self._tree.roles.token_pools
+            out[self.pools.roles.anchor] = node.host_value
+        windows = self.pools.roles.token_pools
         admission = self.config.window_admission
         for pool, pages in host_pools_of(node):
             if pool in node.pool_stored:
@@ -76,7 +75,7 @@ class L3Writer:
     def submit(self, node: TreeNode) -> None:
         if not self.storage.enabled or node.host_value is None:
             return
-        hosts = self._tree.controller.host_pools
+        hosts = self.pools.hosts
         plan = {  # what is not on its way to L3 already (protected until acknowledged)
             pool: pages
             for pool, pages in self._unwritten(node).items()
@@ -91,8 +90,8 @@ class L3Writer:
 
     def _per_page(self, node: TreeNode, plan: dict[str, torch.Tensor]) -> list[dict[str, int]]:
         """Each token page's host page per pool to write (sidecars share their owner's)."""
-        groups, roles = self._tree.controller.groups, self._tree.roles
-        n_pages = node.length // self._tree.page_size
+        groups, roles = self.pools.groups, self.pools.roles
+        n_pages = node.length // self.pools.page_size
         per_page: list[dict[str, int]] = [{} for _ in range(n_pages)]
         for owner, pages in plan.items():
             listed = pages.tolist()
@@ -104,7 +103,7 @@ class L3Writer:
     def apply_acks(self) -> None:
         """Release the host pages of acknowledged writes; mark what is fully written."""
         acks = self.storage.write_acks
-        hosts = self._tree.controller.host_pools
+        hosts, anchor = self.pools.hosts, self.pools.roles.anchor
         while acks:
             job = acks.popleft()
             node, plan = job.owner
@@ -112,6 +111,6 @@ class L3Writer:
                 hosts[pool].release(pages)
             if not (job.ok and all(job.ok)):
                 continue
-            if self._tree.roles.anchor in plan:
+            if anchor in plan:
                 node.in_storage = True
-            node.pool_stored = node.pool_stored | (set(plan) - {self._tree.roles.anchor})
+            node.pool_stored = node.pool_stored | (set(plan) - {anchor})

@@ -10,7 +10,7 @@ Host pages are granted to a prefetch the moment L3 has said how many leading pag
 (:meth:`Prefetcher.grant`, called by the storage tier on the scheduler's event loop), within
 ``capacity_share`` of the host pool, evicting host-only leaves if needed. How many leading pages
 are usable, and which pools each of them needs read, follows every pool's hit rule
-(:func:`~hicache.tiering.prefetch_plan.plan_reads`): an SWA pool's window at the end of the hit,
+(:func:`~hicache.tiering.pool_host.plan_reads`): an SWA pool's window at the end of the hit,
 a state pool's snapshot at its last page.
 
 A prefetch started with ``reserve`` keeps what it inserted for its request: the last inserted
@@ -25,7 +25,6 @@ run, as an ``urgent`` prefetch (past ``capacity_share``, as a load-back would be
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from hicache.keys import RadixKey
 from hicache.radix.node import TreeNode
@@ -35,29 +34,31 @@ from hicache.tiering.config import PrefetchConfig
 from hicache.tiering.host_eviction import HostEvictor
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.policies import TerminationReason, can_terminate, prefetch_timeout
-from hicache.tiering.prefetch_insert import free_bundle
-from hicache.tiering.prefetch_plan import plan_reads
+from hicache.tiering.pool_host import plan_reads
+from hicache.tiering.prefetch_insert import PrefetchInserter
 from hicache.tiering.storage_tier import PrefetchOp, StorageTier
-
-if TYPE_CHECKING:
-    from hicache.tiering.cache import HiRadixCache
 
 __all__ = ["Prefetcher"]
 
 
 class Prefetcher:
-    """The running prefetches of one tiered cache, by request id."""
+    """The running prefetches of one tiered cache, by request id.
+
+    Pages that arrived go into the tree through ``inserter``; host pages come from ``host``
+    (which also keeps the host chain a running prefetch hangs from).
+    """
 
     def __init__(
         self,
-        target: HiRadixCache,
+        inserter: PrefetchInserter,
         host: HostEvictor,
         storage: StorageTier,
         hasher: PageHasher,
         config: PrefetchConfig,
         clock: Callable[[], float],
     ) -> None:
-        self._target = target
+        self._inserter = inserter
+        self._pools = host.pools
         self._storage = storage
         self._evictor = host
         self._host = host.host
@@ -106,14 +107,14 @@ class Prefetcher:
         reads: list[frozenset[str]] = []
 
         def plan(found: list[dict[str, bool]]) -> int:
-            hit, needed = plan_reads(self._target.roles, found)
+            hit, needed = plan_reads(self._pools.roles, found)
             reads[:] = needed
             return hit
 
         def grant(n_pages: int) -> list[BundlePage] | None:
             return self.grant(candidates, reads[:n_pages], limited=not urgent, whole=whole)
 
-        anchor_group = frozenset(self._target.controller.groups[self._target.roles.anchor])
+        anchor_group = frozenset(self._pools.groups[self._pools.roles.anchor])
         op = PrefetchOp(rid, candidates, grant, self._clock(), plan, (last, key, start),
                         anchor_group)  # fmt: skip
         self.anchors[last.id] += 1
@@ -171,12 +172,12 @@ class Prefetcher:
             pages = self._host.alloc(n_pages) if n_pages else None
         if pages is None:
             return None
-        groups = self._target.controller.groups
+        groups = self._pools.groups
         host_pages: list[dict[str, int]] = [
-            dict.fromkeys(groups[self._target.roles.anchor], page) for page in pages.tolist()
+            dict.fromkeys(groups[self._pools.roles.anchor], page) for page in pages.tolist()
         ]
         if not self._grant_extras(host_pages, reads):
-            free_bundle(self._target, _pages(candidates, host_pages))
+            self._pools.free_pages(_pages(candidates, host_pages))
             return None
         self.pages_in_use += len(host_pages)
         return _pages(candidates, host_pages)
@@ -184,8 +185,8 @@ class Prefetcher:
     def _grant_extras(self, host_pages: list[dict[str, int]], reads: list[frozenset[str]]) -> bool:
         """Host pages of every extra pool the granted pages read; False if one ran out (what
         was granted stays in ``host_pages``, for the caller to free)."""
-        groups = self._target.controller.groups
-        for owner in self._target.roles.extra:
+        groups = self._pools.groups
+        for owner in self._pools.roles.extra:
             at = [i for i in range(len(host_pages)) if owner in reads[i]]
             if not at:
                 continue
@@ -254,7 +255,7 @@ class Prefetcher:
             del self.anchors[last.id]
         inserted, node = 0, None
         if taken:
-            inserted, node = self._target.insert_prefetched(key, start, op.host_pages[:taken])
+            inserted, node = self._inserter.insert(key, start, op.host_pages[:taken])
         kept = 0
         if node is not None and inserted and op.rid in self._reserving:
             kept = inserted
@@ -273,7 +274,7 @@ class Prefetcher:
         if op.taken_pages is None or self.running.get(op.rid) is not op:
             return
         tail = op.host_pages[op.taken_pages :]
-        free_bundle(self._target, tail)
+        self._pools.free_pages(tail)
         self.pages_in_use -= len(tail)
         del self.running[op.rid]
 

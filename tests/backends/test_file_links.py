@@ -30,8 +30,9 @@ from file_kit import (
     snapshot,
 )
 
-from hicache.backends.base import MISS, TempFile
+from hicache.backends.base import MISS
 from hicache.backends.file import FileBackend
+from hicache.backends.file.maintenance import TempFile
 
 store = pytest.fixture(opened_store, name="store")
 

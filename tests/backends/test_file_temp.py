@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import pytest
 from file_kit import write_temp
 
-from hicache.backends.base import TempFileOwner
 from hicache.backends.file import FileBackend, FileConfig
+from hicache.backends.file.maintenance import TempFileOwner
 from hicache.backends.memory import MemoryBackend
 
 

@@ -391,8 +391,8 @@ async def test_bench_baseline_moves_the_same_bytes(tmp_path: pathlib.Path) -> No
     pytest.importorskip("s3fs")
     import numpy as np
 
-    from hicache.tools.bench_backends import _Workload
-    from hicache.tools.bench_raw_fsspec import provision, raw_baseline
+    from hicache.tools.bench.backends import _Workload
+    from hicache.tools.bench.raw_fsspec import provision, raw_baseline
 
     source = np.random.default_rng(1).integers(0, 256, size=(40, 4096), dtype=np.uint8)
     work = _Workload([f"bench-{i}" for i in range(40)], source, np.zeros_like(source))

@@ -106,23 +106,31 @@ async def test_second_instance_in_one_process_shares(small: SharedMemoryBackend)
 
 
 # ----- dead writers -----------------------------------------------------------------------------
+def kill_a_writer_before_publishing(name: str, put_args: str = '["doomed"], [bytes(100)]') -> None:
+    """A child process puts ``put_args`` (Python source), copies every byte and is killed
+    before publishing (the before_publish test hook)."""
+    child = run_child(
+        f"""
+        async def main():
+            backend = await SharedMemoryBackend.open(config())
+            backend.before_publish = lambda keys: os.kill(os.getpid(), signal.SIGKILL)
+            await backend.put({put_args})
+        asyncio.run(main())
+        """,
+        name,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+
+
 async def test_writer_killed_before_publishing_leaves_nothing_readable(
     small: SharedMemoryBackend,
 ) -> None:
     assert await small.put(["victim"], [pattern(7, 64 * KIB)]) == [True]
     # The child overwrites "victim" and adds "new", copies every byte, then dies before
     # publishing (the before_publish test hook).
-    child = run_child(
-        """
-        async def main():
-            backend = await SharedMemoryBackend.open(config())
-            backend.before_publish = lambda keys: os.kill(os.getpid(), signal.SIGKILL)
-            await backend.put(["victim", "new"], [bytes([9]) * (64 << 10), bytes(3 << 20)])
-        asyncio.run(main())
-        """,
-        small.config.name,
+    kill_a_writer_before_publishing(
+        small.config.name, '["victim", "new"], [bytes([9]) * (64 << 10), bytes(3 << 20)]'
     )
-    assert child.returncode == -signal.SIGKILL, child.stderr
     assert await small.exists(["victim", "new"]) == [True, False]
     assert await small.get(["victim"]) == [pattern(7, 64 * KIB)]  # the old, whole value
     stats = await small.stats()
@@ -140,17 +148,7 @@ async def test_reclaim_on_open_and_live_writers_are_kept(small: SharedMemoryBack
     with index.locked():
         mine = index.reserve(b"in-flight", key_hash(b"in-flight"), 64 * KIB)  # alive: ours
     assert mine is not None
-    child = run_child(
-        """
-        async def main():
-            backend = await SharedMemoryBackend.open(config())
-            backend.before_publish = lambda keys: os.kill(os.getpid(), signal.SIGKILL)
-            await backend.put(["doomed"], [bytes(100)])
-        asyncio.run(main())
-        """,
-        small.config.name,
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr
+    kill_a_writer_before_publishing(small.config.name)
     assert (await small.stats())["writing"] == 2
     assert await small.reclaim_dead_writes() == 1  # the child's, not ours
     with index.locked():
@@ -163,17 +161,7 @@ async def test_dead_writer_found_by_pid_without_ofd_locks(
 ) -> None:
     # Where OFD locks do not exist (not Linux), liveness falls back to the recorded pid.
     monkeypatch.setattr(shm_layout, "_OFD", False)
-    child = run_child(
-        """
-        async def main():
-            backend = await SharedMemoryBackend.open(config())
-            backend.before_publish = lambda keys: os.kill(os.getpid(), signal.SIGKILL)
-            await backend.put(["doomed"], [bytes(100)])
-        asyncio.run(main())
-        """,
-        small.config.name,
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr
+    kill_a_writer_before_publishing(small.config.name)
     assert await small.reclaim_dead_writes() == 1
     assert (await small.stats())["free_bytes"] == 4 * MIB
 

@@ -1,4 +1,4 @@
-"""How much of a prefix SGLang can restore when side pools come with the KV (sglang_hits).
+"""How much of a prefix SGLang can restore when side pools come with the KV (sglang.hits).
 
 A brute-force reference checks every prefix length against each policy's rule as SGLang states
 it (``PoolHitPolicy``); hypothesis compares it with ``restorable_prefix`` over random presence
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.integrations.sglang_hits import HitPolicy, PoolQuery, PrefixVerdict, restorable_prefix
+from hicache.integrations.sglang.hits import HitPolicy, PoolQuery, PrefixVerdict, restorable_prefix
 
 KV = "kv"
 T, F = True, False

@@ -1,4 +1,4 @@
-"""What a stored SGLang page is: shard identity, key prefix and page kind (sglang_pools).
+"""What a stored SGLang page is: shard identity, key prefix and page kind (sglang.pools).
 
 SGLang's page keys name no model, rank or layout, so the prefix a PoolBinding adds must: two
 ranks, layouts or dtypes must never share a key, and the same configuration must always find
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from hicache.dtypes import DType
 from hicache.errors import ConfigError, InvalidKeyError
-from hicache.integrations.sglang_pools import PoolBinding, ShardIdentity
+from hicache.integrations.sglang.pools import PoolBinding, ShardIdentity
 from hicache.keys import validate_key
 from hicache.layouts import Layout
 

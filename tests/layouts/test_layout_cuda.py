@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layout_kit import random_buffer
 
 from hicache.errors import LayoutError
 from hicache.layouts import (
@@ -29,14 +30,6 @@ PRESETS = list(SpecPreset)
 
 def small(preset: SpecPreset) -> LayoutSpec:
     return preset.spec(page_size=4, layers=3)
-
-
-def random_buffer(spec: LayoutSpec, layout: Layout, pages: int, seed: int) -> torch.Tensor:
-    """Random bytes (NaN patterns included) as a CPU ``layout`` buffer."""
-    shape = buffer_shape(spec, layout, pages)
-    raw = torch.empty(pages * spec.page_bytes, dtype=torch.uint8)
-    raw.random_(0, 256, generator=torch.Generator().manual_seed(seed))
-    return raw.view(spec.dtype.to_torch()).view(shape)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

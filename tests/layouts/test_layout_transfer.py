@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layout_kit import random_buffer
 
 from hicache.errors import LayoutError
 from hicache.layouts import (
@@ -23,12 +24,6 @@ from hicache.pools import TokenSlotAllocator
 
 PRESETS = list(SpecPreset)
 POOL_PAGES, HOST_PAGES = 8, 6
-
-
-def random_buffer(spec: LayoutSpec, layout: Layout, pages: int, seed: int) -> torch.Tensor:
-    raw = torch.empty(pages * spec.page_bytes, dtype=torch.uint8)
-    raw.random_(0, 256, generator=torch.Generator().manual_seed(seed))
-    return raw.view(spec.dtype.to_torch()).view(buffer_shape(spec, layout, pages))
 
 
 def zeros(spec: LayoutSpec, layout: Layout, pages: int) -> torch.Tensor:

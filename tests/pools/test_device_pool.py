@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pool_bytes import as_bytes, random_like
 
 from hicache.dtypes import DType
 from hicache.errors import ConfigError, DoubleFreeError, InvalidArgumentError, LayoutError
@@ -23,18 +24,6 @@ from hicache.pools.device import indexer_as_float, take_rows
 
 PRESETS = list(PoolPreset)
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def random_like(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random bytes (NaN patterns included) viewed as ``dtype``."""
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    raw = torch.empty(nbytes, dtype=torch.uint8)
-    raw.random_(0, 256, generator=torch.Generator().manual_seed(seed))
-    return raw.view(dtype).view(shape)
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8).cpu()
 
 
 def pools_of(model: ModelPools, pages: int = 4, device: str = "cpu") -> dict[str, DevicePool]:

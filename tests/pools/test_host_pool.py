@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pool_bytes import as_bytes, random_like
 
 from hicache.errors import (
     ConfigError,
@@ -26,17 +27,6 @@ from hicache.pools import (
 PRESETS = list(PoolPreset)
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DENSE = preset(PoolPreset.DENSE).pools[0]
-
-
-def random_like(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    raw = torch.empty(nbytes, dtype=torch.uint8)
-    raw.random_(0, 256, generator=torch.Generator().manual_seed(seed))
-    return raw.view(dtype).view(shape)
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8).cpu()
 
 
 def fill(pool: DevicePool, slots: torch.Tensor, seed: int) -> torch.Tensor:

@@ -13,14 +13,13 @@ import pytest
 
 from hicache.errors import InvalidArgumentError, TraceFormatError
 from hicache.radix import EvictionPolicy
-from hicache.serving.traces import (
-    TraceRequest,
-    dump_trace,
-    format_trace,
-    load_trace,
-    parse_trace,
+from hicache.tools.bench.radix import (
+    RadixBenchConfig,
+    add_bench_radix_parser,
+    bench_trace,
+    run_bench_radix,
 )
-from hicache.serving.workloads import (
+from hicache.workloads.synthetic import (
     ChatConfig,
     SharedPrefixConfig,
     TenantSpread,
@@ -30,11 +29,12 @@ from hicache.serving.workloads import (
     multiturn_trace,
     shared_prefix_trace,
 )
-from hicache.tools.bench_radix import (
-    RadixBenchConfig,
-    add_bench_radix_parser,
-    bench_trace,
-    run_bench_radix,
+from hicache.workloads.traces import (
+    TraceRequest,
+    dump_trace,
+    format_trace,
+    load_trace,
+    parse_trace,
 )
 
 REQUIRED_KEYS = [

@@ -14,11 +14,11 @@ from hicache.errors import InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.radix import RadixCache, RadixCacheConfig
 from hicache.scheduling.prefix_hold import PrefixHold
+from hicache.scheduling.request import WaitingRequest
 from hicache.scheduling.scheduler import (
     PrefixScheduler,
     SchedulePolicy,
     SchedulerConfig,
-    WaitingRequest,
 )
 
 PAGE = 4

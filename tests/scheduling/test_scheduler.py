@@ -10,6 +10,7 @@ import torch
 from hicache.errors import ConfigError, InvalidArgumentError, InvalidTokenError
 from hicache.keys import RadixKey
 from hicache.radix import RadixCache, RadixCacheConfig
+from hicache.scheduling.request import WaitingRequest
 from hicache.scheduling.scheduler import (
     DelayerConfig,
     PrefillDelayer,
@@ -17,7 +18,6 @@ from hicache.scheduling.scheduler import (
     QueueStats,
     SchedulePolicy,
     SchedulerConfig,
-    WaitingRequest,
 )
 
 P = SchedulePolicy

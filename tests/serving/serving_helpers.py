@@ -11,7 +11,6 @@ the one-request-at-a-time ``Sequential`` workload, where it depends on sizes onl
 from __future__ import annotations
 
 import asyncio
-import functools
 import pathlib
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,20 +19,22 @@ from typing import Any
 
 import torch
 
+# The model's pieces are the model tests' (tests/model_kit.py); the serving tests import them here.
+from model_kit import PAGE, VOCAB, model_config, relative_error, tiny_model  # noqa: F401
+
 from hicache.keys import StorageFormat
-from hicache.serving.arrivals import TraceReplay
+from hicache.models.config import ModelPreset
+from hicache.models.types import ServingModel
 from hicache.serving.engine import CacheMode, EngineConfig, RequestSource
-from hicache.serving.model import ServingModel, TinyTransformer
-from hicache.serving.presets import ModelConfig, ModelPreset
+from hicache.serving.engine_events import TokenSampled
 from hicache.serving.request import RequestRecord, ServeRequest
 from hicache.serving.setup import ServingSetup, open_engine
-from hicache.serving.traces import TraceRequest
-from hicache.serving.workloads import ChatConfig, MultiTurnChat
 from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
 from hicache.tiering.policies import PrefetchStopPolicy, WritePolicy
+from hicache.workloads.arrivals import TraceReplay
+from hicache.workloads.synthetic import ChatConfig, MultiTurnChat
+from hicache.workloads.traces import TraceRequest
 
-PAGE = 4
-VOCAB = 512
 DEVICE_TOKENS = 128
 HOST_PAGES = 96
 CHAT = ChatConfig(
@@ -53,29 +54,6 @@ ALL_PRESETS = [p for p in ModelPreset if p is not ModelPreset.DSV4]
 # the engine's "is reading worth it" estimate would otherwise skip prefetches at random.
 # A request that cannot be admitted fails after stall_s, so a stall shows up as an error record.
 ENGINE = EngineConfig(max_running=2, skip_slow_prefetch=False, stall_s=20.0)
-
-
-def model_config(preset: ModelPreset) -> ModelConfig:
-    return ModelConfig(
-        preset=preset,
-        vocab_size=VOCAB,
-        hidden=32,
-        layers=2,
-        heads=2,
-        kv_heads=1,
-        head_dim=8,
-        page_size=PAGE,
-        latent_dim=16,
-        index_dim=8,
-        index_topk_pages=2,  # fewer pages than a prompt has: the DSA selection matters
-        window=8,  # shorter than a prompt: the SWA mask matters
-        state_dim=8,
-    )
-
-
-@functools.cache
-def tiny_model(preset: ModelPreset) -> TinyTransformer:
-    return TinyTransformer(model_config(preset))
 
 
 def hicache_config(
@@ -139,14 +117,11 @@ class RunResult:
 
 def _capture_logits(setup: ServingSetup, into: dict[tuple[str, int], torch.Tensor]) -> None:
     """Keep the logits every token was sampled from, by (request, output position)."""
-    engine = setup.engine
-    sample = engine._sample
 
-    def recording_sample(request: ServeRequest, logits: torch.Tensor) -> int:
-        into[(request.rid, len(request.generated))] = logits.clone()
-        return sample(request, logits)
+    def record(sampled: TokenSampled) -> None:
+        into[(sampled.request.rid, sampled.position)] = sampled.logits.clone()
 
-    engine._sample = recording_sample  # type: ignore[method-assign]
+    setup.engine.observe(record, TokenSampled)
 
 
 async def serve(
@@ -223,10 +198,6 @@ def trace(prompts: Sequence[Sequence[int]], output_tokens: int = 3) -> TraceRepl
         TraceRequest(f"t{i}", "", list(p), [0] * output_tokens) for i, p in enumerate(prompts)
     ]
     return TraceReplay(requests)
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
 
 
 def workload(name: str) -> RequestSource:

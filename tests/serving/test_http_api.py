@@ -19,11 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import ENGINE, PAGE, VOCAB, hicache_config, serve, tiny_model, trace
 
+from hicache.models.config import ModelPreset
 from hicache.radix.eviction import EvictionPolicy
+from hicache.server.app import HttpServer, Listen
+from hicache.server.request_body import ServedModel
 from hicache.serving.engine import CacheMode, EngineConfig
-from hicache.serving.http_request import ServedModel
-from hicache.serving.http_server import HttpServer, Listen
-from hicache.serving.presets import ModelPreset
 from hicache.serving.setup import open_engine
 
 DENSE = ModelPreset.DENSE

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from serving_helpers import DEVICE_TOKENS, VOCAB, hicache_config, serve, trace
 
+from hicache.models.config import ModelPreset
 from hicache.serving.engine import CacheMode
-from hicache.serving.presets import ModelPreset
 from hicache.serving.request import ServeRequest
-from hicache.serving.traces import TraceRequest, dump_trace
 from hicache.tools.cli import main
+from hicache.workloads.traces import TraceRequest, dump_trace
 
 OUT = 3
 

@@ -25,12 +25,12 @@ from serving_helpers import (
 )
 
 from hicache.backends.wrappers import FaultConfig, FaultInjectionBackend, FaultMode
+from hicache.models.config import ModelPreset
 from hicache.serving.engine import CacheMode
-from hicache.serving.presets import ModelPreset
 from hicache.serving.setup import open_engine
-from hicache.serving.workloads import MultiTurnChat
 from hicache.tiering.cache import HiRadixCache
 from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason, WritePolicy
+from hicache.workloads.synthetic import MultiTurnChat
 
 rates = st.floats(min_value=0.0, max_value=0.6)
 

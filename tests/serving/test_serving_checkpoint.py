@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from model_kit import reference_tokens
 from serving_helpers import (
     CHAT,
     PAGE,
@@ -25,10 +26,10 @@ from serving_helpers import (
     serve,
 )
 
-from hicache.checkpoint.loader import load_checkpoint
+from hicache.models.config import ModelPreset
+from hicache.models.hf.loader import load_checkpoint
 from hicache.serving.engine import CacheMode
-from hicache.serving.presets import ModelPreset
-from hicache.serving.workloads import MultiTurnChat
+from hicache.workloads.synthetic import MultiTurnChat
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,15 +84,6 @@ def checkpoint(request: Any, tmp_path_factory: Any) -> tuple[Any, Any, ModelPres
     preset = PRESETS.get(request.param, ModelPreset.DENSE)
     assert ours.config.preset is preset
     return reference, ours, preset
-
-
-@torch.no_grad()
-def reference_tokens(model: Any, prompt: list[int], count: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=count, do_sample=False
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 @torch.no_grad()

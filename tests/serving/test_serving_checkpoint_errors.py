@@ -13,9 +13,9 @@ from cli_kit import run
 from serving_helpers import PAGE
 from test_serving_checkpoint import build_checkpoint
 
-from hicache.checkpoint.loader import open_checkpoint
 from hicache.errors import CheckpointError, TraceFormatError
-from hicache.serving.traces import TraceRequest, dump_trace, load_trace
+from hicache.models.hf.loader import open_checkpoint
+from hicache.workloads.traces import TraceRequest, dump_trace, load_trace
 
 pytest.importorskip("transformers")
 CPU = torch.device("cpu")
@@ -219,7 +219,7 @@ def test_missing_packages_are_named(
     """Without hicache[hf]'s packages, --model says which to install (not a traceback)."""
     import sys
 
-    from hicache.checkpoint.tokenizer import load_tokenizer
+    from hicache.models.hf.tokenizer import load_tokenizer
 
     ckpt = copy_of(saved, tmp_path)
     word_tokenizer(ckpt, ["a"])

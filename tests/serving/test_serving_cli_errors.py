@@ -18,8 +18,8 @@ from test_serving_bad_input import CHAT, TINY
 
 from hicache.backends import registry
 from hicache.backends.wrappers import FaultConfig, FaultInjectionBackend, FaultMode
-from hicache.serving.traces import TraceRequest, dump_trace
-from hicache.tools import serve as serve_module
+from hicache.tools.serve import command as serve_module
+from hicache.workloads.traces import TraceRequest, dump_trace
 
 # One client of one round: the smallest run that serves a request.
 ONE = ["--clients", "1", "--rounds", "1", "--system-tokens", "8", "--turn-tokens", "8", "-q"]
@@ -227,7 +227,8 @@ _FAIL_MID_RUN = """
 import asyncio, sys, time
 from hicache.backends import registry
 from hicache.backends.wrappers.base import WrapperBackend
-from hicache.serving.engine import Engine
+from hicache.serving.engine_events import AdmissionRound
+from hicache.tools.serve import command as serve
 from hicache.tools.cli import main
 
 class SlowExists(WrapperBackend):
@@ -245,15 +246,21 @@ opened = registry.open_backend
 async def slow(url, **config):
     return SlowExists(await opened(url, **config))
 
-admit = Engine._admit
+opened_engine = serve.open_engine
 
-def failing(self, waiting, running):
-    if self.hiradix is not None and self.hiradix.prefetcher.running:
-        raise RuntimeError("injected failure")
-    return admit(self, waiting, running)
+async def failing_engine(*args, **kwargs):
+    setup = await opened_engine(*args, **kwargs)
+    engine = setup.engine
+
+    def fail(_):
+        if engine.hiradix is not None and engine.hiradix.prefetcher.running:
+            raise RuntimeError("injected failure")
+
+    engine.observe(fail, AdmissionRound)
+    return setup
 
 registry.open_backend = slow
-Engine._admit = failing
+serve.open_engine = failing_engine
 sys.exit(main(sys.argv[1:]))
 """
 

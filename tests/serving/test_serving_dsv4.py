@@ -32,16 +32,17 @@ from serving_helpers import (
 from test_serving_cli_errors import one_line_error
 
 from hicache.errors import ConfigError
+from hicache.models.config import LayerKind, ModelConfig, ModelPreset
+from hicache.models.tiny import TinyTransformer
+from hicache.models.types import ChunkInput
 from hicache.pools.device import DevicePool, device_pools
 from hicache.pools.host import host_pools
 from hicache.pools.pool_spec import HitRuleKind
 from hicache.serving.engine import CacheMode, EngineConfig, RequestSource
-from hicache.serving.model import ChunkInput, TinyTransformer
-from hicache.serving.presets import LayerKind, ModelConfig, ModelPreset
 from hicache.serving.setup import open_engine
-from hicache.serving.workloads import ChatConfig, MultiTurnChat
 from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
 from hicache.tiering.policies import PrefetchStopPolicy, WritePolicy
+from hicache.workloads.synthetic import ChatConfig, MultiTurnChat
 
 PAGE = 128
 WINDOW = 128

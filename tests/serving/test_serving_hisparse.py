@@ -37,17 +37,18 @@ from test_serving_bad_input import CHAT, TINY
 from test_serving_cli_errors import one_line_error
 
 from hicache.errors import ConfigError
-from hicache.serving.arrivals import TraceReplay
+from hicache.models.config import ModelPreset
+from hicache.models.tiny import TinyTransformer
+from hicache.models.types import DecodeRows
 from hicache.serving.engine import CacheMode, EngineConfig, RequestSource
-from hicache.serving.model import TinyTransformer
-from hicache.serving.model_sparse import DecodeRows
-from hicache.serving.presets import ModelPreset
+from hicache.serving.engine_events import StepStarted
 from hicache.serving.request import ServeRequest, StepRecord
 from hicache.serving.setup import ServingSetup, open_engine
-from hicache.serving.traces import TraceRequest
 from hicache.sparse.hot_buffer import HiSparseConfig, HotStats
 from hicache.tiering.config import HiCacheConfig
-from hicache.tools import serve as serve_module
+from hicache.tools.serve import command as serve_module
+from hicache.workloads.arrivals import TraceReplay
+from hicache.workloads.traces import TraceRequest
 
 DSA = ModelPreset.DSA
 TOPK = model_config(DSA).index_topk_pages  # 2 pages
@@ -84,14 +85,7 @@ class HotRun:
 
 
 def _count_running(setup: ServingSetup, into: list[int]) -> None:
-    engine = setup.engine
-    step = engine._step
-
-    async def counting(running: list[ServeRequest]) -> list[ServeRequest]:
-        into.append(len(running))
-        return await step(running)
-
-    engine._step = counting  # type: ignore[method-assign]
+    setup.engine.observe(lambda started: into.append(started.running), StepStarted)
 
 
 def _leftovers(setup: ServingSetup) -> Leftovers | None:
@@ -258,7 +252,7 @@ async def test_chunked_prefill_then_hot_decode_is_identical() -> None:
     steps: list[StepRecord] = []
 
     def watch(setup: ServingSetup) -> None:
-        setup.engine.on_step = steps.append
+        setup.engine.observe(steps.append, StepRecord)
 
     got = await serve_hot(
         CacheMode.DEVICE_HOST,

@@ -27,12 +27,12 @@ from serving_helpers import (
     workload,
 )
 
+from hicache.models.config import ModelPreset
+from hicache.models.types import ChunkInput
 from hicache.pools.device import DevicePool, device_pools
 from hicache.pools.host import host_pools
 from hicache.pools.pool_spec import Granularity, ModelPools
 from hicache.serving.engine import CacheMode
-from hicache.serving.model import ChunkInput
-from hicache.serving.presets import ModelPreset
 from hicache.tiering.policies import PrefetchStopPolicy, WindowAdmission, WritePolicy
 
 PRESET_IDS = [p.value for p in ALL_PRESETS]

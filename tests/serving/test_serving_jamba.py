@@ -22,13 +22,13 @@ import torch
 from serving_helpers import CHAT, PAGE, VOCAB, hicache_config, relative_error, serve
 from test_serving_checkpoint import assert_matches_transformers
 
-from hicache.checkpoint.loader import open_checkpoint
 from hicache.errors import CheckpointError, ConfigError
+from hicache.models.config import LayerKind, ModelConfig, ModelPreset
+from hicache.models.hf.loader import open_checkpoint
+from hicache.models.types import ChunkInput
 from hicache.pools.device import device_pools
 from hicache.serving.engine import CacheMode
-from hicache.serving.model import ChunkInput
-from hicache.serving.presets import LayerKind, ModelConfig, ModelPreset
-from hicache.serving.workloads import MultiTurnChat
+from hicache.workloads.synthetic import MultiTurnChat
 
 transformers = pytest.importorskip("transformers")
 CPU = torch.device("cpu")

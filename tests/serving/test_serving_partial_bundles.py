@@ -26,8 +26,8 @@ from serving_helpers import (
 
 from hicache.backends.registry import open_backend
 from hicache.keys import PageKeyScheme, RadixKey, storage_key
+from hicache.models.config import ModelPreset
 from hicache.serving.engine import CacheMode
-from hicache.serving.presets import ModelPreset
 
 PROMPTS = 4
 PROMPT_TOKENS = 45  # 44 reusable tokens: 11 whole pages

@@ -30,15 +30,17 @@ from serving_helpers import (
 
 from hicache.errors import ConfigError
 from hicache.keys import RadixKey
+from hicache.models.config import ModelConfig, ModelPreset
+from hicache.models.tiny import TinyTransformer
+from hicache.models.types import ChunkInput
 from hicache.pools.device import device_pools
-from hicache.serving.arrivals import TraceReplay
 from hicache.serving.engine import CacheMode, Engine, EngineConfig, RequestSource
-from hicache.serving.model import ChunkInput, TinyTransformer
+from hicache.serving.engine_events import ChunkPlanned
 from hicache.serving.pool_slots import swa_reserve
-from hicache.serving.presets import ModelConfig, ModelPreset
 from hicache.serving.setup import ServingSetup, device_slots, open_engine
-from hicache.serving.workloads import MultiTurnChat, SharedPrefixConfig, shared_prefix_trace
 from hicache.tiering.config import HiCacheConfig
+from hicache.workloads.arrivals import TraceReplay
+from hicache.workloads.synthetic import MultiTurnChat, SharedPrefixConfig, shared_prefix_trace
 
 DEVICE_TOKENS = 256
 
@@ -63,14 +65,7 @@ class Probe:
         self.engine = engine
         self.peak_swa = 0  # most SWA slots held by running requests and their locks at once
         self.steps = 0
-        make_chunk = engine._next_chunk
-
-        def checked(request: Any) -> ChunkInput:
-            chunk = make_chunk(request)
-            self.check(request, chunk)
-            return chunk
-
-        engine._next_chunk = checked  # type: ignore[method-assign]
+        engine.observe(lambda planned: self.check(planned.request, planned.chunk), ChunkPlanned)
 
     def check(self, request: Any, chunk: ChunkInput) -> None:
         self.steps += 1

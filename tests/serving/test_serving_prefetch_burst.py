@@ -14,9 +14,10 @@ import pathlib
 import torch
 from serving_helpers import ENGINE, VOCAB, assert_same_run, hicache_config, serve, trace
 
+from hicache.models.config import ModelPreset
 from hicache.serving.engine import CacheMode
-from hicache.serving.presets import ModelPreset
-from hicache.serving.request import ServeRequest
+from hicache.serving.engine_events import RequestAdmitted
+from hicache.serving.request import ServeRequest, StepRecord
 from hicache.serving.setup import ServingSetup
 
 DENSE = ModelPreset.DENSE
@@ -77,14 +78,9 @@ async def test_a_request_reads_its_history_while_the_one_before_it_runs(
 
     def record(setup: ServingSetup) -> None:
         engine, prefetcher = setup.engine, setup.cache.prefetcher  # type: ignore[union-attr]
-        start, prefetch = engine._start, prefetcher.start
-        engine.on_step = steps.append
-
-        def admitting(request: ServeRequest) -> bool:
-            started: bool = start(request)
-            if started:
-                admitted.append((request, len(steps)))
-            return started
+        prefetch = prefetcher.start
+        engine.observe(steps.append, StepRecord)
+        engine.observe(lambda event: admitted.append((event.request, len(steps))), RequestAdmitted)
 
         def prefetching(rid: str, *args: object, **kwargs: object) -> bool:
             started: bool = prefetch(rid, *args, **kwargs)  # type: ignore[arg-type]
@@ -92,7 +88,6 @@ async def test_a_request_reads_its_history_while_the_one_before_it_runs(
                 reads.setdefault(rid, []).append(len(steps))
             return started
 
-        engine._start = admitting  # type: ignore[method-assign]
         prefetcher.start = prefetching  # type: ignore[method-assign]
 
     small = hicache_config(tmp_path, host_pages=48)

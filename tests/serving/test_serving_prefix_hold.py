@@ -21,16 +21,16 @@ from serving_helpers import (
     trace,
 )
 
+from hicache.models.config import ModelPreset
 from hicache.radix.lifecycle import CachedRequest
 from hicache.scheduling.scheduler import PrefixScheduler, SchedulerConfig
-from hicache.serving.arrivals import TraceReplay
 from hicache.serving.engine import CacheMode, EngineConfig
-from hicache.serving.presets import ModelPreset
-from hicache.serving.report import oracle_hit_rate, summarize
 from hicache.serving.request import RequestState, ServeRequest
 from hicache.serving.setup import ServingSetup, open_engine
-from hicache.serving.traces import TraceRequest
-from hicache.serving.workloads import ChatConfig, burst_conversations_trace
+from hicache.workloads.arrivals import TraceReplay
+from hicache.workloads.report import oracle_hit_rate, summarize
+from hicache.workloads.synthetic import ChatConfig, burst_conversations_trace
+from hicache.workloads.traces import TraceRequest
 
 DENSE = ModelPreset.DENSE
 # Chunks of 32 tokens: a 64-token prefix takes two steps to compute, so the others wait a round

@@ -15,10 +15,10 @@ import torch
 from serving_helpers import model_config
 
 from hicache.keys import RadixKey
+from hicache.models.config import ModelPreset
 from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
 from hicache.radix.tree import RadixCacheConfig
-from hicache.serving.presets import ModelPreset
 from hicache.tiering.cache import HiRadixCache
 from hicache.tiering.config import HiCacheConfig, StorageConfig, TierConfig
 from hicache.tiering.controller import HiCacheController

@@ -16,7 +16,8 @@ from tier_harness import PAGE, FakeClock, fake_kv
 from hicache.keys import RadixKey
 from hicache.pools.device import DevicePool, device_pools
 from hicache.pools.host import HostPool, host_pools
-from hicache.pools.pool_spec import ModelPools, ModelShape, PoolPreset, preset
+from hicache.pools.pool_spec import ModelPools
+from hicache.pools.presets import ModelShape, PoolPreset, preset
 from hicache.radix.node import TreeNode
 from hicache.radix.tree import RadixCacheConfig
 from hicache.tiering.cache import HiRadixCache

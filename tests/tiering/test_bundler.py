@@ -14,7 +14,7 @@ from hicache.errors import InvalidArgumentError
 from hicache.keys import RadixKey, chain_page_hashes, namespace_digest
 from hicache.layouts import Layout
 from hicache.pools import HostPool
-from hicache.pools.pool_spec import PoolPreset, preset
+from hicache.pools.presets import PoolPreset, preset
 from hicache.radix.tree import RadixCache, RadixCacheConfig
 from hicache.tiering.bundler import BundlePage, PageBundler, PageHasher
 

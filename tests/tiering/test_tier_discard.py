@@ -17,7 +17,7 @@ from hicache.backends.registry import open_backend
 from hicache.backends.wrappers import FaultConfig, FaultInjectionBackend, FaultMode, Operation
 from hicache.keys import namespace_digest, namespace_tag
 from hicache.tiering.config import StorageConfig
-from hicache.tiering.discard import discard_namespaces
+from hicache.tiering.controller import discard_namespaces
 
 SEQ = tokens(1, 8)
 OTHER = tokens(5000, 6)
@@ -95,7 +95,7 @@ async def test_a_backend_that_cannot_list_keeps_the_pages_with_a_warning(
     run = await Harness.build(backend=backend, **scratch("run-model"))
     await write(run, (SEQ, None))
     assert len(backend._objects) == 8
-    with caplog.at_level(logging.WARNING, logger="hicache.tiering.discard"):
+    with caplog.at_level(logging.WARNING, logger="hicache.tiering.controller"):
         await run.tree.close()
     assert "cannot list its keys" in caplog.text
     assert run.controller.metrics.counts["l3_discarded_objects"] == 0
@@ -110,7 +110,7 @@ async def test_a_failing_delete_is_logged_and_close_still_closes(
     backend: StorageBackend = FaultInjectionBackend(inner, faults)
     run = await Harness.build(backend=backend, **scratch("run-model"))
     await write(run, (SEQ, None))
-    with caplog.at_level(logging.WARNING, logger="hicache.tiering.discard"):
+    with caplog.at_level(logging.WARNING, logger="hicache.tiering.controller"):
         await run.tree.close()
     assert "discarding L3 pages failed after 0 objects" in caplog.text
     assert backend.closed and inner.closed

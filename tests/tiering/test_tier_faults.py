@@ -9,6 +9,8 @@ reserved and every used device slot and host page belongs to a tree node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from tier_gated import (
@@ -55,16 +57,29 @@ def only(*ops: Operation, **config: object) -> FaultConfig:
     return FaultConfig(operations=frozenset(ops), **config)  # type: ignore[arg-type]
 
 
-# ----- reads --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("op", [Operation.GET, Operation.EXISTS])
-async def test_raising_reads_end_the_prefetch_and_the_request_recomputes(op: Operation) -> None:
+@contextlib.asynccontextmanager
+async def faulty_prefetch(
+    faults: FaultConfig,
+) -> AsyncIterator[tuple[Harness, FaultInjectionBackend, PrefetchOp]]:
+    """L3 holding ``SEQ`` and then given ``faults``; a prefetch of ``SEQ`` whose reads have ended,
+    after which the request may run. The harness is closed on the way out."""
     h, backend = await faulty()
     try:
         await seed_l3(h, SEQ)
-        backend.set_faults(only(op, fail_rate=1.0, fail_mode=FaultMode.RAISE))
+        backend.set_faults(faults)
         prefetch = start_prefetch(h, "r", SEQ)
         await until(lambda: prefetch.reads_finished)
         assert h.tree.prefetcher.may_run("r") is True
+        yield h, backend, prefetch
+    finally:
+        await h.close()
+
+
+# ----- reads --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", [Operation.GET, Operation.EXISTS])
+async def test_raising_reads_end_the_prefetch_and_the_request_recomputes(op: Operation) -> None:
+    raising = only(op, fail_rate=1.0, fail_mode=FaultMode.RAISE)
+    async with faulty_prefetch(raising) as (h, _, prefetch):
         assert prefetch.reason is TerminationReason.ERROR
         assert h.controller.metrics.counts["errors"] == 1
         assert h.controller.metrics.counts["prefetch_error"] == 1
@@ -72,43 +87,26 @@ async def test_raising_reads_end_the_prefetch_and_the_request_recomputes(op: Ope
         assert h.controller.metrics.counts["l3_read_failures"] == len(SEQ) // 4
         assert h.run_request("r", SEQ) == {"device": 0, "host": 0, "computed": 32}
         await assert_clean(h)
-    finally:
-        await h.close()
 
 
 async def test_missing_objects_are_misses() -> None:
-    h, backend = await faulty()
-    try:
-        await seed_l3(h, SEQ)
-        backend.set_faults(only(Operation.GET, fail_rate=1.0))  # get_into answers MISS
-        prefetch = start_prefetch(h, "r", SEQ)
-        await until(lambda: prefetch.reads_finished)
-        assert h.tree.prefetcher.may_run("r") is True
+    missing = only(Operation.GET, fail_rate=1.0)  # get_into answers MISS
+    async with faulty_prefetch(missing) as (h, _, prefetch):
         assert prefetch.completed_pages == 0 and h.controller.metrics.counts["missing_pages"] >= 1
         assert h.controller.metrics.counts["missing_pages"] >= 1
         assert h.controller.metrics.counts["l3_hit_tokens"] == 0
         assert h.run_request("r", SEQ)["computed"] == 32
         await assert_clean(h)
-    finally:
-        await h.close()
 
 
 async def test_corrupt_reads_are_misses_and_the_kv_stays_exact() -> None:
-    h, backend = await faulty()
-    try:
-        await seed_l3(h, SEQ)
-        backend.set_faults(only(Operation.GET, corrupt_rate=1.0))
-        prefetch = start_prefetch(h, "r", SEQ)
-        await until(lambda: prefetch.reads_finished)
-        assert h.tree.prefetcher.may_run("r") is True
+    async with faulty_prefetch(only(Operation.GET, corrupt_rate=1.0)) as (h, backend, prefetch):
         assert prefetch.completed_pages == 0
         assert h.controller.metrics.counts["corrupt_pages"] >= 1
         assert h.controller.metrics.counts["corrupt_pages"] >= 1
         assert (await backend.stats())["injected_corruptions"] >= 1
         assert h.run_request("r", SEQ) == {"device": 0, "host": 0, "computed": 32}
         await assert_clean(h)
-    finally:
-        await h.close()
 
 
 def _flip_stored_page(h: Harness, memory: MemoryBackend, probe: PrefetchOp, page: int) -> None:

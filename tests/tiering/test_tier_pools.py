@@ -5,13 +5,14 @@ read from; and every allocator holds exactly what the tree's nodes hold."""
 from __future__ import annotations
 
 import pathlib
+from collections.abc import AsyncIterator
 
 import pytest
 from pool_kit import WINDOW, PoolKit, nodes_holding
 from tier_harness import PAGE
 
 from hicache.keys import RadixKey
-from hicache.pools.pool_spec import PoolPreset
+from hicache.pools.presets import PoolPreset
 from hicache.tiering.config import StorageConfig, TierConfig
 from hicache.tiering.policies import WindowAdmission, WritePolicy
 from hicache.tiering.pool_host import host_of
@@ -21,55 +22,56 @@ def _tokens(n: int, base: int = 0) -> list[int]:
     return [base + 7 * i + 1 for i in range(n)]
 
 
-async def test_swa_keeps_only_the_window_and_serves_a_hit_from_host() -> None:
+@pytest.fixture
+async def swa_kit() -> AsyncIterator[PoolKit]:
+    """A default SWA kit, closed after the test."""
     kit = await PoolKit.build(PoolPreset.SWA)
     try:
-        tokens = _tokens(24)
-        kit.cache(tokens)
-        holding = nodes_holding(kit.tree, "swa")
-        assert sum(n.length for n in holding) == WINDOW  # the window, not all 24 tokens
-        assert kit.fetch(tokens) == (24, 0)
-        kit.recount()
-        kit.tree.evict(10_000)  # everything to host (write-through backed it up)
-        assert kit.tree.ledger.size("swa") == 0
-        assert [host_of(n, "swa") is not None for n in holding] == [True]
-        kit.recount()
-        assert kit.fetch(tokens) == (0, 24)  # anchor and window loaded back, data checked
-        kit.recount()
+        yield kit
     finally:
         await kit.close()
 
 
-async def test_swa_prefix_without_its_window_is_no_hit() -> None:
-    kit = await PoolKit.build(PoolPreset.SWA)
-    try:
-        tokens = _tokens(24)
-        kit.cache(tokens)
-        other = [*tokens[:16], *_tokens(8, base=5000)]  # shares 16 tokens: no window there
-        assert kit.tree.match_prefix(RadixKey(other)).prefix_len == 0
-        assert kit.cache(tokens[:16])  # a request that cached exactly the 16: its window is there
-        assert kit.fetch(other) == (16, 0)
-        kit.recount()
-    finally:
-        await kit.close()
+async def test_swa_keeps_only_the_window_and_serves_a_hit_from_host(swa_kit: PoolKit) -> None:
+    kit = swa_kit
+    tokens = _tokens(24)
+    kit.cache(tokens)
+    holding = nodes_holding(kit.tree, "swa")
+    assert sum(n.length for n in holding) == WINDOW  # the window, not all 24 tokens
+    assert kit.fetch(tokens) == (24, 0)
+    kit.recount()
+    kit.tree.evict(10_000)  # everything to host (write-through backed it up)
+    assert kit.tree.ledger.size("swa") == 0
+    assert [host_of(n, "swa") is not None for n in holding] == [True]
+    kit.recount()
+    assert kit.fetch(tokens) == (0, 24)  # anchor and window loaded back, data checked
+    kit.recount()
 
 
-async def test_a_window_needed_on_device_is_loaded_from_host_alone() -> None:
+async def test_swa_prefix_without_its_window_is_no_hit(swa_kit: PoolKit) -> None:
+    kit = swa_kit
+    tokens = _tokens(24)
+    kit.cache(tokens)
+    other = [*tokens[:16], *_tokens(8, base=5000)]  # shares 16 tokens: no window there
+    assert kit.tree.match_prefix(RadixKey(other)).prefix_len == 0
+    assert kit.cache(tokens[:16])  # a request that cached exactly the 16: its window is there
+    assert kit.fetch(other) == (16, 0)
+    kit.recount()
+
+
+async def test_a_window_needed_on_device_is_loaded_from_host_alone(swa_kit: PoolKit) -> None:
     """The anchor is on the device but the window only on host: load-back copies the window."""
-    kit = await PoolKit.build(PoolPreset.SWA)
-    try:
-        tokens = _tokens(24)
-        kit.cache(tokens)
-        assert kit.tree.evict_pool("swa", 1) == WINDOW  # backed up, then freed on the device
-        match = kit.tree.match_prefix(RadixKey(tokens), count_hits=False)
-        # No window on the device: no device hit at all; with the host's window, all of it.
-        assert (match.prefix_len, match.host_hit_length) == (0, 24)
-        assert kit.fetch(tokens) == (0, 24)
-        assert kit.tree.ledger.size("kv") == 24
-        assert kit.tree.ledger.size("swa") == WINDOW
-        kit.recount()
-    finally:
-        await kit.close()
+    kit = swa_kit
+    tokens = _tokens(24)
+    kit.cache(tokens)
+    assert kit.tree.evict_pool("swa", 1) == WINDOW  # backed up, then freed on the device
+    match = kit.tree.match_prefix(RadixKey(tokens), count_hits=False)
+    # No window on the device: no device hit at all; with the host's window, all of it.
+    assert (match.prefix_len, match.host_hit_length) == (0, 24)
+    assert kit.fetch(tokens) == (0, 24)
+    assert kit.tree.ledger.size("kv") == 24
+    assert kit.tree.ledger.size("swa") == WINDOW
+    kit.recount()
 
 
 async def test_hybrid_hit_ends_at_the_last_snapshot_on_every_tier() -> None:

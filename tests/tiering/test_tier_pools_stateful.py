@@ -19,7 +19,7 @@ from pool_kit import PoolKit
 from tier_harness import PAGE
 
 from hicache.keys import RadixKey
-from hicache.pools.pool_spec import PoolPreset
+from hicache.pools.presets import PoolPreset
 from hicache.radix.node import TreeNode
 from hicache.tiering.config import TierConfig
 from hicache.tiering.policies import WritePolicy

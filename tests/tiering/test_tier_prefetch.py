@@ -9,7 +9,9 @@ prefetched pages goes through ``run_request``, which checks their KV against a r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import pytest
 from tier_gated import Gate, GatedBackend, quiesce, seed_l3, start_prefetch, tokens, until
@@ -20,6 +22,7 @@ from hicache.backends.wrappers import LatencyBackend, LatencyConfig
 from hicache.keys import RadixKey
 from hicache.tiering.config import PrefetchConfig, TierConfig
 from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason
+from hicache.tiering.storage_tier import PrefetchOp
 
 BEST, WAIT, TIMEOUT = (
     PrefetchStopPolicy.BEST_EFFORT,
@@ -168,11 +171,23 @@ async def stalled(policy: PrefetchStopPolicy, **kw: object) -> tuple[Harness, Ga
     return h, gate
 
 
-async def test_best_effort_inserts_only_what_arrived_and_frees_the_rest_after_its_reads() -> None:
-    h, gate = await stalled(BEST, batch_pages=2)
+@contextlib.asynccontextmanager
+async def stalled_prefetch(
+    policy: PrefetchStopPolicy, seq: list[int] = SEQ, **kw: object
+) -> AsyncIterator[tuple[Harness, Gate, PrefetchOp]]:
+    """``stalled``, with the prefetch of ``seq`` started and its first read waiting at the gate;
+    the harness is closed on the way out."""
+    h, gate = await stalled(policy, **kw)
     try:
-        op = start_prefetch(h, "r", SEQ)
+        op = start_prefetch(h, "r", seq)
         await until(lambda: gate.waiting == 1)
+        yield h, gate, op
+    finally:
+        await h.close()
+
+
+async def test_best_effort_inserts_only_what_arrived_and_frees_the_rest_after_its_reads() -> None:
+    async with stalled_prefetch(BEST, batch_pages=2) as (h, gate, op):
         gate.release()  # the first batch of 2 pages arrives; the second waits
         await until(lambda: op.completed_pages == 2 and gate.waiting == 1)
         assert h.tree.prefetcher.may_run("r") is True
@@ -189,15 +204,10 @@ async def test_best_effort_inserts_only_what_arrived_and_frees_the_rest_after_it
         assert h.run_request("r", SEQ) == {"device": 0, "host": 8, "computed": 24}
         assert counts(h)["prefetch_best_effort"] == 1
         assert counts(h)["l3_hit_tokens"] == 8 and counts(h)["l3_miss_tokens"] == 24
-    finally:
-        await h.close()
 
 
 async def test_wait_complete_waits_however_long_the_reads_take() -> None:
-    h, gate = await stalled(WAIT)
-    try:
-        op = start_prefetch(h, "r", SEQ)
-        await until(lambda: gate.waiting == 1)
+    async with stalled_prefetch(WAIT) as (h, gate, op):
         for _ in range(3):
             h.clock.advance(1000.0)
             assert h.tree.prefetcher.may_run("r") is False
@@ -209,17 +219,12 @@ async def test_wait_complete_waits_however_long_the_reads_take() -> None:
         assert counts(h)["prefetch_complete"] == 1 and counts(h)["l3_hit_tokens"] == 32
         assert h.run_request("r", SEQ)["host"] == 32
         await finish(h)
-    finally:
-        await h.close()
 
 
 async def test_timeout_uses_the_hit_tokens_of_the_formula() -> None:
     # 8 pages in L3 of 16 asked for: deadline = 1 + 64 * 32 / 1024 = 3 s (5 s if it used 64)
-    h, gate = await stalled(TIMEOUT, timeout_per_1k_tokens_s=64.0)
-    try:
-        asked = SEQ + tokens(5000, 8)
-        op = start_prefetch(h, "r", asked)
-        await until(lambda: gate.waiting == 1)
+    asked = SEQ + tokens(5000, 8)
+    async with stalled_prefetch(TIMEOUT, timeout_per_1k_tokens_s=64.0, seq=asked) as (h, gate, op):
         assert op.hit_pages == 8
         h.clock.advance(2.99)
         assert h.tree.prefetcher.may_run("r") is False
@@ -232,30 +237,21 @@ async def test_timeout_uses_the_hit_tokens_of_the_formula() -> None:
         await finish(h)
         assert host_used(h) == 0
         assert h.run_request("r", asked)["computed"] == 64
-    finally:
-        await h.close()
 
 
 async def test_timeout_is_capped_by_its_max() -> None:
-    h, gate = await stalled(TIMEOUT, timeout_per_1k_tokens_s=1000.0, timeout_max_s=4.0)
-    try:
-        op = start_prefetch(h, "r", SEQ)
-        await until(lambda: gate.waiting == 1)
+    capped = stalled_prefetch(TIMEOUT, timeout_per_1k_tokens_s=1000.0, timeout_max_s=4.0)
+    async with capped as (h, gate, op):
         h.clock.advance(3.9)
         assert h.tree.prefetcher.may_run("r") is False
         h.clock.advance(0.1)
         assert h.tree.prefetcher.may_run("r") is True and op.reason is TerminationReason.TIMEOUT
         gate.open()
         await finish(h)
-    finally:
-        await h.close()
 
 
 async def test_timeout_keeps_the_batches_that_arrived() -> None:
-    h, gate = await stalled(TIMEOUT, batch_pages=1)
-    try:
-        op = start_prefetch(h, "r", SEQ)
-        await until(lambda: gate.waiting == 1)
+    async with stalled_prefetch(TIMEOUT, batch_pages=1) as (h, gate, op):
         gate.release(3)
         await until(lambda: op.completed_pages == 3 and gate.waiting == 1)
         h.clock.advance(100.0)
@@ -265,8 +261,6 @@ async def test_timeout_keeps_the_batches_that_arrived() -> None:
         await finish(h)
         assert host_used(h) == 3
         assert h.run_request("r", SEQ) == {"device": 0, "host": 12, "computed": 20}
-    finally:
-        await h.close()
 
 
 async def test_each_batch_is_acknowledged_on_its_own() -> None:

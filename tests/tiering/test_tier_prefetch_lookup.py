@@ -15,7 +15,7 @@ from hicache.backends.base import StorageBackend
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import WrapperBackend
 from hicache.keys import RadixKey
-from hicache.pools.pool_spec import PoolPreset
+from hicache.pools.presets import PoolPreset
 from hicache.tiering.config import PrefetchConfig
 
 PAGE = 4  # tier_harness's page size

@@ -22,7 +22,7 @@ from tier_harness import PAGE, Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.keys import RadixKey
-from hicache.pools.pool_spec import PoolPreset
+from hicache.pools.presets import PoolPreset
 from hicache.tiering.config import PrefetchConfig, StorageConfig, TierConfig
 from hicache.tiering.policies import L3Admission, PrefetchStopPolicy, WritePolicy
 
@@ -37,6 +37,15 @@ async def gated(**kw: object) -> tuple[Harness, Gate]:
     await seed_l3(h, SEQ)
     gate.shut()
     return h, gate
+
+
+async def _prefetch_all_of_seq(h: Harness) -> None:
+    """Prefetch all 8 pages of ``SEQ`` from L3; the request then finds them all on host."""
+    op = start_prefetch(h, "r", SEQ)
+    await until(lambda: op.reads_finished)
+    assert h.tree.prefetcher.may_run("r") is True and op.completed_pages == 8
+    assert h.run_request("r", SEQ) == {"device": 0, "host": 32, "computed": 0}
+    await assert_clean(h)
 
 
 @pytest.mark.parametrize("cached", [8, 16, 32])
@@ -133,11 +142,7 @@ async def test_every_pool_of_the_group_is_prefetched_exactly(pool_preset: PoolPr
     h = await Harness.build(backend=MemoryBackend(), prefetch=WAIT, pool_preset=pool_preset)
     try:
         await seed_l3(h, SEQ)
-        op = start_prefetch(h, "r", SEQ)
-        await until(lambda: op.reads_finished)
-        assert h.tree.prefetcher.may_run("r") is True and op.completed_pages == 8
-        assert h.run_request("r", SEQ) == {"device": 0, "host": 32, "computed": 0}
-        await assert_clean(h)
+        await _prefetch_all_of_seq(h)
     finally:
         await h.close()
 
@@ -185,10 +190,6 @@ async def test_each_write_path_reaches_l3_and_reads_back_exactly(path: str) -> N
         assert h.controller.metrics.counts["pages_written_l3"] == 8
         h.tree.host_evictor.evict(10**6)
         assert not h.tree.all_nodes()
-        op = start_prefetch(h, "r", SEQ)
-        await until(lambda: op.reads_finished)
-        assert h.tree.prefetcher.may_run("r") is True and op.completed_pages == 8
-        assert h.run_request("r", SEQ) == {"device": 0, "host": 32, "computed": 0}
-        await assert_clean(h)
+        await _prefetch_all_of_seq(h)
     finally:
         await h.close()

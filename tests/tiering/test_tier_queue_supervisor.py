@@ -7,6 +7,7 @@ leaves the queue unless the test says so; the supervisor runs plain coroutines.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 from tier_gated import assert_clean, tokens, until
@@ -25,57 +26,59 @@ def _job(pages: int, value: float) -> WriteJob:
     return WriteJob([page] * pages, value)
 
 
-async def _tier(queue_pages: int) -> tuple[Harness, StorageTier]:
-    h = await Harness.build(storage=StorageConfig(write_queue_pages=queue_pages))
-    return h, h.controller.storage
-
-
-async def test_submit_write_drops_the_least_valuable_first() -> None:
-    h, tier = await _tier(4)
+@pytest.fixture
+async def queue4() -> AsyncIterator[tuple[Harness, StorageTier]]:
+    """A tier whose write queue holds 4 pages, closed after the test."""
+    h = await Harness.build(storage=StorageConfig(write_queue_pages=4))
     try:
-        low, mid = _job(2, 1.0), _job(2, 5.0)
-        tier.submit_write(low)
-        tier.submit_write(mid)
-        assert tier.queued_pages == 4 and not tier.write_acks
-        high = _job(2, 9.0)
-        tier.submit_write(high)  # low goes, mid stays
-        assert list(tier.write_acks) == [low] and low.dropped and low.ok == [False, False]
-        assert list(tier._queue) == [mid, high] and tier.queued_pages == 4
-        cheap = _job(1, 0.5)
-        tier.submit_write(cheap)  # worth less than all queued: itself dropped
-        assert cheap.dropped and tier.write_acks[-1] is cheap and list(tier._queue) == [mid, high]
-        assert h.controller.metrics.counts["dropped_writes"] == 3
-        empty = _job(0, 0.0)
-        tier.submit_write(empty)
-        assert empty.ok == [] and not empty.dropped
+        yield h, h.controller.storage
     finally:
         await h.close()
 
 
-async def test_submit_write_breaks_ties_by_dropping_the_newest() -> None:
-    h, tier = await _tier(4)
-    try:
-        old, new = _job(2, 1.0), _job(2, 1.0)
-        tier.submit_write(old)
-        tier.submit_write(new)
-        tier.submit_write(_job(2, 3.0))
-        assert new.dropped and not old.dropped
-    finally:
-        await h.close()
+async def test_submit_write_drops_the_least_valuable_first(
+    queue4: tuple[Harness, StorageTier],
+) -> None:
+    h, tier = queue4
+    low, mid = _job(2, 1.0), _job(2, 5.0)
+    tier.submit_write(low)
+    tier.submit_write(mid)
+    assert tier.queued_pages == 4 and not tier.write_acks
+    high = _job(2, 9.0)
+    tier.submit_write(high)  # low goes, mid stays
+    assert list(tier.write_acks) == [low] and low.dropped and low.ok == [False, False]
+    assert list(tier._queue) == [mid, high] and tier.queued_pages == 4
+    cheap = _job(1, 0.5)
+    tier.submit_write(cheap)  # worth less than all queued: itself dropped
+    assert cheap.dropped and tier.write_acks[-1] is cheap and list(tier._queue) == [mid, high]
+    assert h.controller.metrics.counts["dropped_writes"] == 3
+    empty = _job(0, 0.0)
+    tier.submit_write(empty)
+    assert empty.ok == [] and not empty.dropped
 
 
-async def test_submit_write_drops_nothing_for_a_job_that_cannot_fit() -> None:
-    h, tier = await _tier(4)
-    try:
-        cheap, dear = _job(2, 1.0), _job(2, 10.0)
-        tier.submit_write(cheap)
-        tier.submit_write(dear)
-        middling = _job(4, 5.0)  # would need dear's room too, which is worth more
-        tier.submit_write(middling)
-        assert middling.dropped
-        assert not cheap.dropped and list(tier._queue) == [cheap, dear]
-    finally:
-        await h.close()
+async def test_submit_write_breaks_ties_by_dropping_the_newest(
+    queue4: tuple[Harness, StorageTier],
+) -> None:
+    _, tier = queue4
+    old, new = _job(2, 1.0), _job(2, 1.0)
+    tier.submit_write(old)
+    tier.submit_write(new)
+    tier.submit_write(_job(2, 3.0))
+    assert new.dropped and not old.dropped
+
+
+async def test_submit_write_drops_nothing_for_a_job_that_cannot_fit(
+    queue4: tuple[Harness, StorageTier],
+) -> None:
+    _, tier = queue4
+    cheap, dear = _job(2, 1.0), _job(2, 10.0)
+    tier.submit_write(cheap)
+    tier.submit_write(dear)
+    middling = _job(4, 5.0)  # would need dear's room too, which is worth more
+    tier.submit_write(middling)
+    assert middling.dropped
+    assert not cheap.dropped and list(tier._queue) == [cheap, dear]
 
 
 # ----- supervised workers -------------------------------------------------------------------------

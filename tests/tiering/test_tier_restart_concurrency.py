@@ -24,7 +24,7 @@ from hicache.dtypes import DType
 from hicache.keys import RadixKey
 from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
-from hicache.pools.pool_spec import ModelShape, PoolPreset, preset
+from hicache.pools.presets import ModelShape, PoolPreset, preset
 from hicache.pools.req_to_token import ReqToTokenPool
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.tree import RadixCacheConfig

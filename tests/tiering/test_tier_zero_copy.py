@@ -12,7 +12,7 @@ from tier_harness import Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.registered_memory import MemoryRegistrar
-from hicache.pools.pool_spec import PoolPreset
+from hicache.pools.presets import PoolPreset
 from hicache.tiering.config import PrefetchConfig, StorageConfig
 
 SEQ = tokens(1, 8)

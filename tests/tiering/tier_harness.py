@@ -18,7 +18,7 @@ from hicache.backends.base import StorageBackend
 from hicache.keys import RadixKey
 from hicache.pools.device import DevicePool, device_pools
 from hicache.pools.host import HostPool, host_pools
-from hicache.pools.pool_spec import ModelShape, PoolPreset, preset
+from hicache.pools.presets import ModelShape, PoolPreset, preset
 from hicache.pools.req_to_token import ReqToTokenPool
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.tree import RadixCacheConfig

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from hicache.tools.bench_backends import BackendBenchConfig, run_backend_bench
+from hicache.tools.bench.backends import BackendBenchConfig, run_backend_bench
 
 _FIGURES = (
     "put_gbps",

@@ -6,9 +6,9 @@ import pathlib
 
 import pytest
 
-from hicache.serving.traces import load_trace
-from hicache.serving.workloads import BURST_CHAT, burst_conversations_trace
 from hicache.tools.burst_trace import main
+from hicache.workloads.synthetic import BURST_CHAT, burst_conversations_trace
+from hicache.workloads.traces import load_trace
 
 
 def test_the_preset_is_long_conversations_whose_turns_extend_each_other() -> None:

@@ -177,8 +177,8 @@ def test_a_good_config_still_prints_what_takes_effect(
 
 
 def test_the_smallest_codec_bench_reports_real_rates(capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache.tools.bench_codec import MIN_PAGE_BYTES
-    from hicache.tools.cli_bench import CODEC_MIN_BYTES
+    from hicache.tools.bench.codec import MIN_PAGE_BYTES
+    from hicache.tools.bench.commands import CODEC_MIN_BYTES
 
     assert CODEC_MIN_BYTES == MIN_PAGE_BYTES  # the parser's bound is the benchmark's
     code, out, _ = run(

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from hicache.backends.base import TempFileOwner
 from hicache.backends.file import FileBackend, FileConfig
+from hicache.backends.file.maintenance import TempFileOwner
 from hicache.codec import HEADER_SIZE
 from hicache.errors import BadMagicError
-from hicache.tools.compact import CompactOptions, compact_store
-from hicache.tools.compact_plan import Reason
+from hicache.tools.store.compact import CompactOptions, compact_store
+from hicache.tools.store.compact_plan import Reason
 
 if TYPE_CHECKING:
     from store_kit import StoreKit
@@ -145,7 +145,7 @@ _WRITER = textwrap.dedent(
     import asyncio, json, random, sys
     from hicache.backends.file import FileBackend, FileConfig
     from hicache.keys import RadixKey
-    from hicache.tools.bench_tools import page_scheme, write_chain
+    from hicache.tools.bench.store_tools import page_scheme, write_chain
 
     async def main():
         backend = await FileBackend.open(FileConfig(root=sys.argv[1]))

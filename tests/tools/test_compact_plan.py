@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hicache.backends.base import ObjectInfo
 from hicache.codec import NO_PARENT, PageMeta, encode_page, parse_header
 from hicache.dtypes import DType
-from hicache.tools.compact_plan import Budget, Reason, StorePlanner
-from hicache.tools.store_scan import ScannedObject
+from hicache.tools.store.compact_plan import Budget, Reason, StorePlanner
+from hicache.tools.store.scan import ScannedObject
 
 NS, FMT = "ab" * 8, "cd" * 8
 NOW = 1_000_000.0

@@ -13,7 +13,7 @@ import pytest
 
 from hicache.codec import HEADER_SIZE
 from hicache.errors import BadMagicError, InvalidArgumentError
-from hicache.tools.inspect import InspectOptions, OutputFormat, inspect_store
+from hicache.tools.store.inspect import InspectOptions, OutputFormat, inspect_store
 
 if TYPE_CHECKING:
     from store_kit import StoreKit

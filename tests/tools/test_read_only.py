@@ -19,11 +19,11 @@ from store_kit import StoreKit, WriteGuard, snapshot
 
 from hicache.backends.file import FileBackend, FileConfig
 from hicache.errors import BackendUnavailableError, ReadOnlyStoreError
-from hicache.tools.compact import CompactOptions, compact_store
-from hicache.tools.inspect import InspectOptions, inspect_store
-from hicache.tools.store_scan import open_store
-from hicache.tools.store_stats import StatsOptions, watch_stats
-from hicache.tools.verify import VerifyOptions, verify_store
+from hicache.tools.store.compact import CompactOptions, compact_store
+from hicache.tools.store.inspect import InspectOptions, inspect_store
+from hicache.tools.store.scan import open_store
+from hicache.tools.store.stats import StatsOptions, watch_stats
+from hicache.tools.store.verify import VerifyOptions, verify_store
 
 
 async def _filled(root: pathlib.Path) -> list[list[str]]:

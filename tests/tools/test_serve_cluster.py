@@ -21,7 +21,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from serve_kit import listening, serve_argv, serving
 
-from hicache.serving.workers import worker_argv
+from hicache.server.workers import worker_argv
 
 PROMPT = list(range(1, 97))  # 6 pages of 16
 

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_kit import SMALL, listening, serve_argv
 
-from hicache.checkpoint.fingerprint import config_fingerprint
+from hicache.models.hf.fingerprint import config_fingerprint
 
 PROMPT = list(range(1, 97))  # 6 pages of 16
 

@@ -19,8 +19,8 @@ import pytest
 from store_kit import StoreKit
 
 from hicache.backends.file import FileBackend, FileConfig
+from hicache.tools.bench.commands import BENCHMARKS, add_bench
 from hicache.tools.cli import COMMANDS, build_parser, main
-from hicache.tools.cli_bench import BENCHMARKS, add_bench
 from hicache.tools.cli_parsing import chosen_command
 
 # Runs CALL on the command line it is given, then prints, last, which heavy modules it imported.
@@ -28,10 +28,10 @@ _PROBE = """
 import json, sys
 from hicache.tools import cli
 code = cli.CALL
-heavy = ("torch", "numpy", "hicache.tools.serve", "hicache.tools.cli_bench")
+heavy = ("torch", "numpy", "hicache.tools.serve.command", "hicache.tools.bench.commands")
 print(json.dumps({"code": code, "imported": [m for m in heavy if m in sys.modules]}))
 """
-_HEAVY = {"torch", "hicache.tools.serve", "hicache.tools.cli_bench"}
+_HEAVY = {"torch", "hicache.tools.serve.command", "hicache.tools.bench.commands"}
 
 
 def _probe(call: str, *argv: str) -> dict[str, Any]:

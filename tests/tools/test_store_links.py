@@ -18,9 +18,9 @@ from store_kit import StoreKit, snapshot
 
 from hicache.backends.file import FileBackend
 from hicache.codec import HEADER_SIZE
-from hicache.tools.compact import CompactOptions, compact_store
-from hicache.tools.inspect import InspectOptions, OutputFormat, inspect_store
-from hicache.tools.verify import VerifyOptions, verify_store
+from hicache.tools.store.compact import CompactOptions, compact_store
+from hicache.tools.store.inspect import InspectOptions, OutputFormat, inspect_store
+from hicache.tools.store.verify import VerifyOptions, verify_store
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from hicache.backends.base import ObjectInfo, StorageBackend
 from hicache.backends.wrappers import WrapperBackend
 from hicache.errors import BackendError, BackendNotFoundError, BackendUnavailableError, ConfigError
-from hicache.tools.store_scan import (
+from hicache.tools.store.scan import (
     ReadMode,
     ScanOptions,
     StoreScanner,

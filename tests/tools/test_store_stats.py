@@ -9,7 +9,7 @@ import pytest
 
 from hicache.backends.memory import MemoryBackend
 from hicache.errors import InvalidArgumentError
-from hicache.tools.store_stats import StatsOptions, watch_stats
+from hicache.tools.store.stats import StatsOptions, watch_stats
 
 
 async def test_once_as_a_table() -> None:

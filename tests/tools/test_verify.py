@@ -12,8 +12,8 @@ from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import WrapperBackend
 from hicache.codec import HEADER_SIZE
 from hicache.errors import BadMagicError
-from hicache.tools.store_scan import Problem, ReadMode, ScanOptions, StoreScanner
-from hicache.tools.verify import VerifyOptions, verify_store
+from hicache.tools.store.scan import Problem, ReadMode, ScanOptions, StoreScanner
+from hicache.tools.store.verify import VerifyOptions, verify_store
 
 
 async def damage(kit: StoreKit) -> tuple[list[list[str]], dict[str, Problem]]:

@@ -13,14 +13,14 @@ import xxhash
 from store_kit import StoreKit
 from test_verify import damage
 
-from hicache.backends.bulk import BulkReader
 from hicache.backends.file import FileBackend
 from hicache.backends.file.io import ReadBuffer
+from hicache.backends.file.maintenance import BulkReader
 from hicache.backends.file.scan import top_dirs
 from hicache.backends.memory import MemoryBackend
 from hicache.codec import HEADER_SIZE, check_page, verify_page
 from hicache.errors import BadMagicError, CodecError
-from hicache.tools.verify import VerifyOptions, verify_store
+from hicache.tools.store.verify import VerifyOptions, verify_store
 
 
 def _rows(report_bad: list) -> list[tuple[str, str, str]]:  # type: ignore[type-arg]

@@ -11,7 +11,7 @@ pytest.importorskip(
 import torch
 from lmcache.utils import CacheEngineKey
 
-from hicache.integrations.lmcache_names import (
+from hicache.integrations.lmcache.names import (
     KeyNames,
     escape_key,
     namespace_tag,

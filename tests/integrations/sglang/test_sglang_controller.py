@@ -13,7 +13,7 @@ pytest.importorskip(
 
 from sglang.srt.managers.cache_controller import get_storage_hash_str
 from sglang_kit import PAGE, fill_random, mha_pools, one_rank, page_bytes
-from test_sglang_pages import controller
+from test_sglang_pages import controller, zero_copy_controller
 
 from hicache.errors import ConfigError
 from hicache.integrations.sglang import extra_config
@@ -47,23 +47,15 @@ def prefetch(ctl, rid: str = "r1") -> tuple[list, object]:
 
 
 def test_backup_is_acknowledged_with_every_token(tmp_path) -> None:
-    pools = mha_pools("page_first")
-    fill_random(pools[1], seed=1)
-    ctl = controller(pools, f"file://{tmp_path}", zero_copy=True)
-    try:
+    with zero_copy_controller("page_first", 1, f"file://{tmp_path}") as (ctl, _):
         done, _ = backup(ctl)
         assert done.completed_tokens == len(TOKENS)
         assert ctl.storage_backend.batch_exists(HASHES) == len(HASHES)
-    finally:
-        ctl.detach_storage_backend()
 
 
 def test_prefetch_ends_in_completed_req_with_the_pages(tmp_path) -> None:
-    source = mha_pools("page_first")
-    fill_random(source[1], seed=2)
-    writer = controller(source, f"file://{tmp_path}", zero_copy=True)
-    _, written = backup(writer)
-    writer.detach_storage_backend()
+    with zero_copy_controller("page_first", 2, f"file://{tmp_path}") as (writer, source):
+        _, written = backup(writer)
     target = mha_pools("page_first")
     reader = controller(target, f"file://{tmp_path}", zero_copy=True)
     try:
@@ -123,11 +115,8 @@ def test_an_attach_with_a_bad_url_fails_and_leaves_the_controller_usable(tmp_pat
 def test_a_failing_backend_is_contained(tmp_path) -> None:
     """A backend that fails every call: backups report no tokens, prefetches find nothing, and
     SGLang's threads live on to serve the next operation."""
-    pools = mha_pools("page_first")
-    fill_random(pools[1], seed=6)
-    ctl = controller(pools, f"file://{tmp_path}", zero_copy=True)
-    storage = ctl.storage_backend
-    try:
+    with zero_copy_controller("page_first", 6, f"file://{tmp_path}") as (ctl, _):
+        storage = ctl.storage_backend
         storage._loop.run(storage.io.backend.close())  # the store goes away under SGLang
         done, _ = backup(ctl)
         assert done.completed_tokens == 0
@@ -136,5 +125,3 @@ def test_a_failing_backend_is_contained(tmp_path) -> None:
         assert ctl.backup_thread.is_alive() and ctl.prefetch_thread.is_alive()
         with pytest.raises(queue.Empty):
             ctl.ack_backup_queue.get_nowait()
-    finally:
-        ctl.detach_storage_backend()

@@ -271,7 +271,7 @@ def test_generic_and_flat_paths_agree_on_bf16_bytes(tmp_path) -> None:
 
 def test_a_put_in_chunks_stores_every_page(tmp_path, monkeypatch) -> None:
     """Large batches are written in chunks whose checksums overlap the writes."""
-    import hicache.integrations.sglang_io as sglang_io
+    import hicache.integrations.sglang.page_io as sglang_io
 
     monkeypatch.setattr(sglang_io, "_MIN_PUT_CHUNK_BYTES", 1)  # every batch in 2 chunks
     pools = mha_pools("page_first")

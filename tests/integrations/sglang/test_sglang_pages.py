@@ -3,7 +3,10 @@ zero-copy pair (``interface_v1``) and the generic pair, each reading what the ot
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -58,6 +61,21 @@ def controller(pools, url: str, zero_copy: bool, model: str = "org/tiny") -> HiC
     return ctl
 
 
+@contextlib.contextmanager
+def zero_copy_controller(
+    layout: str, seed: int, url: str
+) -> Iterator[tuple[HiCacheController, tuple[Any, Any]]]:
+    """A zero-copy controller over MHA pools whose host pool holds random bytes (``seed``), and
+    those pools; its storage is detached on the way out."""
+    pools = mha_pools(layout)
+    fill_random(pools[1], seed=seed)
+    ctl = controller(pools, url, zero_copy=True)
+    try:
+        yield ctl, pools
+    finally:
+        ctl.detach_storage_backend()
+
+
 def write_pages(ctl: HiCacheController, path: str, hashes: list[str], pages: list[int]) -> bool:
     set_page = ctl._page_set_zero_copy if path == "zero_copy" else ctl._generic_page_set
     return set_page(hashes, slots(pages))
@@ -108,32 +126,22 @@ def test_mla_pages_cross_paths(layout, writer, reader, tmp_path) -> None:
 
 def test_zero_copy_moves_no_staged_bytes(tmp_path) -> None:
     """The v1 path hands the pool's own memory to the backend: nothing is staged."""
-    source = mha_pools("layer_first")
-    fill_random(source[1], seed=5)
-    ctl = controller(source, f"file://{tmp_path}", zero_copy=True)
-    try:
+    with zero_copy_controller("layer_first", 5, f"file://{tmp_path}") as (ctl, source):
         hashes = get_storage_hash_str(list(range(16)), None, page_size=PAGE)
         assert write_pages(ctl, "zero_copy", hashes, SOURCE_PAGES)
         assert read_pages(ctl, "zero_copy", hashes, TARGET_PAGES) == len(hashes)
         stats = ctl.storage_backend.backend_stats()
         assert stats["bytes_staged"] == 0
         assert stats["bytes_read"] >= len(hashes) * source[1].get_size_per_token() * PAGE
-    finally:
-        ctl.detach_storage_backend()
 
 
 def test_a_missing_page_ends_the_read_there(tmp_path) -> None:
-    pools = mha_pools("page_first")
-    fill_random(pools[1], seed=3)
-    ctl = controller(pools, f"file://{tmp_path}", zero_copy=True)
-    try:
+    with zero_copy_controller("page_first", 3, f"file://{tmp_path}") as (ctl, _):
         hashes = get_storage_hash_str(list(range(16)), None, page_size=PAGE)
         assert write_pages(ctl, "zero_copy", hashes[:2], SOURCE_PAGES[:2])
         assert ctl.storage_backend.batch_exists(hashes) == 2
         assert read_pages(ctl, "zero_copy", hashes, TARGET_PAGES) == 2
         assert read_pages(ctl, "generic", hashes, TARGET_PAGES) == 2
-    finally:
-        ctl.detach_storage_backend()
 
 
 def test_bf16_and_fp32_pools_differ(tmp_path) -> None:

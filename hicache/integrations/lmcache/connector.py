@@ -1,0 +1,307 @@
+"""LMCache's ``RemoteConnector`` over any hicache storage backend.
+
+Every async method runs on LMCache's storage event loop (the loop the connector was built
+with), where the backend was opened; the blocking ones (``exists_sync``, ``batched_contains``,
+``remove_sync``), which LMCache calls from its own threads, hand a coroutine to that loop and
+wait for it, up to LMCache's ``blocking_timeout_secs``.
+
+Each chunk is one hicache page: the codec's header, then the chunk's bytes. A write hands the
+header and a view of the memory object to the backend as two segments, and a read lands the
+header in a small buffer and the payload straight in a memory object allocated from LMCache's
+local CPU backend: no join copy either way. A page that is missing, corrupt, truncated, of
+another format or stored under another name is a miss (counted and logged), never wrong KV
+and never an exception out of a read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import concurrent.futures
+import logging
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.exceptions import IrrecoverableException
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from hicache.backends.base import MISS, StorageBackend
+from hicache.codec import HEADER_SIZE, check_into, encode_page
+from hicache.errors import (
+    BackendError,
+    BackendUnavailableError,
+    CodecError,
+    ConfigError,
+    HiCacheError,
+    InvalidArgumentError,
+)
+from hicache.integrations.lmcache.names import KeyNames
+from hicache.integrations.lmcache.pages import ChunkPages
+
+__all__ = ["HiCacheConnector", "LMCacheConfigError", "run_on_loop"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class LMCacheConfigError(ConfigError, IrrecoverableException):  # type: ignore[misc]
+    """A hicache plugin configuration LMCache cannot run with (bad URL, unsupported option).
+
+    Also an LMCache ``IrrecoverableException``: LMCache's ``RemoteBackend.init_connection``
+    re-raises those, where any other error is logged as a warning and the connection retried
+    every 10 s for ever; a wrong URL does not get better by waiting.
+    """
+
+
+def run_on_loop(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], timeout_s: float
+) -> T:
+    """Run ``coro`` on ``loop`` (run by another thread) and wait for its result.
+
+    A timeout cancels it and raises :class:`BackendUnavailableError`. Called on ``loop``'s own
+    thread it would wait on itself for ever, so it refuses.
+    """
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        coro.close()
+        raise InvalidArgumentError(
+            "a blocking hicache connector call on LMCache's storage loop would wait on itself"
+        )
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout_s)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise BackendUnavailableError(
+            f"the hicache backend did not answer within {timeout_s:g} s"
+        ) from None
+
+
+class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships no types
+    """Stores LMCache chunks as hicache pages in ``backend`` (opened on ``loop``).
+
+    ``builtins.list`` in annotations: LMCache's interface names a method ``list``, which
+    shadows the builtin inside the class.
+    """
+
+    _backend: StorageBackend
+    _pages: ChunkPages
+    _names: KeyNames
+    _counters: dict[str, int]
+    _timeout_s: float
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        local_cpu_backend: Any,
+        config: Any,
+        metadata: Any,
+        backend: StorageBackend,
+    ) -> None:
+        super().__init__(config, metadata)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self._backend = backend
+        self._timeout_s = float(config.blocking_timeout_secs)
+        try:
+            self._pages = ChunkPages(
+                self.meta_fmt.name, self.meta_fmt.token_dim(), self.meta_shapes, self.meta_dtypes
+            )
+        except ConfigError as exc:
+            raise LMCacheConfigError(str(exc)) from exc
+        self._names = KeyNames(self._pages.tag)
+        self._counters = dict.fromkeys(
+            ("hits", "misses", "bad_pages", "read_errors", "alloc_failures", "put_failures"), 0
+        )
+
+    def __repr__(self) -> str:
+        return f"<HiCacheConnector {type(self._backend).__name__} {self._names.prefix}*>"
+
+    @property
+    def backend(self) -> StorageBackend:
+        return self._backend
+
+    def storage_name(self, key: CacheEngineKey) -> str:
+        """The hicache key ``key`` is stored under."""
+        return self._names.name(key.to_string())
+
+    def stats(self) -> dict[str, int]:
+        """Reads that hit or missed, pages refused as bad, failed reads, allocations, puts."""
+        return dict(self._counters)
+
+    # ----- lookups ----------------------------------------------------------------------------
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return (await self._backend.exists([self.storage_name(key)]))[0]
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return run_on_loop(self.loop, self.exists(key), self._timeout_s)
+
+    async def batched_async_contains(
+        self, lookup_id: str, keys: Sequence[CacheEngineKey], pin: bool = False
+    ) -> int:
+        """How many keys from the first are stored, without a gap (``pin`` has no meaning)."""
+        return await self._backend.leading_hits(self._names_of(keys))
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: Sequence[CacheEngineKey]) -> int:
+        return run_on_loop(
+            self.loop, self._backend.leading_hits(self._names_of(keys)), self._timeout_s
+        )
+
+    # ----- reads ------------------------------------------------------------------------------
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: Sequence[CacheEngineKey]) -> builtins.list[MemoryObj | None]:
+        """One memory object per key, None for a miss; one backend call for the batch."""
+        names = self._names_of(keys)
+        objs: builtins.list[MemoryObj] = []
+        try:
+            for _ in names:
+                obj = self._allocate()
+                if obj is None:  # memory pressure: this key and the rest are misses
+                    self._counters["alloc_failures"] += 1
+                    break
+                objs.append(obj)
+            headers = [bytearray(HEADER_SIZE) for _ in objs]
+            buffers = [[header, obj.byte_array] for header, obj in zip(headers, objs)]
+            sizes = await self._backend.get_into(names[: len(objs)], buffers)
+        except (HiCacheError, OSError) as exc:
+            # A failed read is a miss for LMCache, which would otherwise count a failed get.
+            _release(objs)
+            self._counters["read_errors"] += 1
+            logger.warning("hicache read of %d chunks failed: %s", len(names), exc)
+            return [None] * len(keys)
+        except BaseException:
+            _release(objs)  # cancelled: the backend has stopped writing into them
+            raise
+        found = [
+            self._accept(name, header, obj, size)
+            for name, header, obj, size in zip(names, headers, objs, sizes)
+        ]
+        return found + [None] * (len(keys) - len(found))
+
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: Sequence[CacheEngineKey]
+    ) -> builtins.list[MemoryObj]:
+        """The found chunks up to the first miss; the ones after it are released."""
+        found = await self.batched_get(keys)
+        prefix: builtins.list[MemoryObj] = []
+        for obj in found:
+            if obj is None:
+                break
+            prefix.append(obj)
+        _release([obj for obj in found[len(prefix) :] if obj is not None])
+        return prefix
+
+    def _allocate(self) -> MemoryObj | None:
+        # busy_loop=False: waiting for memory would sleep on the storage loop, stalling every
+        # other transfer (lmcache/v1/storage_backend/local_cpu_backend.py, allocate).
+        return self.local_cpu_backend.allocate(
+            self.meta_shapes, self.meta_dtypes, self.meta_fmt, eviction=True, busy_loop=False
+        )
+
+    def _accept(self, name: str, header: bytearray, obj: MemoryObj, size: int) -> MemoryObj | None:
+        """``obj`` if the page read into it checks out, else None (and ``obj`` released)."""
+        if size == MISS:
+            self._counters["misses"] += 1
+            obj.ref_count_down()
+            return None
+        payload_len = size - HEADER_SIZE
+        try:
+            if payload_len > self._pages.full_bytes:
+                raise InvalidArgumentError(f"{name}: {size} bytes, more than a chunk's page")
+            check_into(name, header, obj.byte_array, size, self._pages.expected(payload_len))
+        except (CodecError, InvalidArgumentError) as exc:
+            self._counters["bad_pages"] += 1
+            logger.warning("hicache page refused, read as a miss: %s: %s", type(exc).__name__, exc)
+            obj.ref_count_down()
+            return None
+        self._counters["hits"] += 1
+        if payload_len == self._pages.full_bytes:
+            return obj
+        return self.reshape_partial_chunk(obj, payload_len)
+
+    # ----- writes -----------------------------------------------------------------------------
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(
+        self, keys: Sequence[CacheEngineKey], memory_objs: Sequence[MemoryObj]
+    ) -> None:
+        """Store each chunk as a page; raises :class:`BackendError` if any was not stored (or
+        the codec's :class:`InvalidArgumentError` for a chunk whose bytes do not match its
+        shape and dtype).
+
+        LMCache's wrapper releases the memory objects once this returns, and the backend has
+        copied what it needs by then. LMCache logs and counts a raised error; nothing is
+        retried, a chunk not stored is a later miss.
+        """
+        pages: dict[str, builtins.list[bytes | memoryview]] = {}  # a repeated key is written once
+        for key, obj in zip(keys, memory_objs, strict=True):
+            name = self.storage_name(key)
+            pages[name] = encode_page(name, obj.byte_array, self._meta_of(obj))
+        stored = await self._backend.put(list(pages), list(pages.values()))
+        failed = [name for name, ok in zip(pages, stored) if not ok]
+        if failed:
+            self._counters["put_failures"] += len(failed)
+            raise BackendError(
+                f"{len(failed)} of {len(pages)} chunks not stored ({failed[0]}, ...)"
+            )
+
+    def _meta_of(self, obj: MemoryObj) -> Any:
+        meta = obj.metadata
+        fmt = obj.get_memory_format().name
+        if meta.shapes is not None and len(meta.shapes) > 1:
+            return self._pages.meta(fmt, meta.shapes, meta.dtypes or [])
+        # One group: meta.shape is what the tensor view uses (a last chunk's token count).
+        return self._pages.meta(fmt, [meta.shape], [meta.dtype])
+
+    # ----- listing, removal, close ------------------------------------------------------------
+    async def list(self) -> builtins.list[str]:
+        """The key strings (``CacheEngineKey.to_string()``) of this format's stored chunks.
+
+        Keys too long to escape are stored under a digest and cannot be listed; they are
+        counted in a log line.
+        """
+        keys: builtins.list[str] = []
+        unlisted = 0
+        async for info in self._backend.scan(self._names.prefix):
+            key = self._names.key_of(info.key)
+            if key is not None:
+                keys.append(key)
+            elif self._names.is_digest(info.key):
+                unlisted += 1
+        if unlisted:
+            logger.info("hicache list: %d chunks with keys too long to list", unlisted)
+        return keys
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        deleted = run_on_loop(
+            self.loop, self._backend.delete([self.storage_name(key)]), self._timeout_s
+        )
+        return deleted[0]
+
+    async def close(self) -> None:
+        await self._backend.close()
+
+    def _names_of(self, keys: Sequence[CacheEngineKey]) -> builtins.list[str]:
+        return [self._names.name(key.to_string()) for key in keys]
+
+
+def _release(objs: Sequence[MemoryObj]) -> None:
+    for obj in objs:
+        obj.ref_count_down()

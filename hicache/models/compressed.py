@@ -1,0 +1,146 @@
+"""The seeded model's dsv4 layers (DeepSeek-V4-style hybrid attention): each attends to a
+sliding window of raw K/V (:mod:`hicache.models.window`) and to compressed entries, 4:1 and
+picked by an indexer (CSA) or 128:1 and all of them (HCA). See :func:`compressed_layer`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from hicache.models.attention import HeadSizes, attend, qkv
+from hicache.models.config import DSV4_RATIOS, LayerKind, layer_group
+from hicache.models.sparse import index_keys
+from hicache.models.step import LayerContext, Step
+from hicache.models.types import ChunkInput
+from hicache.models.window import window_read
+from hicache.pools.device import DevicePool, unpack_indexer
+
+__all__ = ["compressed_layer"]
+
+Weights = Mapping[str, torch.Tensor]
+Layers = Mapping[str, int]  # the layer's number in each pool it reads
+
+
+def compressed_layer(
+    ctx: LayerContext, w: Weights, h: torch.Tensor, step: Step, kind: LayerKind, layers: Layers
+) -> torch.Tensor:
+    """A dsv4 layer over each chunk of the step: CSA (``COMPRESSED_SPARSE``, 4:1 entries
+    picked by an indexer) or HCA (``HEAVILY_COMPRESSED``, 128:1 entries, all of them), each
+    beside a sliding window.
+
+    The new tokens' K/V go into the window pool (``swa``), as in a window layer. Then every group
+    (4 tokens for CSA, 128 for HCA) whose last token is in the chunk is compressed: its K/V as
+    stored in the window pool (the window is at least 128 tokens, so the whole group is still
+    there, and the entry does not depend on how the prompt was chunked), flattened K then V,
+    through ``compress_proj``, rounded to the pool's dtype and spread over the group's anchor
+    slots in ``c4`` / ``c128``. For CSA the entry's index key (``indexer.k_proj`` of the entry
+    as fp8 with an fp32 scale) goes to the ``indexer`` pool, spread likewise.
+
+    A query at ``q`` attends in one softmax to the window ``(q - window, q]`` and to the entries
+    of the groups complete at ``q`` (last token ``<= q``), projected to K (rotated at the group's
+    last token) and V by ``k_b_proj`` / ``v_b_proj``: all of them for HCA; for CSA the
+    ``index_topk_pages`` best by indexer score (``indexer.q_proj`` of the token against the
+    stored keys; a tie goes to the earlier group). ``layers``: the layer's number in each pool.
+    Everything attended to is read from the pools, so entries loaded from host or L3 read as
+    computed ones."""
+    return torch.cat(
+        [_chunk(ctx, w, h[rows], step, rows, chunk, layers, kind) for rows, chunk in step.each()]
+    )
+
+
+def _chunk(
+    ctx: LayerContext,
+    w: Weights,
+    h: torch.Tensor,
+    step: Step,
+    rows: slice,
+    chunk: ChunkInput,
+    layers: Layers,
+    kind: LayerKind,
+) -> torch.Tensor:
+    c, pools = ctx.config, step.pools
+    group = layer_group(kind)
+    assert group is not None
+    name, ratio = group
+    q, k, v = qkv(w, h, HeadSizes(c.heads, c.kv_heads, c.head_dim), step.rotation_of(rows), 0.0)
+    window = window_read(pools["swa"], layers["swa"], chunk, (k, v), c.window, ctx.dtype)
+    _compress_groups(ctx, w, pools, layers, chunk, kind, window.slots)
+    count = chunk.end // ratio  # groups complete by the chunk's end
+    k_b = w["self_attn.k_b_proj.weight"]
+    entries = pools[name].buffer[0, layers[name], chunk.slots[: count * ratio]].to(ctx.dtype)
+    entries = entries.reshape(count, k_b.shape[1])
+    entry_pos = torch.arange(1, count + 1, device=h.device) * ratio - 1  # last tokens
+    shape = (count, c.kv_heads, c.head_dim)
+    entry_k = ctx.rope(F.linear(entries, k_b).view(shape), entry_pos)
+    entry_v = F.linear(entries, w["self_attn.v_b_proj.weight"]).view(shape)
+    allowed = entry_pos[None, :] <= chunk.positions[:, None]
+    if kind is LayerKind.COMPRESSED_SPARSE:
+        allowed = _top_entries(ctx, w, h, pools["indexer"], layers["indexer"], chunk, allowed)
+    keys = torch.cat([window.keys, entry_k])
+    values = torch.cat([window.values, entry_v])
+    mask = torch.cat([window.mask, allowed], dim=1)
+    mixed = attend(q[None], keys[None], values[None], mask[None, None])[0]
+    return F.linear(mixed, w["self_attn.o_proj.weight"])
+
+
+def _compress_groups(
+    ctx: LayerContext,
+    w: Weights,
+    pools: Mapping[str, DevicePool],
+    layers: Layers,
+    chunk: ChunkInput,
+    kind: LayerKind,
+    window_slots: torch.Tensor,
+) -> None:
+    """Write the entries (and for CSA the index keys) of the groups whose last token is in the
+    chunk, from their K/V in the window pool (see :func:`compressed_layer`)."""
+    group = layer_group(kind)
+    assert group is not None
+    name, ratio = group
+    first_group, stop_group = chunk.start // ratio, chunk.end // ratio
+    if stop_group <= first_group:
+        return
+    groups = stop_group - first_group
+    span = slice(first_group * ratio, stop_group * ratio)
+    swa = pools["swa"]
+    kv = swa.buffer[:, layers["swa"], window_slots[span]].to(ctx.dtype)  # (2, tokens, Hk, D)
+    flat = kv.reshape(2, groups, -1).transpose(0, 1).reshape(groups, -1)  # per group: K then V
+    pool = pools[name]
+    entry = F.linear(flat, w["self_attn.compress_proj.weight"]).to(pool.buffer.dtype)
+    pool.buffer[0, layers[name], chunk.slots[span]] = entry.reshape(groups * ratio, -1)
+    if kind is not LayerKind.COMPRESSED_SPARSE:
+        return
+    packed = index_keys(F.linear(entry.to(ctx.dtype), w["indexer.k_proj.weight"]))
+    indexer = pools["indexer"]
+    indexer.buffer[0, layers["indexer"], chunk.slots[span]] = packed.reshape(groups * ratio, -1)
+
+
+def _top_entries(
+    ctx: LayerContext,
+    w: Weights,
+    h: torch.Tensor,
+    pool: DevicePool,
+    layer: int,
+    chunk: ChunkInput,
+    complete: torch.Tensor,
+) -> torch.Tensor:
+    """Which C4 entries each query attends to: of those ``complete`` (n, groups) allows, the
+    ``index_topk_pages`` with the highest indexer scores (stable: a tie to the earlier group),
+    from the fp8 index keys cached over the group's slots."""
+    n, count = complete.shape
+    if count == 0:
+        return complete
+    ratio = DSV4_RATIOS[0]
+    stored = pool.buffer[0, layer, chunk.slots[: count * ratio]].reshape(count, -1)  # count > 0
+    keys, scales = unpack_indexer(stored)
+    cached = keys.to(ctx.dtype) * scales.to(ctx.dtype)[:, None]
+    iq = F.linear(h, w["indexer.q_proj.weight"])
+    scores = (iq @ cached.T).masked_fill(~complete, -math.inf)
+    top = torch.argsort(scores, dim=-1, descending=True, stable=True)
+    top = top[:, : min(ctx.config.index_topk_pages, count)]
+    chosen = torch.zeros(n, count, dtype=torch.bool, device=h.device).scatter_(1, top, True)
+    return chosen & complete

@@ -1,0 +1,183 @@
+"""An OpenAI-compatible HTTP endpoint over one engine: ``/v1/completions``, ``/health`` and
+``/metrics``, on aiohttp.
+
+The server and the engine share one event loop: a handler checks the request
+(:mod:`~hicache.server.request_body`), asks the engine whether it can serve it at all (prompt
+and output within the context), and submits it to the :class:`~hicache.serving.online.
+OnlineSource` the engine's loop reads. It answers when the engine is done with it, or streams
+each token as server-sent events. A refused request is a 400 and changes nothing; a request the
+engine fails (no device memory for it in time) is a 503. During shutdown new requests get a 503
+while those in flight finish.
+
+Every answer carries the generated token ids (``choices[0].token_ids``) besides the text, which
+is decoded with the model's tokenizer when it has one (empty otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from hicache.server.metrics import ServingMetrics
+from hicache.server.request_body import ApiError, CompletionArgs, ServedModel, parse_completion
+from hicache.serving.engine import Engine
+from hicache.serving.online import Admission, OnlineSource, SourceClosedError
+from hicache.serving.request import ServeRequest
+
+__all__ = ["CompletionsApi"]
+
+_MAX_BODY_BYTES = 64 << 20  # a prompt of a few million token ids
+_HANG_UP_POLL_S = 0.05
+
+
+class CompletionsApi:
+    """The routes of one server; :meth:`app` builds the aiohttp application."""
+
+    def __init__(
+        self, engine: Engine, source: OnlineSource, model: ServedModel, metrics: ServingMetrics
+    ) -> None:
+        self.engine = engine
+        self.source = source
+        self.model = model
+        self.metrics = metrics
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        return app
+
+    # ----- routes ---------------------------------------------------------------------------
+    async def health(self, _: web.Request) -> web.Response:
+        status = 503 if self.source.closed else 200
+        body = {"status": "draining" if self.source.closed else "ok", "model": self.model.name,
+                "in_flight": self.source.in_flight}  # fmt: skip
+        return web.json_response(body, status=status)
+
+    async def metrics_text(self, _: web.Request) -> web.Response:
+        self.metrics.in_flight.set(self.source.in_flight)
+        text, content_type = self.metrics.render()
+        response = web.Response(body=text)
+        response.headers["Content-Type"] = content_type
+        return response
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            args = parse_completion(await self._json(request), self.model)
+            admission = self._submit(args)
+        except ApiError as exc:
+            self.metrics.refused()
+            return web.json_response(exc.body(), status=exc.status)
+        if args.stream:
+            return await self._stream(request, admission)
+        if not await _answered_before_hang_up(request, admission):
+            self.source.cancel(admission)  # nobody reads the answer: stop computing it
+        served = await admission.done
+        self.metrics.done(served)
+        if served.record.error is not None:
+            error = ApiError(served.record.error, None, status=503)
+            return web.json_response(error.body(), status=503)
+        return web.json_response(self._completion(served, self._text(served.generated)))
+
+    # ----- helpers --------------------------------------------------------------------------
+    @staticmethod
+    async def _json(request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ApiError(f"the request body is not JSON: {exc}") from None
+
+    def _submit(self, args: CompletionArgs) -> Admission:
+        probe = ServeRequest("probe", args.prompt, args.max_tokens)
+        refusal = self.engine.refusal(probe)
+        if refusal is not None:
+            raise ApiError(refusal, "prompt")
+        try:
+            return self.source.submit(args.prompt, args.max_tokens, args.temperature, args.priority)
+        except SourceClosedError as exc:
+            raise ApiError(str(exc), None, status=503) from None
+
+    async def _stream(self, request: web.Request, admission: Admission) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})  # fmt: skip
+        await response.prepare(request)
+        tokens: list[int] = []
+        shown = ""
+        while (token := await admission.tokens.get()) is not None:
+            tokens.append(token)
+            text = self._text(tokens)
+            chunk = self._completion(admission.request, text[len(shown) :], [token], None)
+            shown = text
+            try:
+                await response.write(_event(chunk))
+            except ConnectionError:  # the client hung up: stop computing for it
+                self.source.cancel(admission)
+                self.metrics.done(await admission.done)
+                return response
+        served = await admission.done
+        self.metrics.done(served)
+        if served.record.error is not None:
+            await response.write(_event(ApiError(served.record.error, None, 503).body()))
+        else:
+            await response.write(_event(self._completion(served, "", [], "length")))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _text(self, tokens: list[int]) -> str:
+        tokenizer = self.model.tokenizer
+        return tokenizer.decode(tokens) if tokenizer is not None and tokens else ""
+
+    def _completion(
+        self,
+        request: ServeRequest,
+        text: str,
+        token_ids: list[int] | None = None,
+        finish_reason: str | None = "length",
+    ) -> dict[str, Any]:
+        generated = request.generated if token_ids is None else token_ids
+        body: dict[str, Any] = {
+            "id": f"cmpl-{request.rid}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model.name,
+            "choices": [{"index": 0, "text": text, "token_ids": list(generated),
+                         "logprobs": None, "finish_reason": finish_reason}],
+        }  # fmt: skip
+        if finish_reason is not None:
+            body["usage"] = _usage(request)
+        return body
+
+
+async def _answered_before_hang_up(request: web.Request, admission: Admission) -> bool:
+    """Wait for the engine to finish ``admission``; False if the client's connection closed
+    first (looked at every 50 ms: aiohttp does not cancel a handler when its client leaves)."""
+    while not admission.done.done():
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(admission.done), _HANG_UP_POLL_S)
+    return True
+
+
+def _usage(request: ServeRequest) -> dict[str, Any]:
+    """OpenAI's usage, with the cached prompt tokens per tier (device, host, l3) as well."""
+    prompt, out, record = len(request.prompt), len(request.generated), request.record
+    tiers = {"device": record.hit_device, "host": record.hit_host, "l3": record.hit_l3}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": out,
+        "total_tokens": prompt + out,
+        "prompt_tokens_details": {"cached_tokens": sum(tiers.values()), **tiers},
+    }
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()

@@ -1,0 +1,96 @@
+"""Running the HTTP endpoint: the engine's loop and the aiohttp server on one event loop, until
+asked to stop; then a drain.
+
+Shutdown order: new requests are refused (503), the engine finishes every request it has
+(queued ones included) and ends its loop, L3 writes still queued get ``drain_s`` to land, the
+server closes its connections once the last answer is written, and the cache closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from hicache.server.admin import AdminApi
+from hicache.server.api import CompletionsApi
+from hicache.server.metrics import ServingMetrics
+from hicache.server.request_body import ServedModel
+from hicache.serving.online import OnlineSource
+from hicache.serving.setup import ServingSetup
+
+__all__ = ["HttpServer", "Listen"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    """Where to listen, and how long shutdown may wait for L3 writes."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the bound one is reported)
+    drain_s: float = 30.0
+
+
+class HttpServer:
+    """One engine behind the OpenAI-compatible API; :meth:`serve` runs until :meth:`stop`."""
+
+    def __init__(self, setup: ServingSetup, model: ServedModel, listen: Listen) -> None:
+        self.setup = setup
+        self.listen = listen
+        self.source = OnlineSource(setup.engine.now)
+        cache_metrics = setup.cache.metrics if setup.cache is not None else None
+        self.metrics = ServingMetrics(cache_metrics)
+        self.api = CompletionsApi(setup.engine, self.source, model, self.metrics)
+        self.admin = AdminApi(setup.engine, model, listen.drain_s)
+        self._stop = asyncio.Event()
+        self.url: str | None = None  # once listening
+
+    def stop(self) -> None:
+        """Begin the shutdown (safe to call more than once, from a signal handler too)."""
+        self._stop.set()
+
+    async def serve(self, ready: Callable[[str], None] | None = None) -> None:
+        """Listen, serve until :meth:`stop`, drain; ``ready`` gets the URL once listening."""
+        app = self.api.app()
+        self.admin.add_routes(app)
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        engine = asyncio.create_task(self.setup.engine.run(self.source, wake=self.source.wake))
+        try:
+            site = web.TCPSite(runner, self.listen.host, self.listen.port)
+            await site.start()
+            host, port = runner.addresses[0][:2]
+            self.url = f"http://{host}:{port}"
+            if ready is not None:
+                ready(self.url)
+            stopping = asyncio.create_task(self._stop.wait())
+            await asyncio.wait({engine, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            self.source.close()
+            await engine  # every request it had is answered (or failed) by now
+            await self._drain_l3()
+        finally:
+            self.source.close()
+            if not engine.done():
+                engine.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await engine
+            await runner.cleanup()  # waits for the handlers writing the last answers
+            await self.setup.close(self.listen.drain_s)
+
+    async def _drain_l3(self) -> None:
+        cache = self.setup.cache
+        if cache is None:
+            return
+        try:
+            await cache.quiesce(self.listen.drain_s)
+        except TimeoutError:
+            queued = cache.storage.queued_pages
+            logger.warning("shutdown: %d pages still queued for L3 after %.0f s", queued,
+                           self.listen.drain_s)  # fmt: skip

@@ -1,0 +1,211 @@
+"""The router process of ``serve --workers N``: one OpenAI-compatible endpoint in front of N
+engine workers, each request sent whole to one of them.
+
+``cache_aware`` sends a request to the worker whose approximate prefix tree matches most of its
+prompt unless that worker carries too much more load (:class:`~hicache.scheduling.router.
+CacheAwareRouter`); ``round_robin`` takes turns. The worker's answer (JSON or the event stream)
+is passed through as it comes. A worker that cannot be reached, or drops a connection, is
+retired: its in-flight requests get a 502 naming it, and no request goes to it again.
+``/metrics`` holds the router's own counters and every worker's metrics with a ``worker``
+label; ``/health`` lists the workers alive.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from hicache.errors import InvalidArgumentError
+from hicache.keys import RadixKey
+from hicache.scheduling.router import CacheAwareRouter, RouterConfig
+from hicache.server.request_body import ApiError, ServedModel, parse_completion
+from hicache.server.workers import WorkerProcess
+
+__all__ = ["RouterApi", "RouterKind"]
+
+_MAX_BODY_BYTES = 64 << 20
+
+
+class RouterKind(enum.Enum):
+    CACHE_AWARE = "cache_aware"
+    ROUND_ROBIN = "round_robin"
+
+
+class RouterApi:
+    """Routes of the router process over its workers."""
+
+    def __init__(
+        self, workers: list[WorkerProcess], kind: RouterKind, model: ServedModel, page_size: int
+    ) -> None:
+        self.workers = workers
+        self.kind = kind
+        self.model = model
+        self.tree = CacheAwareRouter(len(workers), RouterConfig(page_size=page_size))
+        self._turns = itertools.cycle(range(len(workers)))
+        self.closing = False
+        self._session: aiohttp.ClientSession | None = None
+        self._worker_texts: dict[int, str | None] = {}  # fetched at each scrape
+        self._register_metrics()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.on_cleanup.append(self._close_session)
+        return app
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made on the server's loop, on first use
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+            self._session = aiohttp.ClientSession(timeout=timeout)
+        return self._session
+
+    async def _close_session(self, _: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    # ----- routes ---------------------------------------------------------------------------
+    async def health(self, _: web.Request) -> web.Response:
+        alive = self.tree.alive
+        ok = bool(alive) and not self.closing
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": self.model.name,
+            "workers": [
+                {"index": w.index, "url": w.url, "pid": w.process.pid, "alive": w.index in alive}
+                for w in self.workers
+            ],
+            "router": self.kind.value,
+        }
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            if self.closing:
+                raise ApiError("the server is shutting down and takes no new requests", None, 503)
+            body = _json(raw)
+            args = parse_completion(body, self.model)  # the worker checks it again, fully
+            worker = self._pick(RadixKey(args.prompt))
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        try:
+            return await self._forward(request, worker, raw)
+        finally:
+            self.tree.complete(worker, float(len(args.prompt)))
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        self._alive_gauge.set(len(self.tree.alive))
+        self._worker_texts = {w: await self._worker_metrics(w) for w in self.tree.alive}
+        response = web.Response(body=generate_latest(self.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    def _register_metrics(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "hicache_router_requests", "requests sent to each worker, by outcome",
+            ["worker", "outcome"], registry=self.registry,
+        )  # fmt: skip
+        self._alive_gauge = Gauge(
+            "hicache_router_workers_alive", "workers requests may go to", registry=self.registry
+        )
+        self.registry.register(_WorkerMetrics(lambda: self._worker_texts))
+
+    # ----- helpers --------------------------------------------------------------------------
+    def _pick(self, key: RadixKey) -> int:
+        alive = self.tree.alive
+        if not alive:
+            raise ApiError("no worker is alive", None, 503)
+        if self.kind is RouterKind.ROUND_ROBIN:
+            while (worker := next(self._turns)) not in alive:
+                pass
+            return worker
+        try:
+            return self.tree.route(key)
+        except InvalidArgumentError as exc:
+            raise ApiError(str(exc), None, 503) from None
+
+    async def _forward(self, request: web.Request, worker: int, raw: bytes) -> web.StreamResponse:
+        url = f"{self.workers[worker].url}/v1/completions"
+        headers = {"Content-Type": "application/json"}
+        response: web.StreamResponse | None = None
+        try:
+            async with self.session.post(url, data=raw, headers=headers) as answer:
+                content_type = answer.headers.get("Content-Type", "application/json")
+                response = web.StreamResponse(status=answer.status)
+                response.headers["Content-Type"] = content_type
+                response.headers["X-Hicache-Worker"] = str(worker)
+                await response.prepare(request)
+                async for chunk in answer.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                self._requests.labels(str(worker), "answered").inc()
+                return response
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            return await self._worker_failed(request, response, worker, exc)
+
+    async def _worker_failed(
+        self,
+        request: web.Request,
+        response: web.StreamResponse | None,
+        worker: int,
+        exc: Exception,
+    ) -> web.StreamResponse:
+        self._requests.labels(str(worker), "failed").inc()
+        self.tree.retire(worker)  # its process died or stopped answering: send it nothing more
+        error = ApiError(f"worker {worker} failed while serving this request ({exc!r}); "
+                         "it gets no more requests", None, 502)  # fmt: skip
+        if response is None or not response.prepared:
+            return web.json_response(error.body(), status=502)
+        await response.write(f"data: {json.dumps(error.body())}\n\n".encode())
+        await response.write_eof()
+        return response
+
+    async def _worker_metrics(self, worker: int) -> str | None:
+        try:
+            async with self.session.get(f"{self.workers[worker].url}/metrics") as answer:
+                return await answer.text() if answer.status == 200 else None
+        except aiohttp.ClientError:
+            return None
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(f"the request body is not JSON: {exc}") from None
+
+
+class _WorkerMetrics:
+    """Every live worker's metric families, merged, each sample labelled with its worker."""
+
+    def __init__(self, texts: Callable[[], dict[int, str | None]]) -> None:
+        self._texts = texts
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import Metric
+        from prometheus_client.parser import text_string_to_metric_families
+
+        merged: dict[str, Any] = {}
+        for worker, text in sorted(self._texts().items()):
+            for family in text_string_to_metric_families(text or ""):
+                into = merged.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type)
+                )
+                for sample in family.samples:
+                    labels = {**sample.labels, "worker": str(worker)}
+                    into.add_sample(sample.name, labels, sample.value, sample.timestamp)
+        yield from merged.values()

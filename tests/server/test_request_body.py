@@ -1,0 +1,75 @@
+"""Checking a ``/v1/completions`` body: what is served, and a clear 400 for everything else."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from hicache.server.request_body import ApiError, ServedModel, parse_completion
+
+MODEL = ServedModel("tiny", vocab_size=100)
+
+
+class WordTokenizer:
+    """A stand-in with the one call the parser makes: each word's length as its id."""
+
+    class Encoding:
+        def __init__(self, ids: list[int]) -> None:
+            self.ids = ids
+
+    def encode(self, text: str) -> Encoding:
+        return self.Encoding([len(word) for word in text.split()])
+
+
+def test_defaults_follow_openai() -> None:
+    args = parse_completion({"prompt": [1, 2, 3]}, MODEL)
+    assert args.prompt == [1, 2, 3]
+    assert (args.max_tokens, args.temperature, args.stream) == (16, 1.0, False)
+
+
+def test_every_field_that_is_served() -> None:
+    body = {"model": "tiny", "prompt": [5], "max_tokens": 3, "temperature": 0, "stream": True,
+            "n": 1, "user": "u1"}  # fmt: skip
+    args = parse_completion(body, MODEL)
+    assert (args.prompt, args.max_tokens, args.temperature, args.stream) == ([5], 3, 0.0, True)
+
+
+def test_a_text_prompt_goes_through_the_tokenizer() -> None:
+    model = ServedModel("tiny", 100, WordTokenizer())
+    assert parse_completion({"prompt": "a bbb cc"}, model).prompt == [1, 3, 2]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ([1, 2], None, "JSON object"),
+        ({"prompt": [1], "stop": "\n"}, "stop", "unknown field"),
+        ({"prompt": [1], "model": "other"}, "model", "not served"),
+        ({"max_tokens": 3}, "prompt", "required"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": "hello"}, "prompt", "no tokenizer"),
+        ({"prompt": [1, 100]}, "prompt", "outside the vocabulary"),
+        ({"prompt": [1, -1]}, "prompt", "outside the vocabulary"),
+        ({"prompt": [1, True]}, "prompt", "list of token ids"),
+        ({"prompt": [1.5]}, "prompt", "list of token ids"),
+        ({"prompt": ["a", "b"]}, "prompt", "list of token ids"),
+        ({"prompt": [1], "max_tokens": 0}, "max_tokens", "at least 1"),
+        ({"prompt": [1], "max_tokens": -5}, "max_tokens", "at least 1"),
+        ({"prompt": [1], "max_tokens": "8"}, "max_tokens", "integer"),
+        ({"prompt": [1], "max_tokens": True}, "max_tokens", "integer"),
+        ({"prompt": [1], "temperature": -0.1}, "temperature", "[0, 2]"),
+        ({"prompt": [1], "temperature": 2.5}, "temperature", "[0, 2]"),
+        ({"prompt": [1], "temperature": math.nan}, "temperature", "[0, 2]"),
+        ({"prompt": [1], "temperature": "hot"}, "temperature", "[0, 2]"),
+        ({"prompt": [1], "stream": "yes"}, "stream", "true or false"),
+        ({"prompt": [1], "n": 2}, "n", "n must be 1"),
+    ],
+)
+def test_bad_bodies_name_what_is_wrong(body: Any, param: str | None, words: str) -> None:
+    with pytest.raises(ApiError, match=words if words != "[0, 2]" else r"\[0, 2\]") as caught:
+        parse_completion(body, MODEL)
+    assert caught.value.param == param and caught.value.status == 400
+    error = caught.value.body()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param

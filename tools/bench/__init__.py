@@ -1,0 +1,1 @@
+"""``hicache bench ...``: each benchmark against a baseline measured in the same run."""

@@ -1,0 +1,297 @@
+"""``hicache bench backends``: put/get throughput of each backend against a raw baseline.
+
+The baseline moves the same bytes in the same run, the plainest way there is: for ``file``,
+open/write/rename per object with the same fsync setting and open/readinto a preallocated
+buffer; for ``memory`` and ``shm``, a memcpy into and out of a preallocated, touched buffer;
+for the others, the raw client library (``raw_*``). Backend and baseline runs alternate
+and each figure is the best of N, because this machine is shared and noisy. Figures are GB/s
+(1e9 bytes per second).
+
+Both sides move batches of 32 objects, and the baseline runs two ways:
+
+- ``raw``: each batch through ``asyncio.to_thread`` from the benchmark's event loop, as any
+  asyncio caller must call a blocking library. The backends are async by contract and pay the
+  same round trip; ``put_ratio`` and ``get_ratio`` compare against this.
+- ``raw_blocking``: every batch back to back in one thread, with no event loop at all.
+  ``*_ratio_blocking`` compare against this; the difference between the two baselines is
+  the loop-to-thread round trip itself (0.3-0.5 ms a call on a 2-core VM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hicache.backends.base import StorageBackend
+from hicache.backends.registry import open_backend
+from hicache.errors import InvalidArgumentError
+
+__all__ = ["BackendBenchConfig", "run_backend_bench"]
+
+_BATCH = 32  # keys per put/get call: what a controller sends for a 32-page prefix
+_WAYS = ("async", "blocking")  # the two ways the raw baseline is driven
+
+
+@dataclass(frozen=True, slots=True)
+class BackendBenchConfig:
+    backends: tuple[str, ...] = ("memory", "file", "shm")
+    url: str | None = None
+    objects: int = 256
+    object_bytes: int = 2 << 20
+    repeats: int = 3
+    directory: str | None = None
+
+
+@dataclass(slots=True)
+class _Workload:
+    keys: list[str]
+    source: np.ndarray  # objects x object_bytes, random
+    dest: np.ndarray  # same shape, touched
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.source.nbytes)
+
+
+# Backends whose raw client baseline, and any service they need (a master, an S3 server), live
+# in a module of their own: ``raw_baseline(backend, scratch, work) -> (put, get)``, each moving
+# the objects ``lo`` to ``hi - 1`` of the work (``put(work, lo, hi)``), and, optionally,
+# ``provision(scratch, total_bytes)``, a context manager that yields the URL to open when no
+# ``--url`` is given. The names are module names under hicache.tools.bench.
+_RAW_MODULES: dict[str, str] = {
+    "fsspec": "raw_fsspec",
+    "mooncake": "raw_mooncake",
+    "nixl": "raw_nixl",
+    "3fs": "raw_hf3fs",
+}
+
+
+def _raw_module(name: str) -> Any | None:
+    module = _RAW_MODULES.get(name)
+    return importlib.import_module(f"hicache.tools.bench.{module}") if module else None
+
+
+def _default_url(name: str, scratch: str, total: int) -> str:
+    capacity = total + total // 4 + (64 << 20)
+    if name == "file":
+        return f"file://{scratch}/store"
+    if name == "shm":
+        return f"shm://hicache-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}?capacity_bytes={capacity}"
+    if name == "memory":
+        return f"memory://?capacity_bytes={capacity}"
+    return f"{name}://"
+
+
+async def _timed(fn: Callable[[], Awaitable[None]]) -> float:
+    start = time.perf_counter()
+    await fn()
+    return time.perf_counter() - start
+
+
+def _batches(n: int) -> list[tuple[int, int]]:
+    """(lo, hi) of each batch of ``_BATCH`` objects out of ``n``."""
+    return [(lo, min(lo + _BATCH, n)) for lo in range(0, n, _BATCH)]
+
+
+async def _backend_put(backend: StorageBackend, work: _Workload) -> None:
+    for lo, hi in _batches(len(work.keys)):
+        ok = await backend.put(work.keys[lo:hi], [work.source[j] for j in range(lo, hi)])
+        if not all(ok):
+            raise RuntimeError(f"{backend.name}: a put failed during the benchmark")
+
+
+async def _backend_get(backend: StorageBackend, work: _Workload) -> None:
+    for lo, hi in _batches(len(work.keys)):
+        got = await backend.get_into(work.keys[lo:hi], [work.dest[j] for j in range(lo, hi)])
+        if any(n != work.source.shape[1] for n in got):
+            raise RuntimeError(f"{backend.name}: a get missed during the benchmark")
+
+
+BatchMove = Callable[[_Workload, int, int], None]  # moves objects lo .. hi - 1
+
+
+def _raw_file_put(work: _Workload, lo: int, hi: int, root: str, fsync: bool) -> None:
+    for i in range(lo, hi):
+        path = os.path.join(root, work.keys[i])
+        tmp = path + ".tmp"
+        with open(tmp, "wb", buffering=0) as f:
+            f.write(work.source[i])
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def _raw_file_get(work: _Workload, lo: int, hi: int, root: str) -> None:
+    for i in range(lo, hi):
+        with open(os.path.join(root, work.keys[i]), "rb", buffering=0) as f:
+            f.readinto(work.dest[i])
+
+
+def _raw_baseline(
+    name: str, backend: StorageBackend, scratch: str, work: _Workload
+) -> tuple[BatchMove, BatchMove]:
+    """(put, get) batch movers for the raw baseline matching this backend."""
+    module = _raw_module(name)
+    if module is not None:
+        return module.raw_baseline(backend, scratch, work)  # type: ignore[no-any-return]
+    if name == "file":
+        root = os.path.join(scratch, "raw")
+        os.makedirs(root, exist_ok=True)
+        fsync = bool(getattr(getattr(backend, "config", None), "fsync", False))
+        return (
+            lambda w, lo, hi: _raw_file_put(w, lo, hi, root, fsync),
+            lambda w, lo, hi: _raw_file_get(w, lo, hi, root),
+        )
+    # memory, shm and anything else: the memcpy limit, one object per copy as the backend moves
+    # them (one 512 MiB memcpy would run in a streaming-store mode no per-page copy gets).
+    staging = np.ones_like(work.source)  # allocated and touched before timing
+
+    def put(w: _Workload, lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            np.copyto(staging[i], w.source[i])
+
+    def get(w: _Workload, lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            np.copyto(w.dest[i], staging[i])
+
+    return put, get
+
+
+async def _raw_async(move: BatchMove, work: _Workload) -> None:
+    """Each batch through ``asyncio.to_thread``: how an asyncio caller uses a blocking client."""
+    for lo, hi in _batches(len(work.keys)):
+        await asyncio.to_thread(move, work, lo, hi)
+
+
+def _raw_blocking(move: BatchMove, work: _Workload) -> None:
+    """Every batch back to back on the calling thread."""
+    for lo, hi in _batches(len(work.keys)):
+        move(work, lo, hi)
+
+
+async def _bench_backend(
+    name: str, url: str, work: _Workload, cfg: BackendBenchConfig
+) -> dict[str, Any]:
+    scratch = tempfile.mkdtemp(prefix="hicache-bench-", dir=cfg.directory)
+    try:
+        with contextlib.ExitStack() as services:
+            url = url or _provisioned_url(name, scratch, work.nbytes, services)
+            return await _bench_open(name, url, scratch, work, cfg)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _provisioned_url(name: str, scratch: str, total: int, services: contextlib.ExitStack) -> str:
+    module = _raw_module(name)
+    provision = getattr(module, "provision", None)
+    if provision is None:
+        return _default_url(name, scratch, total)
+    return str(services.enter_context(provision(scratch, total)))
+
+
+async def _bench_open(
+    name: str, url: str, scratch: str, work: _Workload, cfg: BackendBenchConfig
+) -> dict[str, Any]:
+    backend = await open_backend(url)
+    try:
+        # Each baseline has files (keys, a client) of its own, as the backend has: shared, their
+        # pages would be touched twice as often as the backend's and stay the warmer ones.
+        raw = {way: _raw_baseline(name, backend, _subdir(scratch, way), work) for way in _WAYS}
+        await _backend_put(backend, work)  # warm: directories, arena pages, caches
+        await _backend_get(backend, work)
+        if not np.array_equal(work.dest, work.source):
+            raise RuntimeError(f"{name}: data read back differs from data written")
+        for raw_put, raw_get in raw.values():
+            _raw_blocking(raw_put, work)
+            work.dest.fill(1)
+            _raw_blocking(raw_get, work)
+            if not np.array_equal(work.dest, work.source):
+                raise RuntimeError(f"{name}: the raw baseline read back other data")
+        times = await _timed_rounds(backend, work, raw, cfg.repeats)
+    finally:
+        unlink = getattr(backend, "unlink", None)
+        await backend.close()
+        if callable(unlink):
+            unlink()
+    return _report(name, work, times)
+
+
+def _subdir(scratch: str, way: str) -> str:
+    path = os.path.join(scratch, f"raw-{way}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+async def _timed_rounds(
+    backend: StorageBackend,
+    work: _Workload,
+    raw: dict[str, tuple[BatchMove, BatchMove]],
+    repeats: int,
+) -> dict[str, float]:
+    """Best time of each step over ``repeats`` rounds."""
+    (async_put, async_get), (blocking_put, blocking_get) = raw["async"], raw["blocking"]
+    steps = {
+        "put": lambda: _backend_put(backend, work),
+        "raw_put": lambda: _raw_async(async_put, work),
+        "raw_put_blocking": lambda: asyncio.to_thread(_raw_blocking, blocking_put, work),
+        "get": lambda: _backend_get(backend, work),
+        "raw_get": lambda: _raw_async(async_get, work),
+        "raw_get_blocking": lambda: asyncio.to_thread(_raw_blocking, blocking_get, work),
+    }
+    times: dict[str, float] = {}
+    puts = ["put", "raw_put", "raw_put_blocking"]
+    gets = ["get", "raw_get", "raw_get_blocking"]
+    for repeat in range(repeats):
+        # Alternate, so noise hits every side alike, and rotate who goes first, so over every
+        # three rounds each side takes each place once.
+        shift = repeat % len(puts)
+        for label in puts[shift:] + puts[:shift] + gets[shift:] + gets[:shift]:
+            # Untimed: every step starts with no dirty pages. Without this a disk-bound put
+            # paid for the previous step's writeback and one baseline read 0.8 GB/s in a run
+            # where the same code, one place over, read 1.9.
+            await asyncio.to_thread(os.sync)
+            seconds = await _timed(steps[label])
+            times[label] = min(times.get(label, float("inf")), seconds)
+    return times
+
+
+def _report(name: str, work: _Workload, times: dict[str, float]) -> dict[str, Any]:
+    gbps = {k: work.nbytes / v / 1e9 for k, v in times.items()}
+    out: dict[str, Any] = {
+        "backend": name,
+        "object_bytes": work.source.shape[1],
+        "objects": len(work.keys),
+    }
+    out.update({f"{k}_gbps": round(v, 3) for k, v in gbps.items()})
+    for op in ("put", "get"):
+        out[f"{op}_ratio"] = round(gbps[op] / gbps[f"raw_{op}"], 3)
+        out[f"{op}_ratio_blocking"] = round(gbps[op] / gbps[f"raw_{op}_blocking"], 3)
+    return out
+
+
+async def run_backend_bench(cfg: BackendBenchConfig) -> list[dict[str, Any]]:
+    if cfg.objects <= 0 or cfg.object_bytes <= 0 or cfg.repeats <= 0:
+        raise InvalidArgumentError("objects, object bytes and repeats must be positive")
+    rng = np.random.default_rng(0)
+    source = rng.integers(0, 256, size=(cfg.objects, cfg.object_bytes), dtype=np.uint8)
+    work = _Workload(
+        keys=[f"bench-{i:06d}" for i in range(cfg.objects)],
+        source=source,
+        dest=np.ones_like(source),
+    )
+    results = []
+    for name in cfg.backends:
+        url = cfg.url if cfg.url and len(cfg.backends) == 1 else None
+        results.append(await _bench_backend(name, url or "", work, cfg))
+    return results

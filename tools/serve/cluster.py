@@ -1,0 +1,111 @@
+"""``hicache serve --http HOST:PORT --workers N``: N engine processes behind a router process.
+
+The router reads only the model's config and tokenizer (to route by prompt tokens); each worker
+loads the model and serves ``serve --http`` on a free port of 127.0.0.1 with the same flags, so
+all of them share the L3 the flags name (by default the file store in ``--cache-dir``) in the
+model's own namespace: a prefix one worker computed is an L3 hit on another. A worker that
+fails to start stops the others and ``serve`` exits with its error. A worker that dies is
+retired by the router. SIGINT or SIGTERM: the router refuses new requests, lets those in flight
+finish, then stops the workers, which drain their own queues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+
+import torch
+from aiohttp import web
+
+from hicache.models.config import ModelConfig
+from hicache.models.hf.loader import CheckpointPlan
+from hicache.models.hf.tokenizer import load_tokenizer
+from hicache.server.request_body import ServedModel
+from hicache.server.router import RouterApi, RouterKind
+from hicache.server.workers import WorkerProcess, WorkerStartError, start_workers
+from hicache.tools.cli_parsing import CommandFailed
+from hicache.tools.serve.http import Background, model_identity, running
+
+__all__ = ["run_cluster"]
+
+_WATCH_S = 0.5  # how often the router looks for workers that exited
+
+
+def run_cluster(
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    model: ModelConfig,
+    plan: CheckpointPlan | None,
+    device: torch.device,
+    background: Sequence[Background] = (),
+) -> int:
+    """Route over ``args.workers`` workers until a signal; 0 after a clean stop."""
+    name, _ = model_identity(model, plan)
+    tokenizer = load_tokenizer(plan.directory) if plan is not None else None
+    served = ServedModel(name, model.vocab_size, tokenizer)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    try:
+        asyncio.run(_route(args, argv, served, gpus, background))
+    except WorkerStartError as exc:
+        raise CommandFailed(str(exc)) from None
+    return 0
+
+
+async def _route(
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    served: ServedModel,
+    gpus: int,
+    background: Sequence[Background],
+) -> None:
+    async with running(background):  # the L3 master stays up while workers start and serve
+        await _route_requests(args, argv, served, gpus)
+
+
+async def _route_requests(
+    args: argparse.Namespace, argv: Sequence[str], served: ServedModel, gpus: int
+) -> None:
+    workers = await start_workers(argv, args.workers, gpus, l3=args.l3)
+    api = RouterApi(workers, RouterKind(args.router), served, args.page_size)
+    runner = web.AppRunner(api.app(), handle_signals=False)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(_watch(api, workers, stop))
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, args.http.host, args.http.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        print(f"routing {served.name} over {len(workers)} workers ({api.kind.value}) on "
+              f"http://{host}:{port}", flush=True)  # fmt: skip
+        await stop.wait()
+        api.closing = True
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        await runner.cleanup()  # the requests in flight are answered first
+        codes = await asyncio.gather(*(w.stop() for w in workers))
+        print(f"workers stopped (exit status {', '.join(map(str, codes))})", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+
+async def _watch(api: RouterApi, workers: list[WorkerProcess], stop: asyncio.Event) -> None:
+    """Retire workers whose process exited; stop the router once none is left."""
+    while True:
+        for worker in workers:
+            if not worker.alive and worker.index in api.tree.alive:
+                print(f"worker {worker.index} exited (status {worker.process.returncode}); "
+                      "no more requests go to it", file=sys.stderr, flush=True)  # fmt: skip
+                api.tree.retire(worker.index)
+        if not api.tree.alive:
+            print("every worker has exited: stopping", file=sys.stderr, flush=True)
+            stop.set()
+            return
+        await asyncio.sleep(_WATCH_S)

@@ -1,0 +1,1 @@
+"""``hicache inspect|verify|compact|stats URL``: the operating tools over a store."""

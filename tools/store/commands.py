@@ -1,0 +1,229 @@
+"""``hicache inspect|verify|compact|stats URL``: open a store, run a library function, close.
+
+Imported only when one of the four is run (see :mod:`hicache.tools.cli`). Nothing here, nor in
+the library modules the handlers import, imports torch: these run on hosts that only hold a
+store (tests/tools/test_startup.py checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from hicache.backends.base import StorageBackend
+from hicache.backends.file.maintenance import TEMP_GRACE_S
+from hicache.errors import BackendUnavailableError
+from hicache.keys import validate_key_prefix
+from hicache.tools.cli_parsing import (
+    CommandFailed,
+    arg_type,
+    duration_range,
+    int_range,
+    output_file,
+    size_range,
+    url_arg,
+)
+
+if TYPE_CHECKING:
+    from hicache.tools.progress import Progress
+
+__all__ = ["add_compact", "add_inspect", "add_stats", "add_verify"]
+
+
+def _on_store(
+    url: str, work: Callable[[StorageBackend], Awaitable[int]], *, writes: bool = False
+) -> int:
+    """``work`` on the store at ``url``, opened read-only unless the command ``writes``: the
+    commands that only read then work on a read-only mount or a snapshot, and change nothing.
+
+    A URL that names no store is a usage error (exit 2); a store that is there but does not
+    open (read-only for a command that writes, a service that does not answer) is a runtime
+    failure (exit 1), as an unreachable L3 is for ``serve``.
+    """
+    from hicache.tools.store.scan import open_store, store_config
+
+    store_config(url, read_only=not writes)  # raises the usage errors, before any open
+
+    async def run() -> int:
+        try:
+            backend = await open_store(url, read_only=not writes)
+        except BackendUnavailableError as exc:
+            raise CommandFailed(str(exc)) from exc
+        try:
+            return await work(backend)
+        finally:
+            await backend.close()
+
+    return asyncio.run(run())
+
+
+def _progress(args: argparse.Namespace) -> Callable[[str, int | None], Progress]:
+    from hicache.tools.progress import Progress
+
+    return lambda label, total: Progress(label, total, enabled=not args.quiet)
+
+
+_MAX_PARALLEL = 256  # batches read at once, each into a buffer of its own
+_MAX_PROCESSES = 1024
+_WEEK_S = 7 * 86400.0
+_CENTURY_S = 100 * 365 * 86400.0
+_key_prefix = arg_type(validate_key_prefix)  # what inspect refused at run time, all refuse now
+
+
+def _store_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
+    p.add_argument(
+        "url", type=url_arg, help="store URL, e.g. file:///var/cache/hicache or shm://name"
+    )
+    if name != "stats":
+        p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+# ----- inspect ----------------------------------------------------------------------------------
+def add_inspect(sub: Any) -> argparse.ArgumentParser:
+    """Add ``inspect``: what a store holds, from page headers."""
+    p = _store_parser(sub, "inspect", "what a store holds, from page headers")
+    p.add_argument("--list", action="store_true", help="one row per object")
+    p.add_argument("--format", choices=["table", "json", "parquet"], default="table")
+    p.add_argument("--output", type=output_file, help="write to FILE (required for parquet)")
+    p.add_argument("--prefix", type=_key_prefix, default="", help="only keys starting with this")
+    p.set_defaults(func=_cmd_inspect)
+    return p
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from hicache.tools.store.inspect import InspectOptions, OutputFormat, inspect_store
+
+    options = InspectOptions(
+        list_objects=args.list,
+        fmt=OutputFormat(args.format),
+        output=args.output,
+        prefix=args.prefix,
+    )
+
+    async def work(backend: StorageBackend) -> int:
+        with _progress(args)("inspect", None) as bar:
+            await inspect_store(backend, options, sys.stdout, bar)
+        return 0
+
+    return _on_store(args.url, work)
+
+
+# ----- verify -----------------------------------------------------------------------------------
+def add_verify(sub: Any) -> argparse.ArgumentParser:
+    """Add ``verify``: read every object and check header and checksum."""
+    p = _store_parser(sub, "verify", "read every object and check header and checksum")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--delete-bad", action="store_true", help="delete what is bad")
+    p.add_argument("--prefix", type=_key_prefix, default="", help="only keys starting with this")
+    p.add_argument(
+        "--parallel", type=int_range(1, _MAX_PARALLEL), default=2, help="batches read at once"
+    )
+    p.add_argument(
+        "--processes",
+        type=int_range(0, _MAX_PROCESSES),
+        default=0,
+        help="worker processes for small objects (0: cores)",
+    )
+    p.set_defaults(func=_cmd_verify)
+    return p
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from hicache.tools.store.verify import VerifyOptions, verify_store
+
+    options = VerifyOptions(
+        delete_bad=args.delete_bad,
+        prefix=args.prefix,
+        parallel=args.parallel,
+        processes=args.processes or (os.cpu_count() or 1),
+    )
+
+    async def work(backend: StorageBackend) -> int:
+        with _progress(args)("verify", None) as bar:
+            report = await verify_store(backend, options, bar)
+        if args.json:
+            print(json.dumps(report.to_json(), indent=2))
+        else:
+            print("\n".join(report.lines()))
+        return report.exit_code
+
+    return _on_store(args.url, work, writes=args.delete_bad)
+
+
+# ----- compact ----------------------------------------------------------------------------------
+def add_compact(sub: Any) -> argparse.ArgumentParser:
+    """Add ``compact``: remove bad, orphaned, stale and over-budget pages."""
+    p = _store_parser(sub, "compact", "remove bad, orphaned, stale and over-budget pages")
+    p.add_argument("--max-bytes", type=size_range(0, 1 << 60), help="e.g. 500G")
+    p.add_argument("--max-age", type=duration_range(_CENTURY_S), help="e.g. 7d, 12h")
+    p.add_argument(
+        "--grace",
+        type=duration_range(_CENTURY_S),
+        default=TEMP_GRACE_S,
+        help="keep temp files and orphans younger than this (default 15m)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--headers-only", action="store_true", help="skip payload checksums")
+    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--parallel", type=int_range(1, _MAX_PARALLEL), default=2, help="batches read at once"
+    )
+    p.set_defaults(func=_cmd_compact)
+    return p
+
+
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from hicache.tools.store.compact import CompactOptions, compact_store
+
+    options = CompactOptions(
+        max_bytes=args.max_bytes,
+        max_age_s=args.max_age,
+        dry_run=args.dry_run,
+        grace_s=args.grace,
+        headers_only=args.headers_only,
+        parallel=args.parallel,
+    )
+
+    async def work(backend: StorageBackend) -> int:
+        report = await compact_store(backend, options, _progress(args))
+        if args.json:
+            print(json.dumps(report.to_json(), indent=2))
+        else:
+            print("\n".join(report.lines(verbose=args.dry_run or args.verbose)))
+        return 0
+
+    # Even with --dry-run: the plan is only worth having for a store compact could change.
+    return _on_store(args.url, work, writes=True)
+
+
+# ----- stats ------------------------------------------------------------------------------------
+def add_stats(sub: Any) -> argparse.ArgumentParser:
+    """Add ``stats``: the counters a backend keeps, once or every ``--watch`` seconds."""
+    p = _store_parser(sub, "stats", "the counters a backend keeps")
+    p.add_argument("--watch", type=duration_range(_WEEK_S), help="refresh every N seconds")
+    p.add_argument("--count", type=int_range(1, 1 << 31), help="with --watch: stop after N reports")
+    p.add_argument("--json", action="store_true", help="one JSON object per report")
+    p.set_defaults(func=_cmd_stats)
+    return p
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from hicache.tools.store.stats import StatsOptions, watch_stats
+
+    options = StatsOptions(watch_s=args.watch, count=args.count, as_json=args.json)
+
+    async def work(backend: StorageBackend) -> int:
+        await watch_stats(backend, options, sys.stdout)
+        return 0
+
+    try:
+        return _on_store(args.url, work)
+    except KeyboardInterrupt:  # the way out of --watch
+        return 0
