@@ -215,10 +215,6 @@ class PageBundler:
         """Payload bytes of ``page``'s objects (the pools that hold it)."""
         return sum(self.host_pools[name].spec.page_bytes for name in page.host_pages)
 
-    def object_bytes(self) -> int:
-        """The size of the largest stored object of a page (header and uncompressed payload)."""
-        return HEADER_SIZE + max(pool.spec.page_bytes for pool in self.host_pools.values())
-
     def meta(self, name: str, page: BundlePage) -> PageMeta:
         return meta_at(self._templates[name], page.page_index, page.parent_hash)
 

@@ -31,7 +31,7 @@ from hicache.tiering.failure_log import FailureLog
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.policies import TerminationReason
 from hicache.tiering.registration import register_buffers, unregister_buffers
-from hicache.tiering.repair import SuspectKeys, damaged_copies
+from hicache.tiering.repair import SuspectKeys
 from hicache.tiering.supervisor import TaskSupervisor
 
 __all__ = ["PrefetchOp", "StorageTier", "WriteJob"]
@@ -256,8 +256,8 @@ class StorageTier:
             seconds = time.perf_counter() - started
             for i, good in zip(batch, landed or [False] * len(batch), strict=True):
                 ok[i] = good
-                if good:  # a landed copy replaces a bad one: counted, and no longer suspect
-                    self.metrics.add("l3_repaired_pages", self.suspects.discard(keys[i].values()))
+                if good:
+                    self.suspects.discard(keys[i].values())
             written = sum(landed or [])
             nbytes = sum(self.bundler.bytes_of(p) for p, good in zip(pages, landed or []) if good)
             self.metrics.add("pages_written_l3", written)
@@ -269,21 +269,9 @@ class StorageTier:
     async def _present(
         self, backend: StorageBackend, keys: Sequence[Mapping[str, str]]
     ) -> list[bool]:
-        """Per page, whether every object of it is already in L3 and checks out.
-
-        ``exists`` is not enough: the engine computed these pages, so whatever L3 holds of them
-        was not read (or not usable), and may be damaged. Present copies are read back and
-        checked (``storage.check_present``); a damaged one becomes a suspect and is rewritten.
-        """
+        """Per page, whether every object of it is already in L3."""
         flat = [k for ks in keys for k in ks.values()]
         found = self.suspects.vouched(flat, await backend.exists(flat))
-        held = [k for k, ok in zip(flat, found, strict=True) if ok]
-        if held and self.config.check_present:
-            damaged, gone = await damaged_copies(backend, held, self.bundler.object_bytes())
-            self.suspects.add(damaged)
-            self.metrics.add("corrupt_pages", len(damaged))
-            unusable = {*damaged, *gone}
-            found = [ok and k not in unusable for k, ok in zip(flat, found, strict=True)]
         out, pos = [], 0
         for ks in keys:
             out.append(all(found[pos : pos + len(ks)]))
