@@ -51,10 +51,10 @@ from hicache.pools.host import HostPool
 from hicache.radix.node import TreeNode
 from hicache.tiering.metrics import HiCacheMetrics
 
-__all__ = ["BundlePage", "Namespace", "PageBundler", "PageHasher"]
+__all__ = ["BundlePage", "Namespace", "ObjectCheck", "PageBundler", "PageHasher"]
 
 
-class _Check(enum.Enum):
+class ObjectCheck(enum.Enum):
     """What reading one object gave."""
 
     OK = "ok"
@@ -215,6 +215,13 @@ class PageBundler:
         """Payload bytes of ``page``'s objects (the pools that hold it)."""
         return sum(self.host_pools[name].spec.page_bytes for name in page.host_pages)
 
+    def check_object(
+        self, key: str, name: str, header: np.ndarray, payload: np.ndarray, n: int
+    ) -> ObjectCheck:
+        """What an object of pool ``name`` read into ``header`` and ``payload`` (``n`` bytes,
+        negative when missing) is; missing and bad objects are counted as a read counts them."""
+        return self._decode(key, header, payload, n, self._templates[name])
+
     def meta(self, name: str, page: BundlePage) -> PageMeta:
         return meta_at(self._templates[name], page.page_index, page.parent_hash)
 
@@ -282,9 +289,9 @@ class PageBundler:
             if i >= bad_page and n < 0:
                 continue  # a missing object after the hit ended: nobody needs it
             outcome = self._decode(key, header, target, n, self._templates[name])
-            if outcome is not _Check.OK:
+            if outcome is not ObjectCheck.OK:
                 bad_page = min(bad_page, i)
-                if outcome is _Check.DAMAGED and corrupt is not None:
+                if outcome is ObjectCheck.DAMAGED and corrupt is not None:
                     corrupt.append(key)
                 continue
             if i >= bad_page:
@@ -301,21 +308,21 @@ class PageBundler:
 
     def _decode(
         self, key: str, header: np.ndarray | bytearray, target: object, n: int, meta: PageMeta
-    ) -> _Check:
+    ) -> ObjectCheck:
         if n < 0:
             self.metrics.add("missing_pages")
-            return _Check.MISSING
+            return ObjectCheck.MISSING
         try:
             check_into(key, header, target, n, meta)
         except (PageKindMismatchError, UnsupportedVersionError):
             # Intact, but another configuration's page or a newer writer's: a miss for this
             # reader, and not ours to delete.
             self.metrics.add("corrupt_pages")
-            return _Check.OTHER_KIND
+            return ObjectCheck.OTHER_KIND
         except (CodecError, InvalidArgumentError):
             self.metrics.add("corrupt_pages")
-            return _Check.DAMAGED
-        return _Check.OK
+            return ObjectCheck.DAMAGED
+        return ObjectCheck.OK
 
     def _payload(self, name: str, host_page: int) -> memoryview:
         rows = self._page_bytes[name]

@@ -105,6 +105,9 @@ class StorageConfig:
     shard: str = "tp0of1"
     backend_in_thread: bool = False  # run the backend on its own event loop thread
     workers: int = 2  # concurrent L3 write batches
+    # Before a write skips pages L3 holds, read them back and check them: the engine computed
+    # them, so nothing read them, and a damaged copy would stay a miss until `compact`.
+    check_present: bool = True
     # The namespaces are scratch (a model id no later run names): the pages this cache wrote
     # are deleted from L3 when it closes, not left for nobody (HiRadixCache.close).
     discard_on_close: bool = False

@@ -31,7 +31,7 @@ from hicache.tiering.failure_log import FailureLog
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.policies import TerminationReason
 from hicache.tiering.registration import register_buffers, unregister_buffers
-from hicache.tiering.repair import SuspectKeys
+from hicache.tiering.repair import CopyChecker, SuspectKeys
 from hicache.tiering.supervisor import TaskSupervisor
 
 __all__ = ["PrefetchOp", "StorageTier", "WriteJob"]
@@ -107,6 +107,7 @@ class StorageTier:
         self._prefetch_tasks: set[asyncio.Task[None]] = set()
         self._prefetch_turns = asyncio.Semaphore(prefetch.concurrency)  # FIFO among waiters
         self.suspects = SuspectKeys()  # keys whose objects failed their checks
+        self.copies = CopyChecker(bundler)  # reads present copies of computed pages back
         self._registered: list[Any] = []  # host buffers registered with the backend
         self.read_bytes_per_s: float | None = None  # measured on prefetch reads, smoothed
         self.write_bytes_per_s: float | None = None  # measured on L3 writes, smoothed
@@ -154,7 +155,8 @@ class StorageTier:
         """Write and prefetch through ``backend``; host memory is registered with it when it
         moves data by address, so pages travel without a staging copy."""
         self.backend = backend
-        self._registered = register_buffers(backend, self.bundler.registrable_memory())
+        memory = [*self.bundler.registrable_memory(), *self.copies.memory()]
+        self._registered = register_buffers(backend, memory)
         for i in range(self.config.workers):
             self._supervisor.start(f"l3-writer-{i}", self._write_worker)
 
@@ -256,8 +258,8 @@ class StorageTier:
             seconds = time.perf_counter() - started
             for i, good in zip(batch, landed or [False] * len(batch), strict=True):
                 ok[i] = good
-                if good:
-                    self.suspects.discard(keys[i].values())
+                if good:  # a landed copy replaces a bad one: counted, and no longer suspect
+                    self.metrics.add("l3_repaired_pages", self.suspects.discard(keys[i].values()))
             written = sum(landed or [])
             nbytes = sum(self.bundler.bytes_of(p) for p, good in zip(pages, landed or []) if good)
             self.metrics.add("pages_written_l3", written)
@@ -269,14 +271,22 @@ class StorageTier:
     async def _present(
         self, backend: StorageBackend, keys: Sequence[Mapping[str, str]]
     ) -> list[bool]:
-        """Per page, whether every object of it is already in L3."""
+        """Per page, whether every object of it is already in L3 and checks out.
+
+        ``exists`` is not enough: the engine computed these pages, so whatever L3 holds of them
+        was not read (or not usable), and may be damaged. Present copies are read back and
+        checked (``storage.check_present``); a damaged one becomes a suspect and is rewritten.
+        """
         flat = [k for ks in keys for k in ks.values()]
-        found = self.suspects.vouched(flat, await backend.exists(flat))
-        out, pos = [], 0
-        for ks in keys:
-            out.append(all(found[pos : pos + len(ks)]))
-            pos += len(ks)
-        return out
+        vouched = self.suspects.vouched(flat, await backend.exists(flat))
+        found = dict(zip(flat, vouched, strict=True))
+        held = [ks for ks in keys if all(found[k] for k in ks.values())]
+        if held and self.config.check_present:
+            self.metrics.add("pages_checked_l3", len(held))
+            damaged, gone = await self.copies.unusable(backend, held)
+            self.suspects.add(damaged)
+            found.update(dict.fromkeys([*damaged, *gone], False))
+        return [all(found[k] for k in ks.values()) for ks in keys]
 
     # ----- prefetch -------------------------------------------------------------------------
     def start_prefetch(self, op: PrefetchOp) -> None:

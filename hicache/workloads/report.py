@@ -45,6 +45,10 @@ def summarize(
     - ``l3_unavailable``: 1 when an L3 was configured but could not be opened, so the run went
       on with L3 off;
     - ``corrupt_pages``: L3 pages that failed their checks and were treated as misses;
+    - ``l3_repaired_pages``: L3 pages found bad (by a read, or checked before a write skipped
+      them) and written again;
+    - ``pages_checked_l3``: pages computed while L3 held them, whose copies were read back and
+      checked before their write was skipped;
     - ``l3_lookup_pages`` of ``l3_lookup_candidates``: pages prefetches asked L3 about, of
       those they could have (a lookup ends after the first page L3 lacks);
     - ``held_requests``, ``held_rounds``: requests admission held back for a prefix another
@@ -78,6 +82,8 @@ def summarize(
         "bytes_l3_to_host": int(metrics.get("bytes_l3_to_host", 0)),
         "bytes_staged": int(metrics.get("bytes_staged", 0)),
         "corrupt_pages": int(metrics.get("corrupt_pages", 0)),
+        "l3_repaired_pages": int(metrics.get("l3_repaired_pages", 0)),
+        "pages_checked_l3": int(metrics.get("pages_checked_l3", 0)),
         "errors": int(metrics.get("errors", 0)) + int(metrics.get("timeouts", 0)),
         "l3_read_failures": int(metrics.get("l3_read_failures", 0)),
         "l3_write_failures": int(metrics.get("l3_write_failures", 0)),

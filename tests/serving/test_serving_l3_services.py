@@ -101,8 +101,10 @@ def test_serve_with_mooncake_l3_hits_and_keeps_outputs(
     assert result["outputs_identical"] is True
     l3 = rows["device+host+l3"]
     assert l3["hit_tokens_l3"] > 0 and l3["errors"] == 0
-    # Host pools and their header arena are registered: every page moved without staging.
+    # Host pools, their header arena and the read-back check's scratch pages are registered:
+    # every page moved without staging, the pages checked before a skipped write included.
     assert l3["bytes_host_to_l3"] > 0 and l3["bytes_staged"] == 0
+    assert l3["pages_checked_l3"] > 0
 
 
 @pytest.mark.slow
@@ -120,3 +122,4 @@ def test_serve_with_nixl_posix_l3_moves_pages_zero_copy(
     l3 = by_name(result)["device+host+l3"]
     assert l3["hit_tokens_l3"] > 0 and l3["errors"] == 0
     assert l3["bytes_host_to_l3"] > 0 and l3["bytes_staged"] == 0
+    assert l3["pages_checked_l3"] > 0  # read back into registered scratch pages, not staged

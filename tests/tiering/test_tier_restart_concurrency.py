@@ -207,6 +207,9 @@ async def test_concurrent_requests_with_prefetch_and_eviction_stay_exact(
     h = await Harness.build(
         backend=GatedBackend(MemoryBackend(), get=reads),
         prefetch=prefetch,
+        # The churn passes prefetch reads one at a time; the writer's read-backs of pages L3
+        # holds (check_present) would take those passes too and change the interleaving.
+        storage=StorageConfig(check_present=False),
         device_tokens=64,
         host_pages=24,
     )
@@ -256,7 +259,11 @@ def running_request(h: Harness, rid: str, seq: list[int]) -> CachedRequest:
 async def test_an_aborted_request_releases_its_lock_slots_and_prefetch() -> None:
     gate = Gate(opened=True)
     prefetch = PrefetchConfig(stop_policy=WAIT, threshold_tokens=PAGE, batch_pages=2)
-    h = await Harness.build(backend=GatedBackend(MemoryBackend(), get=gate), prefetch=prefetch)
+    # The gate stops prefetch reads; the writer's read-back of "warm"'s pages (check_present)
+    # would wait at it too.
+    storage = StorageConfig(check_present=False)
+    backend = GatedBackend(MemoryBackend(), get=gate)
+    h = await Harness.build(backend=backend, prefetch=prefetch, storage=storage)
     try:
         await seed_l3(h, SEQ)
         gate.shut()
