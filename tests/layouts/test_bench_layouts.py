@@ -16,6 +16,7 @@ from hicache.tools.bench.layouts import (
     main,
     run_bench_layouts,
     run_layout_bench,
+    shared_run_bytes,
 )
 
 FIELDS = {"op", "from", "to", "device", "bytes", "gbps", "baseline_gbps", "ratio"}
@@ -38,7 +39,25 @@ def test_rows_cover_every_pair_and_both_transfers() -> None:
         assert set(row) >= FIELDS
         assert row["device"] == "cpu" and row["bytes"] == 3 * spec.page_bytes
         assert row["gbps"] > 0 and row["baseline_gbps"] > 0
+        # One round: the median is that round, and its ratio that of the two GB/s figures.
+        assert row["rounds"] == 1 and row["ratio_min"] == row["ratio"] == row["ratio_max"]
         assert row["ratio"] == pytest.approx(row["gbps"] / row["baseline_gbps"], rel=0.02, abs=0.02)
+        # A transposing row also times a bare strided copy of its runs: its floor.
+        transposes = row["from"] != row["to"]
+        assert ("floor_gbps" in row) is transposes
+        if transposes:
+            assert row["floor_ratio"] == pytest.approx(
+                row["gbps"] / row["floor_gbps"], rel=0.02, abs=0.02
+            )
+
+
+def test_shared_runs_of_the_layouts() -> None:
+    spec = SpecPreset.MHA.spec(page_size=32)
+    lf, pf, pfd = KV_LAYOUTS
+    assert shared_run_bytes(spec, lf, lf) is None
+    assert shared_run_bytes(spec, lf, pf) == spec.item_bytes  # page_first is token-major
+    assert shared_run_bytes(spec, pf, pfd) == spec.item_bytes
+    assert shared_run_bytes(spec, lf, pfd) == 32 * spec.item_bytes  # a page's tokens of a layer
 
 
 def test_parser_and_main(capsys: pytest.CaptureFixture[str]) -> None:

@@ -70,12 +70,14 @@ def test_ratio_is_that_of_the_median_times(
 
     def fake(side: str) -> Any:
         async def run(*args: Any) -> float:
-            return scripted[side][args[-1]]
+            seconds, cpu = scripted[side][args[-2]], args[-1]  # (..., round, CPU log)
+            cpu.seconds[side].append(seconds / 2)  # half of it on the CPU
+            return seconds
 
         return run
 
-    monkeypatch.setattr(bench_controller, "_roundtrip_controller", fake("controller"))
-    monkeypatch.setattr(bench_controller, "_roundtrip_raw", fake("raw"))
+    monkeypatch.setattr(bench_controller, "roundtrip_controller", fake("controller"))
+    monkeypatch.setattr(bench_controller, "roundtrip_raw", fake("raw"))
     monkeypatch.setattr(bench_controller, "_overhead_round", _scripted_overhead_round)
     (row,) = run_bench_controller(_args(tmp_path))
     assert row["l3_roundtrip_ratio"] == 0.5  # median raw 1 s over median controller 2 s
@@ -85,6 +87,12 @@ def test_ratio_is_that_of_the_median_times(
     assert row["l3_roundtrip_gbps_min"] == round(moved / 3.0, 3)
     assert row["raw_roundtrip_gbps"] == round(moved / 1.0, 3)
     assert row["overhead_us_per_page"] == round(0.0024 / 32 * 1e6, 2)
+    # CPU per page of 8 pages (the warm-up's left out): the medians, and of the rounds'
+    # differences (0, 0.5, 0 s).
+    assert row["l3_roundtrip_cpu_us_per_page"] == round(1.0 / 8 * 1e6, 1)
+    assert row["raw_roundtrip_cpu_us_per_page"] == round(0.5 / 8 * 1e6, 1)
+    assert row["l3_roundtrip_extra_cpu_us_per_page"] == 0.0
+    assert row["l3_roundtrip_extra_cpu_us_per_page_max"] == round(0.5 / 8 * 1e6, 1)
 
 
 async def _scripted_overhead_round(pages: int, seqs: int) -> tuple[float, float, int]:

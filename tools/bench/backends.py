@@ -3,9 +3,10 @@
 The baseline moves the same bytes in the same run, the plainest way there is: for ``file``,
 open/write/rename per object with the same fsync setting and open/readinto a preallocated
 buffer; for ``memory`` and ``shm``, a memcpy into and out of a preallocated, touched buffer;
-for the others, the raw client library (``raw_*``). Backend and baseline runs alternate
-and each figure is the best of N, because this machine is shared and noisy. Figures are GB/s
-(1e9 bytes per second).
+for the others, the raw client library (``raw_*``). Backend and baseline runs alternate, round
+after round, because this machine is shared and noisy: each GB/s figure (1e9 bytes per second)
+is the median of the rounds with its range (``_min``, ``_max``), and each ratio the median of
+the rounds' own ratios (both sides of a round ran one right after the other), with its range.
 
 Both sides move batches of 32 objects, and the baseline runs two ways:
 
@@ -36,6 +37,7 @@ import numpy as np
 from hicache.backends.base import StorageBackend
 from hicache.backends.registry import open_backend
 from hicache.errors import InvalidArgumentError
+from hicache.tools.bench.rounds import paired_ratio, rotated, spread
 
 __all__ = ["BackendBenchConfig", "run_backend_bench"]
 
@@ -49,7 +51,7 @@ class BackendBenchConfig:
     url: str | None = None
     objects: int = 256
     object_bytes: int = 2 << 20
-    repeats: int = 3
+    repeats: int = 6
     directory: str | None = None
 
 
@@ -238,8 +240,8 @@ async def _timed_rounds(
     work: _Workload,
     raw: dict[str, tuple[BatchMove, BatchMove]],
     repeats: int,
-) -> dict[str, float]:
-    """Best time of each step over ``repeats`` rounds."""
+) -> dict[str, list[float]]:
+    """The seconds of each step in each of ``repeats`` rounds."""
     (async_put, async_get), (blocking_put, blocking_get) = raw["async"], raw["blocking"]
     steps = {
         "put": lambda: _backend_put(backend, work),
@@ -249,34 +251,33 @@ async def _timed_rounds(
         "raw_get": lambda: _raw_async(async_get, work),
         "raw_get_blocking": lambda: asyncio.to_thread(_raw_blocking, blocking_get, work),
     }
-    times: dict[str, float] = {}
+    times: dict[str, list[float]] = {label: [] for label in steps}
     puts = ["put", "raw_put", "raw_put_blocking"]
     gets = ["get", "raw_get", "raw_get_blocking"]
     for repeat in range(repeats):
         # Alternate, so noise hits every side alike, and rotate who goes first, so over every
         # three rounds each side takes each place once.
-        shift = repeat % len(puts)
-        for label in puts[shift:] + puts[:shift] + gets[shift:] + gets[:shift]:
+        for label in rotated(puts, repeat) + rotated(gets, repeat):
             # Untimed: every step starts with no dirty pages. Without this a disk-bound put
             # paid for the previous step's writeback and one baseline read 0.8 GB/s in a run
             # where the same code, one place over, read 1.9.
             await asyncio.to_thread(os.sync)
-            seconds = await _timed(steps[label])
-            times[label] = min(times.get(label, float("inf")), seconds)
+            times[label].append(await _timed(steps[label]))
     return times
 
 
-def _report(name: str, work: _Workload, times: dict[str, float]) -> dict[str, Any]:
-    gbps = {k: work.nbytes / v / 1e9 for k, v in times.items()}
+def _report(name: str, work: _Workload, times: dict[str, list[float]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "backend": name,
         "object_bytes": work.source.shape[1],
         "objects": len(work.keys),
+        "rounds": len(times["put"]),
     }
-    out.update({f"{k}_gbps": round(v, 3) for k, v in gbps.items()})
+    for label, seconds in times.items():
+        out.update(spread(f"{label}_gbps", [work.nbytes / t / 1e9 for t in seconds], 3))
     for op in ("put", "get"):
-        out[f"{op}_ratio"] = round(gbps[op] / gbps[f"raw_{op}"], 3)
-        out[f"{op}_ratio_blocking"] = round(gbps[op] / gbps[f"raw_{op}_blocking"], 3)
+        out.update(paired_ratio(f"{op}_ratio", times[op], times[f"raw_{op}"]))
+        out.update(paired_ratio(f"{op}_ratio_blocking", times[op], times[f"raw_{op}_blocking"]))
     return out
 
 

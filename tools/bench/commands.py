@@ -111,8 +111,9 @@ def add_bench_backends(bench_sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--repeats",
         type=int_range(1, _MAX_REPEATS),
-        default=3,
-        help="best of N rounds; a multiple of 3 puts each side in each place equally",
+        default=6,
+        help="rounds (a multiple of 3 puts each side in each place equally): each figure is "
+        "their median, with its range",
     )
     p.add_argument(
         "--dir", type=input_dir, help="scratch directory for file stores (default: temp)"

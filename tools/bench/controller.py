@@ -14,6 +14,10 @@ Two measurements, each against a baseline from the same run:
 * ``l3_roundtrip_ratio``: 2 MiB pages from host memory to a file L3 and back through the
   controller's storage tier (codec, keys, existence checks, batches, acknowledgements), against
   the raw file backend putting and getting the same page bytes under plain keys.
+  ``l3_roundtrip_cpu_us_per_page`` and ``raw_roundtrip_cpu_us_per_page`` are the process CPU
+  time (every thread's) per page of each side's round trip, and
+  ``l3_roundtrip_extra_cpu_us_per_page`` the median of the rounds' differences: what the
+  controller adds, a figure the disk's noise moves far less than the wall time.
 
 Method (that of ``bench backends``, because this machine is shared and its disk's writeback
 moves figures by 2x): an untimed warm-up of each step, then ``--repeats`` rounds. A round is
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import gc
 import os
 import shutil
@@ -52,11 +55,17 @@ from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
 from hicache.pools.presets import ModelShape, PoolPreset, preset
 from hicache.radix.tree import RadixCacheConfig
-from hicache.tiering.bundler import BundlePage
 from hicache.tiering.cache import HiRadixCache
 from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig
 from hicache.tiering.controller import HiCacheController
-from hicache.tiering.storage_tier import PrefetchOp, WriteJob
+from hicache.tools.bench.controller_l3 import (
+    CpuLog,
+    cpu_report,
+    l3_report,
+    roundtrip_controller,
+    roundtrip_raw,
+)
+from hicache.tools.bench.rounds import rotated, spread
 from hicache.tools.cli_parsing import check_memory, input_dir, int_range
 
 __all__ = ["add_bench_controller_parser", "run_bench_controller"]
@@ -174,115 +183,10 @@ async def _timed_rounds(
     names = [name for name in steps if name != first]
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(rounds):
-        shift = r % len(names)
-        for name in ([first] if first else []) + names[shift:] + names[:shift]:
+        for name in ([first] if first else []) + rotated(names, r):
             await asyncio.to_thread(os.sync)
             times[name].append(await steps[name](r))
     return times
-
-
-def _spread(name: str, values: list[float], digits: int) -> dict[str, float]:
-    """``name``: the median of ``values``; ``name_min`` and ``name_max``: their range."""
-    return {
-        name: round(statistics.median(values), digits),
-        f"{name}_min": round(min(values), digits),
-        f"{name}_max": round(max(values), digits),
-    }
-
-
-def _bundle(ctl: HiCacheController, pages: int, tag: int) -> list[BundlePage]:
-    """A chain of ``pages`` pages on host pages 0 .. pages - 1, with hashes of round ``tag``."""
-    names = list(ctl.host_pools)
-    hashes = [(tag * 1_000_003 + i + 1).to_bytes(8, "little") * 4 for i in range(pages)]
-    return [
-        BundlePage(bytes(32), h, dict.fromkeys(names, i), i, hashes[i - 1] if i else bytes(32))
-        for i, h in enumerate(hashes)
-    ]
-
-
-def _leading_whole_pages(found: list[dict[str, bool]]) -> int:
-    """The prefetch plan of a single-pool model: pages up to the first with an object missing."""
-    for i, page in enumerate(found):
-        if not all(page.values()):
-            return i
-    return len(found)
-
-
-async def _roundtrip_controller(ctl: HiCacheController, pages: int, tag: int) -> float:
-    storage, names = ctl.storage, list(ctl.host_pools)
-    bundle = _bundle(ctl, pages, tag)
-    _clear_dest(ctl, pages)
-    start = time.perf_counter()
-    job = WriteJob(bundle, 1.0)
-    storage.submit_write(job)
-    while job.ok is None:
-        await storage.wait_for_activity(1.0)
-    if not all(job.ok):
-        raise RuntimeError("a controller L3 write failed during the benchmark")
-    candidates = [dataclasses.replace(p, host_pages=dict.fromkeys(names, -1)) for p in bundle]
-
-    def grant(n: int) -> list[BundlePage]:  # read back into the second half of the host pool
-        return [
-            dataclasses.replace(p, host_pages=dict.fromkeys(names, pages + i))
-            for i, p in enumerate(candidates[:n])
-        ]
-
-    op = PrefetchOp("bench", candidates, grant, time.monotonic(), _leading_whole_pages)
-    storage.start_prefetch(op)
-    while not op.reads_finished:
-        await storage.wait_for_activity(1.0)
-    seconds = time.perf_counter() - start
-    if op.completed_pages != pages:
-        raise RuntimeError(f"controller read back {op.completed_pages} of {pages} pages")
-    storage.write_acks.clear()
-    storage.finished_prefetches.clear()
-    _check_read_back(ctl, pages, "the controller")
-    assert storage.backend is not None
-    await _empty(storage.backend)
-    return seconds
-
-
-async def _roundtrip_raw(
-    backend: StorageBackend, ctl: HiCacheController, pages: int, tag: int
-) -> float:
-    host = ctl.anchor_host
-    keys = [f"raw-{tag}-{i:06d}" for i in range(pages)]
-    _clear_dest(ctl, pages)
-    start = time.perf_counter()
-    for lo in range(0, pages, _BATCH):
-        batch = range(lo, min(lo + _BATCH, pages))
-        values = [host.page_segments(i) for i in batch]
-        if not all(await backend.put([keys[i] for i in batch], values)):
-            raise RuntimeError("a raw put failed during the benchmark")
-    for lo in range(0, pages, _BATCH):
-        batch = range(lo, min(lo + _BATCH, pages))
-        got = await backend.get_into(
-            [keys[i] for i in batch], [host.page_segments(pages + i) for i in batch]
-        )
-        if min(got) < 0:
-            raise RuntimeError("a raw get missed during the benchmark")
-    seconds = time.perf_counter() - start
-    _check_read_back(ctl, pages, "the raw baseline")
-    await _empty(backend)
-    return seconds
-
-
-def _clear_dest(ctl: HiCacheController, pages: int) -> None:
-    """Zero the host pages read into (untimed), so a side cannot pass on the other's data."""
-    ctl.anchor_host.buffer[pages : 2 * pages].zero_()
-
-
-def _check_read_back(ctl: HiCacheController, pages: int, who: str) -> None:
-    buffer = ctl.anchor_host.buffer
-    if not torch.equal(buffer[:pages], buffer[pages : 2 * pages]):
-        raise RuntimeError(f"pages read back through {who} differ from those written")
-
-
-async def _empty(backend: StorageBackend) -> None:
-    """Delete every object of a side's own store (untimed): each round starts from empty."""
-    keys = [info.key async for info in backend.scan("")]
-    if keys and not all(await backend.delete(keys)):
-        raise RuntimeError("the benchmark could not delete its objects")
 
 
 class _Overhead:
@@ -307,15 +211,15 @@ class _Overhead:
 
     def report(self) -> dict[str, float]:
         return {
-            **_spread("overhead_us_per_page", self.figures["overhead"], 2),
-            **_spread("with_backend_us_per_page", self.figures["backend"], 2),
+            **spread("overhead_us_per_page", self.figures["overhead"], 2),
+            **spread("with_backend_us_per_page", self.figures["backend"], 2),
             "overhead_pages_moved": self.moved,
-            **_spread("round_trip_us_per_page", self.figures["trip"], 2),
+            **spread("round_trip_us_per_page", self.figures["trip"], 2),
         }
 
 
 async def _measure(
-    overhead: _Overhead, pages: int, rounds: int, scratch: str
+    overhead: _Overhead, pages: int, rounds: int, scratch: str, cpu: CpuLog
 ) -> tuple[dict[str, list[float]], int]:
     """Seconds of each step in each round, and the L3 page size. An overhead round opens every
     round, so a burst of load on the machine hits few of them, not a run of them."""
@@ -329,34 +233,18 @@ async def _measure(
             host.buffer.view(-1)[: pages * host.buffer[0].numel()].normal_()
             steps: dict[str, Step] = {
                 "overhead": overhead.step,
-                "controller": lambda r: _roundtrip_controller(ctl, pages, r),
-                "raw": lambda r: _roundtrip_raw(raw, ctl, pages, r),
+                "controller": lambda r: roundtrip_controller(ctl, pages, r, cpu),
+                "raw": lambda r: roundtrip_raw(raw, ctl, pages, r, cpu),
             }
             await overhead.warm()
             for name in ("controller", "raw"):  # warm: directories, page cache, codec
                 await steps[name](rounds)
+            cpu.seconds = {side: [] for side in cpu.seconds}  # the warm-up's are not figures
             return await _timed_rounds(steps, rounds, first="overhead"), host.spec.page_bytes
         finally:
             await raw.close()
     finally:
         await ctl.close()
-
-
-def _l3_report(times: dict[str, list[float]], pages: int, page_bytes: int) -> dict[str, float]:
-    moved = 2 * pages * page_bytes / 1e9
-    ctl_s, raw_s = times["controller"], times["raw"]
-    # Each side's median time, so a slow step on either side is one outlier of its own side,
-    # not an outlier ratio; the range is that of the rounds' own ratios.
-    ratios = [raw / ctl for ctl, raw in zip(ctl_s, raw_s, strict=True)]
-    return {
-        "page_bytes": page_bytes,
-        "pages": pages,
-        **_spread("l3_roundtrip_gbps", [moved / t for t in ctl_s], 3),
-        **_spread("raw_roundtrip_gbps", [moved / t for t in raw_s], 3),
-        "l3_roundtrip_ratio": round(statistics.median(raw_s) / statistics.median(ctl_s), 3),
-        "l3_roundtrip_ratio_min": round(min(ratios), 3),
-        "l3_roundtrip_ratio_max": round(max(ratios), 3),
-    }
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -375,14 +263,16 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     overhead = _Overhead(args.overhead_pages, args.sequences)
     scratch = tempfile.mkdtemp(prefix="hicache-bench-ctl-", dir=args.dir)
     try:
-        times, page_bytes = await _measure(overhead, args.pages, args.repeats, scratch)
+        cpu = CpuLog()
+        times, page_bytes = await _measure(overhead, args.pages, args.repeats, scratch, cpu)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {
         "rounds": args.repeats,
         **overhead.report(),
         "memcpy_us_per_page": round(_memcpy_us_per_page(2 * 2 * 8 * 4 * 2), 3),
-        **_l3_report(times, args.pages, page_bytes),
+        **l3_report(times, args.pages, page_bytes),
+        **cpu_report(cpu, args.pages),
     }
 
 

@@ -6,7 +6,9 @@ the baseline copies the source buffer's bytes into the target buffer's memory; f
 scatter on CUDA it is a pinned-memory copy (device to host, host to device) of one contiguous
 block, the copy engine's speed; on the CPU a copy between the pool and the host buffer.
 Gather and scatter move a random set of pages (page-aligned device slots, random host pages)
-of all layers, with one event per layer. Figures are best of N; CPU runs use ``--threads``
+of all layers, with one event per layer. The two sides alternate, round after round: each GB/s
+figure is the median of the rounds with its range, the ratio the median of the rounds' own
+ratios with its range (``ratio_min``, ``ratio_max``). CPU runs use ``--threads``
 threads (default 1: on a shared machine, a second thread is as often a stall as a gain).
 """
 
@@ -27,18 +29,27 @@ import torch
 from hicache.errors import InvalidArgumentError
 from hicache.layouts import (
     KV_LAYOUTS,
+    Axis,
     LayerTransfer,
     Layout,
     LayoutSpec,
     SpecPreset,
     TransferStream,
+    axis_order,
     buffer_shape,
     conversions,
     convert,
 )
+from hicache.tools.bench.rounds import paired_ratio, rotated, spread
 from hicache.tools.cli_parsing import check_memory, int_range, size_range
 
-__all__ = ["LayoutBenchConfig", "add_bench_layouts_parser", "main", "run_bench_layouts"]
+__all__ = [
+    "LayoutBenchConfig",
+    "add_bench_layouts_parser",
+    "main",
+    "run_bench_layouts",
+    "shared_run_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +68,7 @@ class LayoutBenchConfig:
     page_size: int = 32
     cpu_bytes: int = 64 << 20
     cuda_bytes: int = 1 << 30
-    repeats: int = 5  # best of N
+    repeats: int = 7  # rounds: each figure is their median
     devices: tuple[str, ...] = ()  # empty: the CPU, and CUDA when there is one
     threads: int = 1  # CPU threads for torch
 
@@ -83,35 +94,74 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _best_pair(
-    op: Callable[[], object], baseline: Callable[[], object], device: str, repeats: int
-) -> tuple[float, float]:
-    """Best seconds of ``op`` and of ``baseline``, run alternately after one warm-up each."""
-    best = [float("inf"), float("inf")]
-    for _ in range(repeats + 1):
-        for i, fn in enumerate((op, baseline)):
+def _paired_rounds(
+    steps: dict[str, Callable[[], object]], device: str, repeats: int
+) -> dict[str, list[float]]:
+    """Seconds of each step in each of ``repeats`` rounds, after one untimed warm-up each; the
+    steps take turns going first."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(-1, repeats):
+        for name in rotated(list(steps), max(r, 0)):
             _sync(device)
             start = time.perf_counter()
-            fn()
+            steps[name]()
             _sync(device)
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
+            if r >= 0:
+                times[name].append(time.perf_counter() - start)
+    return times
 
 
 def _row(
-    op: str, route: tuple[Layout, Layout], device: str, nbytes: int, seconds: tuple[float, float]
+    op: str, route: tuple[Layout, Layout], device: str, nbytes: int, times: dict[str, list[float]]
 ) -> dict[str, Any]:
-    gbps, base = nbytes / seconds[0] / 1e9, nbytes / seconds[1] / 1e9
-    return {
+    ours, base = times["op"], times["baseline"]
+    row = {
         "op": op,
         "from": route[0].label,
         "to": route[1].label,
         "device": device,
         "bytes": nbytes,
-        "gbps": round(gbps, 3),
-        "baseline_gbps": round(base, 3),
-        "ratio": round(gbps / base, 3),
+        "rounds": len(ours),
+        **spread("gbps", [nbytes / t / 1e9 for t in ours], 3),
+        **spread("baseline_gbps", [nbytes / t / 1e9 for t in base], 3),
+        **paired_ratio("ratio", ours, base),
     }
+    floor = times.get("floor")
+    if floor is not None:  # a transposing row: what a bare strided copy of its runs reaches
+        row.update(spread("floor_gbps", [nbytes / t / 1e9 for t in floor], 3))
+        row.update(paired_ratio("floor_ratio", ours, floor))
+        row.update(paired_ratio("floor_of_baseline", floor, base))
+    return row
+
+
+def shared_run_bytes(spec: LayoutSpec, a: Layout, b: Layout) -> int | None:
+    """Bytes that lie contiguous in both layouts (an item, or a page's tokens of one layer and
+    component); None when the two are the same layout (nothing to transpose)."""
+    if a is b:
+        return None
+    sizes = {
+        Axis.COMPONENT: spec.num_components,
+        Axis.LAYER: spec.layers,
+        Axis.TOKEN: spec.page_size,
+    }
+    run = spec.item_bytes
+    for x, y in zip(reversed(axis_order(a)), reversed(axis_order(b)), strict=True):
+        if x is not y or x is Axis.PAGE:
+            break
+        run *= sizes[x]
+    return run
+
+
+def _floor_copy(src: torch.Tensor, dst: torch.Tensor, run: int, hops: int) -> Callable[[], object]:
+    """A bare transposition of ``src`` into ``dst`` (flat, same size) in runs of ``run`` bytes,
+    ``hops`` runs apart: the strided copy a layout change is, with nothing else around it."""
+    word = 8 if run % 8 == 0 else 1
+    words = run // word
+    runs = src.numel() // run
+    hops = hops if runs % hops == 0 else 1
+    source = src.view(torch.int64 if word == 8 else torch.uint8).view(hops, runs // hops, words)
+    target = dst.view(torch.int64 if word == 8 else torch.uint8).view(runs // hops, hops, words)
+    return lambda: target.copy_(source.transpose(0, 1))
 
 
 def _random_bytes(nbytes: int, device: str, pin: bool = False) -> torch.Tensor:
@@ -136,13 +186,16 @@ def _bench_convert(spec: LayoutSpec, pages: int, device: str, repeats: int) -> l
         back = convert(dst, spec, route[1], route[0]).view(-1).view(torch.uint8)
         if not torch.equal(back, src_flat):
             raise RuntimeError(f"{route}: round trip mismatch")  # a wrong result is no figure
-        seconds = _best_pair(
-            functools.partial(convert, src, spec, route[0], route[1], out=dst),
-            lambda: dst_flat.copy_(src_flat),
-            device,
-            repeats,
-        )
-        rows.append(_row("convert", route, device, nbytes, seconds))
+        steps: dict[str, Callable[[], object]] = {
+            "op": functools.partial(convert, src, spec, route[0], route[1], out=dst),
+            "baseline": lambda: dst_flat.copy_(src_flat),
+        }
+        run = shared_run_bytes(spec, *route)
+        if run is not None and nbytes % run == 0:
+            hops = spec.num_components * spec.layers
+            steps["floor"] = _floor_copy(src_flat, dst_flat, run, hops)
+        times = _paired_rounds(steps, device, repeats)
+        rows.append(_row("convert", route, device, nbytes, times))
     return rows
 
 
@@ -167,16 +220,28 @@ def _bench_transfers(
     to_host = lambda: host_flat[:nbytes].copy_(pool_flat[:nbytes], non_blocking=True)  # noqa: E731
     to_pool = lambda: pool_flat[:nbytes].copy_(host_flat[:nbytes], non_blocking=True)  # noqa: E731
     rows = []
+    hops = spec.num_components * spec.layers
     for layout in KV_LAYOUTS:
         host = _as_layout(host_flat, spec, layout, 2 * pages)
+        # On the CPU, a transposing layout's floor: its runs copied bare, between the same
+        # buffers (a GPU's copies are the copy engine's, whose floor is the block copy).
+        run = shared_run_bytes(spec, Layout.LAYER_FIRST, layout) if device == "cpu" else None
+        floor = run if run is not None and nbytes % run == 0 else None
         args = (pool, slots, host, host_pages, spec, layout)
-        gather = functools.partial(_transfer, stream.gather, args)
-        seconds = _best_pair(gather, to_host, device, repeats)
-        rows.append(_row("gather", (Layout.LAYER_FIRST, layout), device, nbytes, seconds))
+        steps: dict[str, Callable[[], object]] = {
+            "op": functools.partial(_transfer, stream.gather, args),
+            "baseline": to_host,
+        }
+        if floor:
+            steps["floor"] = _floor_copy(pool_flat[:nbytes], host_flat[:nbytes], floor, hops)
+        times = _paired_rounds(steps, device, repeats)
+        rows.append(_row("gather", (Layout.LAYER_FIRST, layout), device, nbytes, times))
         args = (host, host_pages, pool, slots, spec, layout)
-        scatter = functools.partial(_transfer, stream.scatter, args)
-        seconds = _best_pair(scatter, to_pool, device, repeats)
-        rows.append(_row("scatter", (layout, Layout.LAYER_FIRST), device, nbytes, seconds))
+        steps = {"op": functools.partial(_transfer, stream.scatter, args), "baseline": to_pool}
+        if floor:
+            steps["floor"] = _floor_copy(host_flat[:nbytes], pool_flat[:nbytes], floor, hops)
+        times = _paired_rounds(steps, device, repeats)
+        rows.append(_row("scatter", (layout, Layout.LAYER_FIRST), device, nbytes, times))
     return rows
 
 
@@ -231,7 +296,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--cuda-bytes", type=size_range(1, _MAX_BYTES), default=1 << 30,
         help="bytes per operation on CUDA (e.g. 1G)",
     )  # fmt: skip
-    p.add_argument("--repeats", type=int_range(1, _MAX_REPEATS), default=5, help="best of N")
+    p.add_argument(
+        "--repeats", type=int_range(1, _MAX_REPEATS), default=7,
+        help="rounds; each figure is their median, with its range (default 7)",
+    )  # fmt: skip
     p.add_argument(
         "--device", action="append", choices=["cpu", "cuda"],
         help="repeatable (default: cpu, and cuda when available)",
