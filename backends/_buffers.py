@@ -3,6 +3,7 @@ nixl)."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,10 @@ __all__ = ["address_of", "copy_outside_gil", "flat_view"]
 
 def address_of(view: memoryview) -> int:
     """The address of a flat byte view's first byte (read-only views too)."""
+    if view.nbytes and not view.readonly:
+        # ctypes takes a writable buffer in a tenth of numpy's time (0.2 us against 2), and
+        # a put or get names one address per segment of every object of a batch.
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
