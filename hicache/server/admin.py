@@ -1,4 +1,5 @@
-"""Admin endpoints of the HTTP server, for operators (bind the server to a trusted address):
+"""Admin endpoints of the HTTP server, for operators: routed only with ``--admin-api-key``,
+whose key alone opens them (:mod:`~hicache.server.auth`).
 
 - ``POST /admin/pin`` ``{"prompt", "ttl_s"}``: keep the cached prefix of ``prompt`` on the
   device for ``ttl_s`` seconds (it is evicted after nothing else); answers the tokens pinned.

@@ -1,5 +1,5 @@
-"""An OpenAI-compatible HTTP endpoint over one engine: ``/v1/completions``, ``/health`` and
-``/metrics``, on aiohttp.
+"""An OpenAI-compatible HTTP endpoint over one engine: ``/v1/completions``, ``/v1/models``,
+``/health`` and ``/metrics``, on aiohttp.
 
 The server and the engine share one event loop: a handler checks the request
 (:mod:`~hicache.server.request_body`), asks the engine whether it can serve it at all (prompt
@@ -8,6 +8,9 @@ OnlineSource` the engine's loop reads. It answers when the engine is done with i
 each token as server-sent events. A refused request is a 400 and changes nothing; a request the
 engine fails (no device memory for it in time) is a 503. During shutdown new requests get a 503
 while those in flight finish.
+
+A request reads and fills the cache namespace of its tenant (the API key's, see
+:mod:`~hicache.server.auth`) and its ``cache_salt``.
 
 Every answer carries the generated token ids (``choices[0].token_ids``) besides the text, which
 is decoded with the model's tokenizer when it has one (empty otherwise).
@@ -23,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hicache.server.auth import Access, access_middleware, cache_namespace, current_tenant
 from hicache.server.metrics import ServingMetrics
 from hicache.server.request_body import ApiError, CompletionArgs, ServedModel, parse_completion
 from hicache.serving.engine import Engine
@@ -39,16 +43,25 @@ class CompletionsApi:
     """The routes of one server; :meth:`app` builds the aiohttp application."""
 
     def __init__(
-        self, engine: Engine, source: OnlineSource, model: ServedModel, metrics: ServingMetrics
+        self,
+        engine: Engine,
+        source: OnlineSource,
+        model: ServedModel,
+        metrics: ServingMetrics,
+        access: Access | None = None,
     ) -> None:
         self.engine = engine
         self.source = source
         self.model = model
         self.metrics = metrics
+        self.access = access or Access()
+        self.started = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        middlewares = [access_middleware(self.access)]
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         return app
@@ -60,6 +73,11 @@ class CompletionsApi:
                 "in_flight": self.source.in_flight}  # fmt: skip
         return web.json_response(body, status=status)
 
+    async def models(self, _: web.Request) -> web.Response:
+        model = {"id": self.model.name, "object": "model", "created": self.started,
+                 "owned_by": "hicache"}  # fmt: skip
+        return web.json_response({"object": "list", "data": [model]})
+
     async def metrics_text(self, _: web.Request) -> web.Response:
         self.metrics.in_flight.set(self.source.in_flight)
         text, content_type = self.metrics.render()
@@ -70,7 +88,8 @@ class CompletionsApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             args = parse_completion(await self._json(request), self.model)
-            admission = self._submit(args)
+            namespace = cache_namespace(current_tenant(), args.cache_salt, self.access.share_cache)
+            admission = self._submit(args, namespace)
         except ApiError as exc:
             self.metrics.refused()
             return web.json_response(exc.body(), status=exc.status)
@@ -93,13 +112,15 @@ class CompletionsApi:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ApiError(f"the request body is not JSON: {exc}") from None
 
-    def _submit(self, args: CompletionArgs) -> Admission:
+    def _submit(self, args: CompletionArgs, namespace: str | None) -> Admission:
         probe = ServeRequest("probe", args.prompt, args.max_tokens)
         refusal = self.engine.refusal(probe)
         if refusal is not None:
             raise ApiError(refusal, "prompt")
         try:
-            return self.source.submit(args.prompt, args.max_tokens, args.temperature, args.priority)
+            return self.source.submit(
+                args.prompt, args.max_tokens, args.temperature, args.priority, namespace
+            )
         except SourceClosedError as exc:
             raise ApiError(str(exc), None, status=503) from None
 

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from hicache.server.admin import AdminApi
 from hicache.server.api import CompletionsApi
+from hicache.server.auth import Access
 from hicache.server.metrics import ServingMetrics
 from hicache.server.request_body import ServedModel
 from hicache.serving.online import OnlineSource
@@ -40,13 +41,16 @@ class Listen:
 class HttpServer:
     """One engine behind the OpenAI-compatible API; :meth:`serve` runs until :meth:`stop`."""
 
-    def __init__(self, setup: ServingSetup, model: ServedModel, listen: Listen) -> None:
+    def __init__(
+        self, setup: ServingSetup, model: ServedModel, listen: Listen, access: Access | None = None
+    ) -> None:
         self.setup = setup
         self.listen = listen
+        self.access = access or Access()
         self.source = OnlineSource(setup.engine.now)
         cache_metrics = setup.cache.metrics if setup.cache is not None else None
         self.metrics = ServingMetrics(cache_metrics)
-        self.api = CompletionsApi(setup.engine, self.source, model, self.metrics)
+        self.api = CompletionsApi(setup.engine, self.source, model, self.metrics, self.access)
         self.admin = AdminApi(setup.engine, model, listen.drain_s)
         self._stop = asyncio.Event()
         self.url: str | None = None  # once listening
@@ -58,7 +62,8 @@ class HttpServer:
     async def serve(self, ready: Callable[[str], None] | None = None) -> None:
         """Listen, serve until :meth:`stop`, drain; ``ready`` gets the URL once listening."""
         app = self.api.app()
-        self.admin.add_routes(app)
+        if self.access.admin_key is not None:  # the admin plane is off without its key
+            self.admin.add_routes(app)
         runner = web.AppRunner(app, handle_signals=False)
         await runner.setup()
         engine = asyncio.create_task(self.setup.engine.run(self.source, wake=self.source.wake))

@@ -17,8 +17,10 @@ from hicache.errors import InvalidArgumentError
 __all__ = ["ApiError", "CompletionArgs", "ServedModel", "parse_completion", "prompt_ids"]
 
 _FIELDS = frozenset(
-    {"model", "prompt", "max_tokens", "temperature", "stream", "n", "user", "priority"}
-)
+    {"model", "prompt", "max_tokens", "temperature", "stream", "n", "user", "priority",
+     "cache_salt"}
+)  # fmt: skip
+MAX_SALT_CHARS = 256
 MAX_PRIORITY = 1 << 20  # priorities are compared, never summed: any range would do
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's; 0 is greedy
@@ -56,6 +58,7 @@ class CompletionArgs:
     temperature: float
     stream: bool
     priority: int = 0  # higher: admitted first; its pages evicted last (--eviction priority)
+    cache_salt: str | None = None  # requests share cached pages only with the same salt
 
 
 def parse_completion(body: Any, model: ServedModel) -> CompletionArgs:
@@ -79,6 +82,7 @@ def parse_completion(body: Any, model: ServedModel) -> CompletionArgs:
         temperature=_temperature(body.get("temperature", DEFAULT_TEMPERATURE)),
         stream=_flag(body.get("stream", False), "stream"),
         priority=_priority(body.get("priority", 0)),
+        cache_salt=_salt(body.get("cache_salt")),
     )
 
 
@@ -124,6 +128,16 @@ def _priority(value: Any) -> int:
             "priority",
         )
     return int(value)
+
+
+def _salt(value: Any) -> str | None:
+    if value is None:
+        return None
+    ok = isinstance(value, str) and 1 <= len(value) <= MAX_SALT_CHARS and value.isprintable()
+    if not ok:
+        raise ApiError(f"cache_salt must be 1 to {MAX_SALT_CHARS} printable characters",
+                       "cache_salt")  # fmt: skip
+    return str(value)
 
 
 def prompt_ids(prompt: Any, model: ServedModel) -> list[int]:

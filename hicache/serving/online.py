@@ -50,12 +50,15 @@ class OnlineSource:
         max_new_tokens: int,
         temperature: float | None = None,
         priority: int = 0,
+        namespace: str | None = None,
     ) -> Admission:
-        """Queue a request; raises :class:`SourceClosedError` once :meth:`close` was called."""
+        """Queue a request; raises :class:`SourceClosedError` once :meth:`close` was called.
+        ``namespace``: the cache namespace it reads and fills (None: the shared one)."""
         if self.closed:
             raise SourceClosedError("the server is shutting down and takes no new requests")
         rid = f"http-{next(self._ids)}"
         request = ServeRequest(rid, prompt, max_new_tokens, arrival_s=self._clock())
+        request.namespace = namespace
         request.temperature = temperature
         request.priority = priority
         admission = Admission(request, asyncio.get_running_loop().create_future())

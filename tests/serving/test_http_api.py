@@ -22,6 +22,7 @@ from serving_helpers import ENGINE, PAGE, VOCAB, hicache_config, serve, tiny_mod
 from hicache.models.config import ModelPreset
 from hicache.radix.eviction import EvictionPolicy
 from hicache.server.app import HttpServer, Listen
+from hicache.server.auth import Access
 from hicache.server.request_body import ServedModel
 from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.setup import open_engine
@@ -29,6 +30,7 @@ from hicache.serving.setup import open_engine
 DENSE = ModelPreset.DENSE
 GREEDY = {"temperature": 0}
 PROMPTS = [[7 + i] * 24 + list(range(10, 10 + 4 * i)) for i in range(4)]
+ADMIN_KEY = "admin-key-for-tests"
 
 
 async def start(
@@ -37,12 +39,14 @@ async def start(
     mode: CacheMode | None = None,
     engine: EngineConfig = ENGINE,
     tokenizer: Any = None,
+    access: Access | None = None,
 ) -> HttpServer:
     if mode is None:
         mode = CacheMode.DEVICE_HOST if l3 is None else CacheMode.DEVICE_HOST_L3
     setup = await open_engine(tiny_model(DENSE), mode, hicache_config(l3), device_tokens, engine)
     model = ServedModel("tiny", VOCAB, tokenizer)
-    server = HttpServer(setup, model, Listen("127.0.0.1", 0, drain_s=10.0))
+    access = access or Access(admin_key=ADMIN_KEY)  # no tenant keys: /v1 is open
+    server = HttpServer(setup, model, Listen("127.0.0.1", 0, drain_s=10.0), access)
     task = asyncio.create_task(server.serve())
     for _ in range(500):
         if server.url is not None or task.done():
@@ -67,8 +71,9 @@ async def server(tmp_path: pathlib.Path) -> AsyncIterator[HttpServer]:
         await stop(running)
 
 
-def client(server: HttpServer) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=server.url or "", timeout=30.0)
+def client(server: HttpServer, key: str = ADMIN_KEY) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.AsyncClient(base_url=server.url or "", timeout=30.0, headers=headers)
 
 
 async def test_completions_equal_the_engines_own_run(server: HttpServer) -> None:

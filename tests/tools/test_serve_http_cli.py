@@ -80,6 +80,10 @@ def test_fingerprints_tell_configs_apart() -> None:
         (["--http", "nonsense"], "HOST:PORT"),
         (["--http", "127.0.0.1:99999"], "HOST:PORT"),
         (["--http", "127.0.0.1:0", "--compare"], "--compare"),
+        # A server others can reach answers anyone without a key: refused unless meant.
+        (["--http", "0.0.0.0:0"], "no API key is set"),
+        (["--http", "127.0.0.1:0", "--api-key", "short"], "at least 8"),
+        (["--http", "127.0.0.1:0", "--api-key", "k" * 12, "--workers", "2"], "--workers"),
     ],
 )
 def test_bad_http_flags_are_usage_errors(extra: list[str], words: str) -> None:

@@ -1,0 +1,141 @@
+"""API keys, tenants and the admin plane, through a real HTTP client against a live server.
+
+With keys configured every ``/v1`` request needs one (401 in OpenAI's error shape otherwise,
+never echoing the key), ``/health`` stays open, ``/metrics`` needs a key unless public. The
+tenant is the key's: two tenants, or two ``cache_salt`` values, share no cached page on any
+tier, L3 across a restart included, unless ``--share-cache``. The admin routes exist only with
+the admin key, and a tenant key on them is a 403.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import httpx
+from serving_helpers import VOCAB
+from test_http_api import GREEDY, start, stop
+
+from hicache.server.app import HttpServer
+from hicache.server.auth import Access, KeyRing
+
+ALICE, BOB, ADMIN = "alice-key-0001", "bob-key-00002", "admin-key-0003"
+KEYS = KeyRing({ALICE: "alice", BOB: "bob"})
+PROMPT = [(7 * i + 3) % VOCAB for i in range(64)]
+HERS = [(11 * i + 5) % VOCAB for i in range(64)]  # a prompt only alice sends
+
+
+def http(server: HttpServer, key: str | None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.AsyncClient(base_url=server.url or "", timeout=30.0, headers=headers)
+
+
+async def cached(server: HttpServer, key: str, prompt: list[int], **extra: Any) -> int:
+    """Serve ``prompt`` as ``key``'s tenant; its ``cached_tokens``."""
+    async with http(server, key) as client:
+        body = {"prompt": prompt, "max_tokens": 1, **GREEDY, **extra}
+        answer = await client.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    tokens: int = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return tokens
+
+
+async def test_requests_without_a_valid_key_get_a_401_that_does_not_echo_it() -> None:
+    server = await start(None, access=Access(KEYS))
+    try:
+        for key in (None, "wrong-key-123456", ALICE[:-1]):
+            async with http(server, key) as client:
+                for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+                    answer = await client.request(method, path, json={"prompt": [1, 2]})
+                    assert answer.status_code == 401, (key, path)
+                    error = answer.json()["error"]
+                    assert set(error) == {"message", "type", "param", "code"}
+                    assert error["code"] == "invalid_api_key"
+                    assert key is None or key not in answer.text
+                assert (await client.get("/health")).status_code == 200  # always open
+                assert (await client.get("/metrics")).status_code == 401
+        async with http(server, BOB) as client:
+            models = (await client.get("/v1/models")).json()
+            assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+            assert models["data"][0]["owned_by"] and models["data"][0]["created"] > 0
+            assert (await client.get("/metrics")).status_code == 200
+        assert await cached(server, ALICE, PROMPT[:20]) == 0
+    finally:
+        await stop(server)
+
+
+async def test_metrics_can_be_public() -> None:
+    server = await start(None, access=Access(KEYS, metrics_public=True))
+    try:
+        async with http(server, None) as client:
+            assert (await client.get("/metrics")).status_code == 200
+            assert (await client.post("/v1/completions", json={})).status_code == 401
+    finally:
+        await stop(server)
+
+
+async def test_tenants_and_salts_share_no_cached_page(tmp_path: pathlib.Path) -> None:
+    server = await start(tmp_path / "l3", access=Access(KEYS))
+    try:
+        assert await cached(server, ALICE, PROMPT) == 0
+        assert await cached(server, ALICE, PROMPT) > 0  # the same tenant hits its own prefix
+        assert await cached(server, BOB, PROMPT) == 0  # another tenant's prefix is a miss
+        assert await cached(server, ALICE, PROMPT, cache_salt="s1") == 0  # so is another salt
+        assert await cached(server, ALICE, PROMPT, cache_salt="s1") > 0
+        assert await cached(server, ALICE, HERS) == 0
+        assert await cached(server, ALICE, PROMPT[::-1]) == 0
+        # The user field names nobody's cache: bob stays bob.
+        assert await cached(server, BOB, PROMPT[::-1], user="alice") == 0
+        await server.setup.cache.quiesce(10)  # type: ignore[union-attr]
+    finally:
+        await stop(server)
+    # A new server over the same L3: alice's pages are hers only.
+    again = await start(tmp_path / "l3", access=Access(KEYS))
+    try:
+        assert await cached(again, ALICE, HERS) > 0
+        assert again.setup.engine.records[-1].hit_l3 > 0
+        assert await cached(again, BOB, HERS[:40] + [3] * 24) == 0
+    finally:
+        await stop(again)
+
+
+async def test_share_cache_lets_tenants_hit_each_others_prefixes() -> None:
+    server = await start(None, access=Access(KEYS, share_cache=True))
+    try:
+        assert await cached(server, ALICE, PROMPT) == 0
+        assert await cached(server, BOB, PROMPT) > 0
+        assert await cached(server, BOB, PROMPT, cache_salt="own") == 0  # the salt still counts
+    finally:
+        await stop(server)
+
+
+async def test_a_bad_cache_salt_is_a_400() -> None:
+    server = await start(None, access=Access(KEYS))
+    try:
+        async with http(server, ALICE) as client:
+            for salt in ("", "x" * 257, "tab\there", 7, ["a"]):
+                body = {"prompt": PROMPT[:8], "cache_salt": salt}
+                answer = await client.post("/v1/completions", json=body)
+                assert answer.status_code == 400 and answer.json()["error"]["param"] == "cache_salt"
+    finally:
+        await stop(server)
+
+
+async def test_admin_routes_need_the_admin_key() -> None:
+    closed = await start(None, access=Access(KEYS))  # no admin key: no admin plane
+    try:
+        for key in (ALICE, None):
+            async with http(closed, key) as client:
+                assert (await client.post("/admin/flush", json={})).status_code == 404
+    finally:
+        await stop(closed)
+    server = await start(None, access=Access(KEYS, admin_key=ADMIN))
+    try:
+        for key, status in ((ALICE, 403), (None, 401), ("not-the-admin-key", 401), (ADMIN, 200)):
+            async with http(server, key) as client:
+                answer = await client.post("/admin/flush", json={})
+            assert answer.status_code == status, (key, answer.text)
+            if status != 200:
+                assert answer.json()["error"]["code"] in ("forbidden", "invalid_api_key")
+    finally:
+        await stop(server)
