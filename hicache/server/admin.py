@@ -6,14 +6,17 @@ whose key alone opens them (:mod:`~hicache.server.auth`).
 - ``POST /admin/flush``: drop every cached prefix no running request holds, from the device and
   from host memory (L3 keeps its pages); answers the tokens dropped.
 - ``POST /admin/l3/detach``: stop using L3 (its queued writes land first, within the server's
-  drain time); ``POST /admin/l3/attach`` ``{"url"}``: start using the L3 at ``url``. A bad URL
-  or an unreachable store is a 400 and changes nothing.
+  drain time); ``POST /admin/l3/attach`` ``{"url"}``: start using the L3 at ``url``, which must
+  lie under an ``--l3-allow`` prefix (:func:`~hicache.urls.allowed_by`; else a 403 naming the
+  prefixes). A bad URL or an unreachable store is a 400 and changes nothing. Answers and errors
+  show the URL with its credentials redacted.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -22,19 +25,24 @@ from hicache.errors import BackendError, ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.server.request_body import ApiError, ServedModel, prompt_ids
 from hicache.serving.engine import Engine
+from hicache.urls import allowed_by, redact_url, scrub
 
 __all__ = ["AdminApi"]
 
 _MAX_TTL_S = 7 * 86400.0
+_MAX_URL_CHARS = 4096
 
 
 class AdminApi:
     """The ``/admin`` routes over one engine's cache."""
 
-    def __init__(self, engine: Engine, model: ServedModel, drain_s: float) -> None:
+    def __init__(
+        self, engine: Engine, model: ServedModel, drain_s: float, l3_allow: Sequence[str] = ()
+    ) -> None:
         self.engine = engine
         self.model = model
         self.drain_s = drain_s
+        self.l3_allow = tuple(l3_allow)  # the prefixes an attached L3's URL must lie under
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/admin/pin", self.pin)
@@ -79,13 +87,18 @@ class AdminApi:
         url = body.get("url")
         if cache is None:
             raise ApiError("L3 needs the host tier, and this server runs without one")
-        if not isinstance(url, str) or not url:
-            raise ApiError("url must be a backend URL", "url")
+        if not isinstance(url, str) or not url or len(url) > _MAX_URL_CHARS:
+            raise ApiError(f"url must be a backend URL of at most {_MAX_URL_CHARS} characters",
+                           "url")  # fmt: skip
+        if allowed_by(url, self.l3_allow) is None:
+            rules = ", ".join(redact_url(p) for p in self.l3_allow) or "none given"
+            raise ApiError(f"L3 {redact_url(url)} is under no --l3-allow prefix ({rules})",
+                           "url", status=403)  # fmt: skip
         try:
             await cache.controller.attach_l3(url)
         except (BackendError, ConfigError, InvalidArgumentError, OSError) as exc:
-            raise ApiError(f"L3 {url!r} not attached: {exc}", "url") from None
-        return {"l3": url}
+            raise ApiError(scrub(f"L3 {url} not attached: {exc}", url), "url") from None
+        return {"l3": redact_url(url)}
 
     async def _detach(self, body: dict[str, Any]) -> dict[str, Any]:
         cache = self.engine.hiradix

@@ -51,7 +51,7 @@ class HttpServer:
         cache_metrics = setup.cache.metrics if setup.cache is not None else None
         self.metrics = ServingMetrics(cache_metrics)
         self.api = CompletionsApi(setup.engine, self.source, model, self.metrics, self.access)
-        self.admin = AdminApi(setup.engine, model, listen.drain_s)
+        self.admin = AdminApi(setup.engine, model, listen.drain_s, self.access.l3_allow)
         self._stop = asyncio.Event()
         self.url: str | None = None  # once listening
 

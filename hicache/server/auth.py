@@ -142,6 +142,7 @@ class Access:
     admin_key: str | None = None
     share_cache: bool = False
     metrics_public: bool = False
+    l3_allow: tuple[str, ...] = ()  # URL prefixes /admin/l3/attach accepts
 
 
 def cache_namespace(tenant: str | None, salt: str | None, share_cache: bool) -> str | None:

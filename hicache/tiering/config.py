@@ -259,13 +259,14 @@ def _check_names(storage: StorageConfig) -> None:
 def check_storage_url(url: str) -> None:
     """Refuse an L3 URL no installed backend serves, listing what is available."""
     from hicache.backends.registry import default_registry
+    from hicache.urls import redact_url, scrub
 
     if "\x00" in url or "%00" in url:
-        raise ConfigError(f"storage url {url!r} holds a NUL byte")
+        raise ConfigError(f"storage url {redact_url(url)!r} holds a NUL byte")
     try:
         default_registry.resolve_url(url)
     except (BackendError, ValueError) as exc:
-        raise ConfigError(f"storage url {url!r}: {exc}") from None
+        raise ConfigError(scrub(f"storage url {url!r}: {exc}", url)) from None
 
 
 def config_tables(config: HiCacheConfig) -> dict[str, dict[str, Any]]:

@@ -36,6 +36,7 @@ from hicache.tiering.bundler import PageBundler
 from hicache.tiering.config import HiCacheConfig, check_config
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.storage_tier import StorageTier
+from hicache.urls import redact_url, scrub
 
 __all__ = ["GroupTransfer", "HiCacheController", "discard_namespaces"]
 
@@ -154,16 +155,18 @@ class HiCacheController:
         try:
             return await self._open_url(url)
         except (BackendError, ConfigError, OSError) as exc:
+            # The URL and the error are shown with the URL's credentials redacted.
+            shown, why = redact_url(url), scrub(str(exc), url)
             if self.config.storage.required:
                 raise BackendError(
-                    f"L3 {url!r} is required (storage.required) but could not be opened: {exc}"
-                ) from exc
+                    f"L3 {shown!r} is required (storage.required) but could not be opened: {why}"
+                ) from None
             self.metrics.add("l3_unavailable")
             logger.error(
                 "L3 %r could not be opened (%s); RUNNING WITH L3 OFF. Set storage.required "
                 "to refuse to start instead.",
-                url,
-                exc,
+                shown,
+                why,
             )
             return None
 

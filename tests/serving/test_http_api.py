@@ -224,7 +224,8 @@ async def test_pin_keeps_a_prefix_through_a_flush() -> None:
 
 
 async def test_l3_detach_and_attach_at_run_time(tmp_path: pathlib.Path) -> None:
-    server = await start(tmp_path / "l3")
+    access = Access(admin_key=ADMIN_KEY, l3_allow=(f"file://{tmp_path}/",))
+    server = await start(tmp_path / "l3", access=access)
     try:
         async with client(server) as http:
             detached = await post(http, "/admin/l3/detach", {})
@@ -233,7 +234,9 @@ async def test_l3_detach_and_attach_at_run_time(tmp_path: pathlib.Path) -> None:
             assert cache is not None and not cache.storage.enabled
             await post(http, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 1})
             assert not any(n.in_storage for n in cache.all_nodes())  # nothing written
-            bad = await post(http, "/admin/l3/attach", {"url": "nosuch://x"})
+            outside = await post(http, "/admin/l3/attach", {"url": "file:///tmp/elsewhere"})
+            assert outside.status_code == 403 and "--l3-allow" in outside.text
+            bad = await post(http, "/admin/l3/attach", {"url": f"file://{tmp_path}/x?nosuch=1"})
             assert bad.status_code == 400 and not cache.storage.enabled
             other = tmp_path / "other"
             attached = await post(http, "/admin/l3/attach", {"url": f"file://{other}"})

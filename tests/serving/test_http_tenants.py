@@ -137,5 +137,11 @@ async def test_admin_routes_need_the_admin_key() -> None:
             assert answer.status_code == status, (key, answer.text)
             if status != 200:
                 assert answer.json()["error"]["code"] in ("forbidden", "invalid_api_key")
+        # No --l3-allow prefix: every attach is refused, and the refusal keeps the secrets.
+        async with http(server, ADMIN) as client:
+            url = "s3://AKIDEXAMPLE:sEcReT-42@bucket/kv?endpoint_url=http://127.0.0.1:9&secret=zq9"
+            answer = await client.post("/admin/l3/attach", json={"url": url})
+        assert answer.status_code == 403 and "--l3-allow" in answer.text
+        assert not any(s in answer.text for s in ("AKIDEXAMPLE", "sEcReT-42", "zq9"))
     finally:
         await stop(server)

@@ -36,6 +36,11 @@ def add_access_flags(p: argparse.ArgumentParser) -> None:
         help="turn the /admin routes on, for this key only (off without it)",
     )  # fmt: skip
     g.add_argument(
+        "--l3-allow", action="append", default=[], metavar="PREFIX",
+        help="a URL prefix /admin/l3/attach accepts (repeatable; e.g. file:///var/cache/); "
+        "without one, every attach is refused",
+    )  # fmt: skip
+    g.add_argument(
         "--share-cache", action="store_true",
         help="tenants share cached prefixes (by default each tenant has a cache of its own)",
     )  # fmt: skip
@@ -63,7 +68,8 @@ def access_of(args: argparse.Namespace) -> Access:
         )
     if args.workers > 1 and (keys.configured or args.admin_api_key):
         raise InvalidArgumentError("API keys are enforced by a single server: drop --workers")
-    return Access(keys, args.admin_api_key, args.share_cache, args.metrics_public)
+    allow = tuple(args.l3_allow)
+    return Access(keys, args.admin_api_key, args.share_cache, args.metrics_public, allow)
 
 
 def _check_key(key: str) -> None:

@@ -57,6 +57,7 @@ from hicache.tools.serve.config import (
     write_outputs,
 )
 from hicache.tools.serve.online import add_online_flags, run_online
+from hicache.urls import redact_url
 from hicache.workloads.arrivals import TraceReplay
 from hicache.workloads.pool_report import pool_bytes
 from hicache.workloads.report import config_row, oracle_hit_rate, print_table
@@ -323,7 +324,7 @@ async def _serve(args: argparse.Namespace) -> tuple[dict[str, Any], list[_Config
         "model": dataclasses.asdict(model_config) | {"preset": model_config.preset.value,
                                                      "kv_dtype": model_config.kv_dtype.label}
         | (plan.describe() if plan else {}),
-        "l3": hicache.storage.url,
+        "l3": None if hicache.storage.url is None else redact_url(hicache.storage.url),
         "l3_warm": bool(args.l3_warm),
         "configs": [run.row for run in runs],
         "oracle_hit_rate": oracle_hit_rate(

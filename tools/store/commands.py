@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.backends.base import StorageBackend
 from hicache.backends.file.maintenance import TEMP_GRACE_S
-from hicache.errors import BackendUnavailableError
+from hicache.errors import BackendUnavailableError, ConfigError, HiCacheError
 from hicache.keys import validate_key_prefix
 from hicache.tools.cli_parsing import (
     CommandFailed,
@@ -28,6 +28,7 @@ from hicache.tools.cli_parsing import (
     size_range,
     url_arg,
 )
+from hicache.urls import scrub
 
 if TYPE_CHECKING:
     from hicache.tools.progress import Progress
@@ -47,13 +48,16 @@ def _on_store(
     """
     from hicache.tools.store.scan import open_store, store_config
 
-    store_config(url, read_only=not writes)  # raises the usage errors, before any open
+    try:
+        store_config(url, read_only=not writes)  # raises the usage errors, before any open
+    except HiCacheError as exc:
+        raise ConfigError(scrub(str(exc), url)) from None  # no credential of the URL shown
 
     async def run() -> int:
         try:
             backend = await open_store(url, read_only=not writes)
         except BackendUnavailableError as exc:
-            raise CommandFailed(str(exc)) from exc
+            raise CommandFailed(scrub(str(exc), url)) from None
         try:
             return await work(backend)
         finally:
