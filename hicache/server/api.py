@@ -21,12 +21,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from typing import Any
 
 from aiohttp import web
 
-from hicache.server.auth import Access, access_middleware, cache_namespace, current_tenant
+from hicache.server.auth import (
+    Access,
+    access_middleware,
+    cache_namespace,
+    current_tenant,
+    key_id,
+    key_of,
+)
+from hicache.server.limits import CallerLimiter, Limits
 from hicache.server.metrics import ServingMetrics
 from hicache.server.request_body import ApiError, CompletionArgs, ServedModel, parse_completion
 from hicache.serving.engine import Engine
@@ -35,7 +44,6 @@ from hicache.serving.request import ServeRequest
 
 __all__ = ["CompletionsApi"]
 
-_MAX_BODY_BYTES = 64 << 20  # a prompt of a few million token ids
 _HANG_UP_POLL_S = 0.05
 
 
@@ -49,17 +57,21 @@ class CompletionsApi:
         model: ServedModel,
         metrics: ServingMetrics,
         access: Access | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.engine = engine
         self.source = source
         self.model = model
         self.metrics = metrics
         self.access = access or Access()
+        self.limits = limits or Limits()
+        self.limiter = CallerLimiter(self.limits)
         self.started = int(time.time())
 
     def app(self) -> web.Application:
         middlewares = [access_middleware(self.access)]
-        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=middlewares)
+        size = self.limits.max_body_bytes
+        app = web.Application(client_max_size=size, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -86,13 +98,28 @@ class CompletionsApi:
         return response
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        caller = _caller(request)
+        try:
+            self._check_room(caller)
+        except ApiError as exc:
+            self.metrics.refused()
+            return _refusal(exc)
+        try:
+            return await self._complete(request)
+        finally:
+            self.limiter.release(caller)
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
         try:
             args = parse_completion(await self._json(request), self.model)
+            if args.max_tokens > self.limits.max_tokens:
+                raise ApiError(f"max_tokens is at most {self.limits.max_tokens} here",
+                               "max_tokens")  # fmt: skip
             namespace = cache_namespace(current_tenant(), args.cache_salt, self.access.share_cache)
             admission = self._submit(args, namespace)
         except ApiError as exc:
             self.metrics.refused()
-            return web.json_response(exc.body(), status=exc.status)
+            return _refusal(exc)
         if args.stream:
             return await self._stream(request, admission)
         if not await _answered_before_hang_up(request, admission):
@@ -105,10 +132,23 @@ class CompletionsApi:
         return web.json_response(self._completion(served, self._text(served.generated)))
 
     # ----- helpers --------------------------------------------------------------------------
+    def _check_room(self, caller: str) -> None:
+        """Refuse a request the queue or its caller's limits have no room for (nothing is
+        taken then); else take its caller's slot."""
+        if self.source.in_flight >= self.limits.max_queue:
+            raise ApiError("the server is at its queue limit: retry shortly", None, 503,
+                           "server_busy", retry_after_s=1.0)  # fmt: skip
+        wait = self.limiter.admit(caller)
+        if wait is not None:
+            raise ApiError("too many requests for this key: retry shortly", None, 429,
+                           "rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
+
     @staticmethod
     async def _json(request: web.Request) -> Any:
         try:
             return json.loads(await request.read())
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise ApiError(f"the request body is too large: {exc.text}", None, 413) from None
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ApiError(f"the request body is not JSON: {exc}") from None
 
@@ -198,6 +238,19 @@ def _usage(request: ServeRequest) -> dict[str, Any]:
         "total_tokens": prompt + out,
         "prompt_tokens_details": {"cached_tokens": sum(tiers.values()), **tiers},
     }
+
+
+def _caller(request: web.Request) -> str:
+    """Whose limits a request counts against: its key's, else its client address's."""
+    key = key_of(request)
+    return f"key:{key_id(key)}" if key is not None else f"addr:{request.remote}"
+
+
+def _refusal(exc: ApiError) -> web.Response:
+    response = web.json_response(exc.body(), status=exc.status)
+    if exc.retry_after_s is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return response
 
 
 def _event(payload: dict[str, Any]) -> bytes:

@@ -19,6 +19,7 @@ from aiohttp import web
 from hicache.server.admin import AdminApi
 from hicache.server.api import CompletionsApi
 from hicache.server.auth import Access
+from hicache.server.limits import Limits
 from hicache.server.metrics import ServingMetrics
 from hicache.server.request_body import ServedModel
 from hicache.serving.online import OnlineSource
@@ -42,7 +43,12 @@ class HttpServer:
     """One engine behind the OpenAI-compatible API; :meth:`serve` runs until :meth:`stop`."""
 
     def __init__(
-        self, setup: ServingSetup, model: ServedModel, listen: Listen, access: Access | None = None
+        self,
+        setup: ServingSetup,
+        model: ServedModel,
+        listen: Listen,
+        access: Access | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.setup = setup
         self.listen = listen
@@ -50,7 +56,9 @@ class HttpServer:
         self.source = OnlineSource(setup.engine.now)
         cache_metrics = setup.cache.metrics if setup.cache is not None else None
         self.metrics = ServingMetrics(cache_metrics)
-        self.api = CompletionsApi(setup.engine, self.source, model, self.metrics, self.access)
+        self.api = CompletionsApi(
+            setup.engine, self.source, model, self.metrics, self.access, limits
+        )
         self.admin = AdminApi(setup.engine, model, listen.drain_s, self.access.l3_allow)
         self._stop = asyncio.Event()
         self.url: str | None = None  # once listening

@@ -38,6 +38,7 @@ __all__ = [
     "cache_namespace",
     "current_tenant",
     "key_id",
+    "key_of",
     "parse_key_file",
 ]
 
@@ -158,6 +159,11 @@ def cache_namespace(tenant: str | None, salt: str | None, share_cache: bool) -> 
 def _error(status: int, message: str, kind: str, code: str) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return web.json_response(body, status=status)
+
+
+def key_of(request: web.Request) -> str | None:
+    """The key a request presents (``Authorization: Bearer KEY``), if any."""
+    return _bearer(request)
 
 
 def _bearer(request: web.Request) -> str | None:

@@ -30,14 +30,26 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range
 class ApiError(InvalidArgumentError):
     """A request the server refuses: its HTTP status, and the field at fault when one is."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.param = param
         self.status = status
+        self.code = code
+        self.retry_after_s = retry_after_s  # a 429 or 503: when a retry may succeed
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+        if self.status == 429:
+            kind = "rate_limit_error"
+        error = {"message": str(self), "type": kind, "param": self.param, "code": self.code}
+        return {"error": error}
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from hicache.models.config import ModelPreset
 from hicache.radix.eviction import EvictionPolicy
 from hicache.server.app import HttpServer, Listen
 from hicache.server.auth import Access
+from hicache.server.limits import Limits
 from hicache.server.request_body import ServedModel
 from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.setup import open_engine
@@ -40,13 +41,14 @@ async def start(
     engine: EngineConfig = ENGINE,
     tokenizer: Any = None,
     access: Access | None = None,
+    limits: Limits | None = None,
 ) -> HttpServer:
     if mode is None:
         mode = CacheMode.DEVICE_HOST if l3 is None else CacheMode.DEVICE_HOST_L3
     setup = await open_engine(tiny_model(DENSE), mode, hicache_config(l3), device_tokens, engine)
     model = ServedModel("tiny", VOCAB, tokenizer)
     access = access or Access(admin_key=ADMIN_KEY)  # no tenant keys: /v1 is open
-    server = HttpServer(setup, model, Listen("127.0.0.1", 0, drain_s=10.0), access)
+    server = HttpServer(setup, model, Listen("127.0.0.1", 0, drain_s=10.0), access, limits)
     task = asyncio.create_task(server.serve())
     for _ in range(500):
         if server.url is not None or task.done():

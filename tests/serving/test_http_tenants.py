@@ -18,6 +18,7 @@ from test_http_api import GREEDY, start, stop
 
 from hicache.server.app import HttpServer
 from hicache.server.auth import Access, KeyRing
+from hicache.server.limits import Limits
 
 ALICE, BOB, ADMIN = "alice-key-0001", "bob-key-00002", "admin-key-0003"
 KEYS = KeyRing({ALICE: "alice", BOB: "bob"})
@@ -143,5 +144,31 @@ async def test_admin_routes_need_the_admin_key() -> None:
             answer = await client.post("/admin/l3/attach", json={"url": url})
         assert answer.status_code == 403 and "--l3-allow" in answer.text
         assert not any(s in answer.text for s in ("AKIDEXAMPLE", "sEcReT-42", "zq9"))
+    finally:
+        await stop(server)
+
+
+async def test_limits_answer_with_their_status_and_retry_after() -> None:
+    limits = Limits(max_body_bytes=4096, max_tokens=8, max_queue=1, rate_per_s=1.0,
+                    max_concurrent=1)  # fmt: skip
+    server = await start(None, device_tokens=4096, access=Access(KEYS), limits=limits)
+    try:
+        async with http(server, ALICE) as client:
+            big = await client.post("/v1/completions", content=b"[" + b"1," * 4096 + b"1]")
+            assert big.status_code == 413 and "error" in big.json()
+            # Alice's bucket is empty now (a burst of one a second).
+            fast = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+            assert fast.status_code == 429 and int(fast.headers["Retry-After"]) >= 1
+            assert fast.json()["error"]["code"] == "rate_limit_exceeded"
+        async with http(server, BOB) as client:  # bob's bucket is his own
+            many = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 9})
+            assert many.status_code == 400 and many.json()["error"]["param"] == "max_tokens"
+        # One request in flight fills the queue of one: the queue is checked first, a 503.
+        hold = server.source.submit(PROMPT[:8], 4000)
+        async with http(server, BOB) as client:
+            busy = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+        assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
+        server.source.cancel(hold)
+        await hold.done
     finally:
         await stop(server)

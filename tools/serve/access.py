@@ -13,9 +13,10 @@ import pathlib
 
 from hicache.errors import InvalidArgumentError
 from hicache.server.auth import DEFAULT_TENANT, MIN_KEY_CHARS, Access, KeyRing
-from hicache.tools.cli_parsing import input_file
+from hicache.server.limits import Limits
+from hicache.tools.cli_parsing import float_range, input_file, int_range, size_range
 
-__all__ = ["access_of", "add_access_flags"]
+__all__ = ["access_of", "add_access_flags", "add_limit_flags", "limits_of"]
 
 _KEY_ENV = "HICACHE_API_KEY"
 
@@ -49,6 +50,42 @@ def add_access_flags(p: argparse.ArgumentParser) -> None:
         "--insecure-no-auth", action="store_true",
         help="listen on a non-loopback address with no API key (anyone may use the server)",
     )  # fmt: skip
+
+
+def add_limit_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("request limits (--http)")
+    default = Limits()
+    g.add_argument(
+        "--max-body-bytes", type=size_range(1 << 10, 1 << 30), default=default.max_body_bytes,
+        help="a larger request body is a 413 (default 16M)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-tokens-cap", type=int_range(1, 1 << 20), default=default.max_tokens,
+        help=f"the most max_tokens a request may ask for (default {default.max_tokens})",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-queue", type=int_range(1, 1 << 20), default=default.max_queue,
+        help="requests in flight past which a new one is a 503 with Retry-After "
+        f"(default {default.max_queue})",
+    )  # fmt: skip
+    g.add_argument(
+        "--rate-limit", type=float_range(0.0, 1e6, low_open=True), metavar="PER_S",
+        help="requests a second per key (per client address without keys); past it a 429",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-concurrent", type=int_range(1, 1 << 20),
+        help="requests in flight per key (per client address without keys); past it a 429",
+    )  # fmt: skip
+
+
+def limits_of(args: argparse.Namespace) -> Limits:
+    return Limits(
+        max_body_bytes=args.max_body_bytes,
+        max_tokens=args.max_tokens_cap,
+        max_queue=args.max_queue,
+        rate_per_s=args.rate_limit,
+        max_concurrent=args.max_concurrent,
+    )
 
 
 def access_of(args: argparse.Namespace) -> Access:

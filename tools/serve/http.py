@@ -25,6 +25,7 @@ from hicache.models.hf.tokenizer import load_tokenizer
 from hicache.models.types import ServingModel
 from hicache.server.app import HttpServer, Listen
 from hicache.server.auth import Access
+from hicache.server.limits import Limits
 from hicache.server.request_body import ServedModel
 from hicache.serving.engine import CacheMode
 from hicache.serving.setup import open_engine
@@ -73,7 +74,7 @@ def run_http(
     model: ServingModel,
     plan: CheckpointPlan | None,
     background: Sequence[Background] = (),
-    access: Access | None = None,
+    rules: tuple[Access, Limits] | None = None,
 ) -> int:
     """Serve until a signal; 0 after a clean drain."""
     name, model_id = model_identity(model.config, plan)
@@ -81,7 +82,7 @@ def run_http(
         hicache = hicache.with_changes("storage", model_id=model_id)
     tokenizer = load_tokenizer(plan.directory) if plan is not None else None
     served = ServedModel(name, model.config.vocab_size, tokenizer)
-    asyncio.run(_serve(args, hicache, model, served, background, access or Access()))
+    asyncio.run(_serve(args, hicache, model, served, background, rules or (Access(), Limits())))
     return 0
 
 
@@ -91,7 +92,7 @@ async def _serve(
     model: ServingModel,
     served: ServedModel,
     background: Sequence[Background],
-    access: Access,
+    rules: tuple[Access, Limits],
 ) -> None:
     mode = serving_mode(hicache)
     engine_config = engine_config_of(args, hisparse_config(args))
@@ -99,7 +100,8 @@ async def _serve(
         setup = await open_engine(model, mode, hicache, args.device_tokens, engine_config)
     except BackendError as exc:
         raise CommandFailed(str(exc)) from exc
-    server = HttpServer(setup, served, args.http, access)
+    access, limits = rules
+    server = HttpServer(setup, served, args.http, access, limits)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)

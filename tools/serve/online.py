@@ -21,7 +21,7 @@ from hicache.models.tiny import TinyTransformer
 from hicache.models.types import ServingModel
 from hicache.server.router import RouterKind
 from hicache.tools.cli_parsing import arg_type, int_range
-from hicache.tools.serve.access import access_of, add_access_flags
+from hicache.tools.serve.access import access_of, add_access_flags, add_limit_flags, limits_of
 from hicache.tools.serve.cluster import run_cluster
 from hicache.tools.serve.config import checked_model, hicache_config
 from hicache.tools.serve.http import Background, parse_listen, run_http
@@ -33,6 +33,7 @@ _MASTER_CHECK_S = 1.0
 
 def add_online_flags(p: argparse.ArgumentParser) -> None:
     add_access_flags(p)
+    add_limit_flags(p)
     g = p.add_argument_group("serving clients")
     g.add_argument(
         "--http",
@@ -65,14 +66,14 @@ def run_online(args: argparse.Namespace) -> int:
                ("--plot", args.plot), ("--dump-outputs", args.dump_outputs)) if on]  # fmt: skip
     if offline:
         raise InvalidArgumentError(f"--http serves clients; {', '.join(offline)} runs a workload")
-    access = access_of(args)
+    access, limits = access_of(args), limits_of(args)
     with _auto_mooncake(args) as background:
         hicache = hicache_config(args)  # the model's own namespace: kept across restarts
         config, plan, device = checked_model(args, hicache)
         if args.workers > 1:  # the router loads no weights
             return run_cluster(args, args.argv, config, plan, device, background)
         model: ServingModel = plan.load() if plan else TinyTransformer(config, device)
-        return run_http(args, hicache, model, plan, background, access)
+        return run_http(args, hicache, model, plan, background, (access, limits))
 
 
 @contextlib.contextmanager

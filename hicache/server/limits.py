@@ -1,0 +1,101 @@
+"""Request limits of the HTTP server: body size, tokens asked for, queue depth, and per-caller
+rate and concurrency.
+
+A caller is an API key (by its key id) or, on a server without keys, a client address. Each
+caller has a token bucket (``rate_per_s`` requests a second, bursts of as many, at least one)
+and a count of its requests in flight (``max_concurrent``). A refusal carries how long to wait
+before a retry can succeed (``Retry-After``). At most ``_MAX_CALLERS`` callers are tracked, the
+longest idle forgotten first, so a flood of addresses cannot grow the table without bound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hicache.errors import ConfigError
+
+__all__ = ["CallerLimiter", "Limits"]
+
+_MAX_CALLERS = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_body_bytes: int = 16 << 20  # a request body past it is a 413
+    max_tokens: int = 4096  # the most max_tokens a request may ask for (else a 400)
+    max_queue: int = 1024  # requests in flight, queued or running; past it a 503
+    rate_per_s: float | None = None  # requests a second per caller; past it a 429
+    max_concurrent: int | None = None  # requests in flight per caller; past it a 429
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_tokens", "max_queue"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        rate = self.rate_per_s
+        if rate is not None and (not math.isfinite(rate) or rate <= 0):
+            raise ConfigError(f"rate_per_s must be a positive number, got {rate!r}")
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise ConfigError(f"max_concurrent must be at least 1, got {self.max_concurrent!r}")
+
+
+@dataclass(slots=True)
+class _Caller:
+    tokens: float
+    stamp: float
+    in_flight: int = 0
+
+
+class CallerLimiter:
+    """Rate and concurrency per caller, as :class:`Limits` sets them."""
+
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._callers: OrderedDict[str, _Caller] = OrderedDict()
+
+    def admit(self, caller: str) -> float | None:
+        """Take a slot for one request of ``caller``: None if taken, else the seconds until a
+        retry may succeed (nothing is taken then)."""
+        now, limits = self._clock(), self.limits
+        state = self._state(caller, now)
+        if limits.max_concurrent is not None and state.in_flight >= limits.max_concurrent:
+            return 1.0  # a slot frees when one of its requests ends: no better estimate
+        if limits.rate_per_s is not None:
+            burst = max(1.0, limits.rate_per_s)
+            state.tokens = min(burst, state.tokens + (now - state.stamp) * limits.rate_per_s)
+            state.stamp = now
+            if state.tokens < 1.0:
+                return (1.0 - state.tokens) / limits.rate_per_s
+            state.tokens -= 1.0
+        state.in_flight += 1
+        return None
+
+    def release(self, caller: str) -> None:
+        """End one admitted request of ``caller``."""
+        state = self._callers.get(caller)
+        if state is not None and state.in_flight > 0:
+            state.in_flight -= 1
+
+    def _state(self, caller: str, now: float) -> _Caller:
+        state = self._callers.get(caller)
+        if state is None:
+            burst = max(1.0, self.limits.rate_per_s or 1.0)
+            state = self._callers[caller] = _Caller(burst, now)
+            self._forget_idle()
+        self._callers.move_to_end(caller)
+        return state
+
+    def _forget_idle(self) -> None:
+        while len(self._callers) > _MAX_CALLERS:
+            oldest = next(iter(self._callers))
+            if self._callers[oldest].in_flight:  # busy callers stay; move on past them
+                self._callers.move_to_end(oldest)
+                if all(c.in_flight for c in self._callers.values()):
+                    return
+                continue
+            del self._callers[oldest]
