@@ -1,5 +1,6 @@
-"""An OpenAI-compatible HTTP endpoint over one engine: ``/v1/completions``, ``/v1/models``,
-``/health`` and ``/metrics``, on aiohttp.
+"""An OpenAI-compatible HTTP endpoint over one engine: ``/v1/completions``,
+``/v1/chat/completions`` (:mod:`~hicache.server.chat`), ``/v1/models``, ``/health`` and
+``/metrics``, on aiohttp.
 
 The server and the engine share one event loop: a handler checks the request
 (:mod:`~hicache.server.request_body`), asks the engine whether it can serve it at all (prompt
@@ -20,13 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
+from hicache.server.answers import Shape, TextStream, event, usage
 from hicache.server.auth import (
     Access,
     access_middleware,
@@ -35,11 +39,12 @@ from hicache.server.auth import (
     key_id,
     key_of,
 )
+from hicache.server.chat import parse_chat
 from hicache.server.limits import CallerLimiter, Limits
 from hicache.server.metrics import ServingMetrics
 from hicache.server.request_body import ApiError, CompletionArgs, ServedModel, parse_completion
 from hicache.serving.engine import Engine
-from hicache.serving.online import Admission, OnlineSource, SourceClosedError
+from hicache.serving.online import Admission, OnlineSource, RequestOptions, SourceClosedError
 from hicache.serving.request import ServeRequest
 
 __all__ = ["CompletionsApi"]
@@ -73,6 +78,7 @@ class CompletionsApi:
         size = self.limits.max_body_bytes
         app = web.Application(client_max_size=size, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
@@ -98,6 +104,16 @@ class CompletionsApi:
         return response
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        parse = functools.partial(parse_completion, model=self.model)
+        return await self._limited(request, parse, Shape(False, self.model.name))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        parse = functools.partial(parse_chat, model=self.model)
+        return await self._limited(request, parse, Shape(True, self.model.name))
+
+    async def _limited(
+        self, request: web.Request, parse: Callable[[Any], CompletionArgs], shape: Shape
+    ) -> web.StreamResponse:
         caller = _caller(request)
         try:
             self._check_room(caller)
@@ -105,13 +121,15 @@ class CompletionsApi:
             self.metrics.refused()
             return _refusal(exc)
         try:
-            return await self._complete(request)
+            return await self._answer(request, parse, shape)
         finally:
             self.limiter.release(caller)
 
-    async def _complete(self, request: web.Request) -> web.StreamResponse:
+    async def _answer(
+        self, request: web.Request, parse: Callable[[Any], CompletionArgs], shape: Shape
+    ) -> web.StreamResponse:
         try:
-            args = parse_completion(await self._json(request), self.model)
+            args = parse(await self._json(request))
             if args.max_tokens > self.limits.max_tokens:
                 raise ApiError(f"max_tokens is at most {self.limits.max_tokens} here",
                                "max_tokens")  # fmt: skip
@@ -120,16 +138,20 @@ class CompletionsApi:
         except ApiError as exc:
             self.metrics.refused()
             return _refusal(exc)
+        text = TextStream(self.model.tokenizer, args.stop)
         if args.stream:
-            return await self._stream(request, admission)
-        if not await _answered_before_hang_up(request, admission):
-            self.source.cancel(admission)  # nobody reads the answer: stop computing it
-        served = await admission.done
-        self.metrics.done(served)
+            return await self._stream(request, admission, text, (shape, args.include_usage))
+        shown = ""
+        while (token := await _next_token(request, admission)) is not None:
+            shown += text.push(token)
+            if text.stopped:
+                break
+        served = await self._ended(admission, text)
         if served.record.error is not None:
             error = ApiError(served.record.error, None, status=503)
             return web.json_response(error.body(), status=503)
-        return web.json_response(self._completion(served, self._text(served.generated)))
+        shown += text.flush()
+        return web.json_response(shape.body(served, shown, text.tokens, _finish(text)))
 
     # ----- helpers --------------------------------------------------------------------------
     def _check_room(self, caller: str) -> None:
@@ -158,86 +180,74 @@ class CompletionsApi:
         if refusal is not None:
             raise ApiError(refusal, "prompt")
         try:
-            return self.source.submit(
-                args.prompt, args.max_tokens, args.temperature, args.priority, namespace
-            )
+            options = RequestOptions(args.top_p, args.seed, args.priority, namespace)
+            return self.source.submit(args.prompt, args.max_tokens, args.temperature, options)
         except SourceClosedError as exc:
             raise ApiError(str(exc), None, status=503) from None
 
-    async def _stream(self, request: web.Request, admission: Admission) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        admission: Admission,
+        text: TextStream,
+        how: tuple[Shape, bool],
+    ) -> web.StreamResponse:
+        shape, include_usage = how
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})  # fmt: skip
         await response.prepare(request)
-        tokens: list[int] = []
-        shown = ""
-        while (token := await admission.tokens.get()) is not None:
-            tokens.append(token)
-            text = self._text(tokens)
-            chunk = self._completion(admission.request, text[len(shown) :], [token], None)
-            shown = text
-            try:
-                await response.write(_event(chunk))
-            except ConnectionError:  # the client hung up: stop computing for it
-                self.source.cancel(admission)
-                self.metrics.done(await admission.done)
-                return response
-        served = await admission.done
-        self.metrics.done(served)
+        served = admission.request
+        try:
+            while not text.stopped and (token := await admission.tokens.get()) is not None:
+                piece = text.push(token)
+                await response.write(
+                    event(shape.chunk(served, piece, [token], None, not text.tokens[1:]))
+                )
+        except ConnectionError:  # the client hung up: stop computing for it
+            self.source.cancel(admission)
+            self.metrics.done(await admission.done)
+            return response
+        served = await self._ended(admission, text)
         if served.record.error is not None:
-            await response.write(_event(ApiError(served.record.error, None, 503).body()))
+            await response.write(event(ApiError(served.record.error, None, 503).body()))
         else:
-            await response.write(_event(self._completion(served, "", [], "length")))
+            last = shape.chunk(served, text.flush(), [], _finish(text), not text.tokens)
+            if not shape.chat:
+                last["usage"] = usage(served, len(text.tokens))
+            await response.write(event(last))
+            if include_usage:
+                await response.write(event(shape.usage_chunk(served, len(text.tokens))))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    def _text(self, tokens: list[int]) -> str:
-        tokenizer = self.model.tokenizer
-        return tokenizer.decode(tokens) if tokenizer is not None and tokens else ""
-
-    def _completion(
-        self,
-        request: ServeRequest,
-        text: str,
-        token_ids: list[int] | None = None,
-        finish_reason: str | None = "length",
-    ) -> dict[str, Any]:
-        generated = request.generated if token_ids is None else token_ids
-        body: dict[str, Any] = {
-            "id": f"cmpl-{request.rid}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model.name,
-            "choices": [{"index": 0, "text": text, "token_ids": list(generated),
-                         "logprobs": None, "finish_reason": finish_reason}],
-        }  # fmt: skip
-        if finish_reason is not None:
-            body["usage"] = _usage(request)
-        return body
+    async def _ended(self, admission: Admission, text: TextStream) -> ServeRequest:
+        """Wait for the engine to be done with ``admission`` (ended early at a stop string);
+        counted in the metrics."""
+        if text.stopped:
+            self.source.cancel(admission)  # its text is complete: generate no more
+        served = await admission.done
+        if text.stopped:
+            served.record.error = None  # ended by its stop string, not by a failure
+        self.metrics.done(served)
+        return served
 
 
-async def _answered_before_hang_up(request: web.Request, admission: Admission) -> bool:
-    """Wait for the engine to finish ``admission``; False if the client's connection closed
-    first (looked at every 50 ms: aiohttp does not cancel a handler when its client leaves)."""
-    while not admission.done.done():
+async def _next_token(request: web.Request, admission: Admission) -> int | None:
+    """The next token of ``admission`` (None once it ended, or once its client's connection
+    closed: looked at every 50 ms, as aiohttp does not cancel a handler when its client leaves;
+    the request is cancelled then)."""
+    while True:
         transport = request.transport
         if transport is None or transport.is_closing():
-            return False
+            admission.request.cancelled = True  # nobody reads the answer: stop computing it
+            return None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(admission.done), _HANG_UP_POLL_S)
-    return True
+            return await asyncio.wait_for(admission.tokens.get(), _HANG_UP_POLL_S)
 
 
-def _usage(request: ServeRequest) -> dict[str, Any]:
-    """OpenAI's usage, with the cached prompt tokens per tier (device, host, l3) as well."""
-    prompt, out, record = len(request.prompt), len(request.generated), request.record
-    tiers = {"device": record.hit_device, "host": record.hit_host, "l3": record.hit_l3}
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": out,
-        "total_tokens": prompt + out,
-        "prompt_tokens_details": {"cached_tokens": sum(tiers.values()), **tiers},
-    }
+def _finish(text: TextStream) -> str:
+    return "stop" if text.stopped else "length"
 
 
 def _caller(request: web.Request) -> str:
@@ -251,7 +261,3 @@ def _refusal(exc: ApiError) -> web.Response:
     if exc.retry_after_s is not None:
         response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
     return response
-
-
-def _event(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload)}\n\n".encode()

@@ -14,13 +14,29 @@ from typing import Any
 
 from hicache.errors import InvalidArgumentError
 
-__all__ = ["ApiError", "CompletionArgs", "ServedModel", "parse_completion", "prompt_ids"]
+__all__ = [
+    "COMMON_FIELDS",
+    "PLAIN_TEMPLATE",
+    "ApiError",
+    "ChatTemplate",
+    "CompletionArgs",
+    "ServedModel",
+    "check_fields",
+    "completion_args",
+    "parse_completion",
+    "prompt_ids",
+]
 
-_FIELDS = frozenset(
-    {"model", "prompt", "max_tokens", "temperature", "stream", "n", "user", "priority",
-     "cache_salt"}
+# The fields both endpoints take; each adds its prompt's (``prompt``, or ``messages``).
+COMMON_FIELDS = frozenset(
+    {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
+     "n", "user", "priority", "cache_salt"}
 )  # fmt: skip
+_FIELDS = COMMON_FIELDS | {"prompt"}
 MAX_SALT_CHARS = 256
+MAX_STOPS = 4  # OpenAI's
+MAX_STOP_CHARS = 256
+MAX_SEED = (1 << 63) - 1
 MAX_PRIORITY = 1 << 20  # priorities are compared, never summed: any range would do
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's; 0 is greedy
@@ -52,13 +68,31 @@ class ApiError(InvalidArgumentError):
         return {"error": error}
 
 
+# A model without a chat template of its own renders messages with this one (README).
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplate:
+    """A chat template (Jinja source) and the special tokens it may name."""
+
+    source: str = PLAIN_TEMPLATE
+    bos_token: str = ""
+    eos_token: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """What the endpoint serves: its name, vocabulary and tokenizer (None: token ids only)."""
+    """What the endpoint serves: its name, vocabulary, tokenizer (None: token ids only) and
+    chat template."""
 
     name: str
     vocab_size: int
     tokenizer: Any = None  # a tokenizers.Tokenizer
+    chat_template: ChatTemplate = ChatTemplate()
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +105,26 @@ class CompletionArgs:
     stream: bool
     priority: int = 0  # higher: admitted first; its pages evicted last (--eviction priority)
     cache_salt: str | None = None  # requests share cached pages only with the same salt
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # the text ends before the first of these it holds
+    include_usage: bool = False  # a stream ends with a chunk holding the usage
 
 
 def parse_completion(body: Any, model: ServedModel) -> CompletionArgs:
-    """Check a decoded request body; :class:`ApiError` names the first thing wrong."""
+    """Check a decoded ``/v1/completions`` body; :class:`ApiError` names the first thing
+    wrong."""
+    check_fields(body, _FIELDS, model)
+    if "prompt" not in body:
+        raise ApiError("prompt is required", "prompt")
+    return completion_args(body, _prompt(body["prompt"], model), "max_tokens", model)
+
+
+def check_fields(body: Any, fields: frozenset[str], model: ServedModel) -> None:
+    """A JSON object of ``fields`` only, for this model, asking for one answer."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    unknown = sorted(set(body) - _FIELDS)
+    unknown = sorted(set(body) - fields)
     if unknown:
         raise ApiError(f"unknown field(s): {', '.join(unknown)}", unknown[0])
     name = body.get("model")
@@ -86,15 +133,25 @@ def parse_completion(body: Any, model: ServedModel) -> CompletionArgs:
                        "model")  # fmt: skip
     if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
         raise ApiError("n must be 1 (one completion per request)", "n")
-    if "prompt" not in body:
-        raise ApiError("prompt is required", "prompt")
+
+
+def completion_args(
+    body: dict[str, Any], prompt: list[int], max_field: str, model: ServedModel
+) -> CompletionArgs:
+    """The checked arguments of a body whose prompt is ``prompt``; ``max_field`` names the
+    field holding the output length (chat also takes ``max_completion_tokens``)."""
+    stream = _flag(body.get("stream", False), "stream")
     return CompletionArgs(
-        prompt=_prompt(body["prompt"], model),
-        max_tokens=_max_tokens(body.get("max_tokens", DEFAULT_MAX_TOKENS)),
+        prompt=prompt,
+        max_tokens=_max_tokens(body.get(max_field, DEFAULT_MAX_TOKENS), max_field),
         temperature=_temperature(body.get("temperature", DEFAULT_TEMPERATURE)),
-        stream=_flag(body.get("stream", False), "stream"),
+        stream=stream,
         priority=_priority(body.get("priority", 0)),
         cache_salt=_salt(body.get("cache_salt")),
+        top_p=_top_p(body.get("top_p", 1.0)),
+        seed=_seed(body.get("seed")),
+        stop=_stops(body.get("stop"), model),
+        include_usage=_include_usage(body.get("stream_options"), stream),
     )
 
 
@@ -117,10 +174,52 @@ def _prompt(prompt: Any, model: ServedModel) -> list[int]:
     return ids
 
 
-def _max_tokens(value: Any) -> int:
+def _max_tokens(value: Any, name: str = "max_tokens") -> int:
     if not _is_int(value) or value < 1:
-        raise ApiError(f"max_tokens must be an integer of at least 1, got {value!r}", "max_tokens")
+        raise ApiError(f"{name} must be an integer of at least 1, got {value!r}", name)
     return int(value)
+
+
+def _top_p(value: Any) -> float:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or not 0 < value <= 1:
+        raise ApiError(f"top_p must be a number in (0, 1], got {value!r}", "top_p")
+    return float(value)
+
+
+def _seed(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or not -MAX_SEED - 1 <= value <= MAX_SEED:
+        raise ApiError(f"seed must be a 64-bit integer, got {value!r}", "seed")
+    return int(value)
+
+
+def _stops(value: Any, model: ServedModel) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    good = (
+        isinstance(stops, list)
+        and 1 <= len(stops) <= MAX_STOPS
+        and all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_CHARS for s in stops)
+    )
+    if not good:
+        raise ApiError(f"stop must be a string or a list of 1 to {MAX_STOPS} strings of 1 to "
+                       f"{MAX_STOP_CHARS} characters", "stop")  # fmt: skip
+    if model.tokenizer is None:
+        raise ApiError("stop needs text: this model has no tokenizer", "stop")
+    return tuple(stops)
+
+
+def _include_usage(value: Any, stream: bool) -> bool:
+    if value is None:
+        return False
+    if not stream:
+        raise ApiError("stream_options is only for stream: true", "stream_options")
+    if not isinstance(value, dict) or set(value) - {"include_usage"}:
+        raise ApiError("stream_options takes only include_usage", "stream_options")
+    return _flag(value.get("include_usage", False), "stream_options.include_usage")
 
 
 def _temperature(value: Any) -> float:

@@ -38,7 +38,7 @@ from hicache.serving.forward_thread import forward_executor
 from hicache.serving.l3_reads import L3Reads
 from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestRecord, RequestState, ServeRequest, StepRecord
-from hicache.serving.sampling import sample_token
+from hicache.serving.sampling import Draw, sample_token
 
 if TYPE_CHECKING:
     from hicache.serving.hisparse import HiSparseRequests
@@ -302,7 +302,8 @@ class Engine(EngineAdmission):
     def _sample(self, request: ServeRequest, logits: torch.Tensor) -> int:
         cfg, position = self.config, len(request.generated)
         temperature = cfg.temperature if request.temperature is None else request.temperature
-        return sample_token(logits, temperature, cfg.sample_seed, request.rid, position)
+        draw = Draw(temperature, request.top_p, request.seed)
+        return sample_token(logits, draw, cfg.sample_seed, request.rid, position)
 
     def _finish(self, request: ServeRequest) -> None:
         cached = request.cached

@@ -17,11 +17,21 @@ from dataclasses import dataclass, field
 from hicache.errors import HiCacheError
 from hicache.serving.request import ServeRequest
 
-__all__ = ["Admission", "OnlineSource", "SourceClosedError"]
+__all__ = ["Admission", "OnlineSource", "RequestOptions", "SourceClosedError"]
 
 
 class SourceClosedError(HiCacheError):
     """The server is shutting down: it takes no new requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """How a submitted request draws its tokens and whose cache it uses."""
+
+    top_p: float = 1.0
+    seed: int | None = None  # its own seed for its draws (None: the engine's)
+    priority: int = 0
+    namespace: str | None = None  # the cache namespace it reads and fills (None: the shared one)
 
 
 @dataclass(eq=False, slots=True)
@@ -49,18 +59,18 @@ class OnlineSource:
         prompt: list[int],
         max_new_tokens: int,
         temperature: float | None = None,
-        priority: int = 0,
-        namespace: str | None = None,
+        options: RequestOptions | None = None,
     ) -> Admission:
-        """Queue a request; raises :class:`SourceClosedError` once :meth:`close` was called.
-        ``namespace``: the cache namespace it reads and fills (None: the shared one)."""
+        """Queue a request; raises :class:`SourceClosedError` once :meth:`close` was called."""
         if self.closed:
             raise SourceClosedError("the server is shutting down and takes no new requests")
         rid = f"http-{next(self._ids)}"
         request = ServeRequest(rid, prompt, max_new_tokens, arrival_s=self._clock())
-        request.namespace = namespace
+        options = options or RequestOptions()
+        request.namespace = options.namespace
         request.temperature = temperature
-        request.priority = priority
+        request.top_p, request.seed = options.top_p, options.seed
+        request.priority = options.priority
         admission = Admission(request, asyncio.get_running_loop().create_future())
         request.on_token = admission.tokens.put_nowait
         self._admissions[id(request)] = admission

@@ -77,6 +77,8 @@ class ServeRequest:
     had_turn: bool = False  # was next to run: what L3 held beyond its host room was read then
     read_ahead: bool = False  # that read was tried once already, during the step before its turn
     temperature: float | None = None  # None: the engine's
+    top_p: float = 1.0  # nucleus sampling: 1 keeps every token
+    seed: int | None = None  # the request's own seed for its draws (None: the engine's)
     priority: int = 0  # admitted before lower ones; its pages evicted after theirs (priority)
     on_token: Callable[[int], None] | None = None  # told of each token as it is sampled
     cancelled: bool = False  # its client went away: dropped between steps

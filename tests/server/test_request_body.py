@@ -36,6 +36,18 @@ def test_every_field_that_is_served() -> None:
     assert (args.prompt, args.max_tokens, args.temperature, args.stream) == ([5], 3, 0.0, True)
 
 
+def test_sampling_and_stop_fields() -> None:
+    model = ServedModel("tiny", 100, WordTokenizer())
+    body = {"prompt": [5], "top_p": 0.5, "seed": -3, "stop": ["x", "yy"], "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    args = parse_completion(body, model)
+    assert (args.top_p, args.seed, args.stop, args.include_usage) == (0.5, -3, ("x", "yy"), True)
+    assert parse_completion({"prompt": [5], "stop": "z"}, model).stop == ("z",)
+    for stop in ([], ["a"] * 5, [""], [7], "x" * 257):
+        with pytest.raises(ApiError, match="stop must be"):
+            parse_completion({"prompt": [5], "stop": stop}, model)
+
+
 def test_a_text_prompt_goes_through_the_tokenizer() -> None:
     model = ServedModel("tiny", 100, WordTokenizer())
     assert parse_completion({"prompt": "a bbb cc"}, model).prompt == [1, 3, 2]
@@ -45,7 +57,13 @@ def test_a_text_prompt_goes_through_the_tokenizer() -> None:
     ("body", "param", "words"),
     [
         ([1, 2], None, "JSON object"),
-        ({"prompt": [1], "stop": "\n"}, "stop", "unknown field"),
+        ({"prompt": [1], "logit_bias": {}}, "logit_bias", "unknown field"),
+        ({"prompt": [1], "stop": "\n"}, "stop", "no tokenizer"),  # a stop is text
+        ({"prompt": [1], "top_p": 0}, "top_p", r"\(0, 1\]"),
+        ({"prompt": [1], "top_p": 1.5}, "top_p", r"\(0, 1\]"),
+        ({"prompt": [1], "seed": 1.5}, "seed", "64-bit"),
+        ({"prompt": [1], "seed": 1 << 64}, "seed", "64-bit"),
+        ({"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options", "only"),
         ({"prompt": [1], "model": "other"}, "model", "not served"),
         ({"max_tokens": 3}, "prompt", "required"),
         ({"prompt": []}, "prompt", "empty"),

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from hicache.errors import BackendError, InvalidArgumentError
+from hicache.models.byte_tokenizer import ByteTokenizer
 from hicache.models.config import ModelConfig
 from hicache.models.hf.fingerprint import checkpoint_fingerprint, config_fingerprint
 from hicache.models.hf.loader import CheckpointPlan
@@ -25,8 +26,9 @@ from hicache.models.hf.tokenizer import load_tokenizer
 from hicache.models.types import ServingModel
 from hicache.server.app import HttpServer, Listen
 from hicache.server.auth import Access
+from hicache.server.chat import load_chat_template
 from hicache.server.limits import Limits
-from hicache.server.request_body import ServedModel
+from hicache.server.request_body import ChatTemplate, ServedModel
 from hicache.serving.engine import CacheMode
 from hicache.serving.setup import open_engine
 from hicache.tiering.config import HiCacheConfig, StorageConfig
@@ -80,8 +82,11 @@ def run_http(
     name, model_id = model_identity(model.config, plan)
     if hicache.storage.url is not None and hicache.storage.model_id == _DEFAULT_MODEL_ID:
         hicache = hicache.with_changes("storage", model_id=model_id)
-    tokenizer = load_tokenizer(plan.directory) if plan is not None else None
-    served = ServedModel(name, model.config.vocab_size, tokenizer)
+    if plan is not None:
+        tokenizer, chat = load_tokenizer(plan.directory), load_chat_template(plan.directory)
+    else:  # a seeded preset: text as UTF-8 bytes, messages through the plain template
+        tokenizer, chat = ByteTokenizer(), ChatTemplate()
+    served = ServedModel(name, model.config.vocab_size, tokenizer, chat)
     asyncio.run(_serve(args, hicache, model, served, background, rules or (Access(), Limits())))
     return 0
 

@@ -1,0 +1,62 @@
+"""Chat bodies: templates loaded as transformers reads them, rendered in a sandbox."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from hicache.errors import CheckpointError
+from hicache.models.byte_tokenizer import ByteTokenizer
+from hicache.server.chat import load_chat_template, parse_chat, render_chat
+from hicache.server.request_body import ApiError, ChatTemplate, ServedModel
+
+MODEL = ServedModel("tiny", 1000, ByteTokenizer())
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_a_checkpoints_template_and_its_tokens_are_used(tmp_path: pathlib.Path) -> None:
+    source = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    config = {"chat_template": [{"name": "tool_use", "template": "x"},
+                                {"name": "default", "template": source}],
+              "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>"}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = load_chat_template(tmp_path)
+    assert template == ChatTemplate(source, "<s>", "</s>")
+    assert render_chat(template, USER) == "<s>[user]hi"
+    assert load_chat_template(tmp_path / "none") == ChatTemplate()  # no file: the plain one
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="JSON"):
+        load_chat_template(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["{{ ''.__class__.__mro__ }}", "{{ raise_exception('no system messages') }}",
+     "{% for %}"],
+)  # fmt: skip
+def test_a_template_that_fails_or_reaches_python_internals_is_a_400(source: str) -> None:
+    with pytest.raises(ApiError, match="chat template") as caught:
+        render_chat(ChatTemplate(source), USER)
+    assert caught.value.status == 400 and "__mro__" not in str(caught.value).split(":")[0]
+
+
+def test_chat_bodies() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    args = parse_chat(
+        {"messages": [{"role": "user", "content": parts}], "max_completion_tokens": 3}, MODEL
+    )
+    assert bytes(args.prompt).decode() == "<|user|>\nab\n<|assistant|>\n"
+    assert args.max_tokens == 3
+    for body, words in (
+        ({"messages": []}, "1 to"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "text"),
+        ({"messages": USER, "max_tokens": 2, "max_completion_tokens": 2}, "not both"),
+        ({"messages": USER, "prompt": "x"}, "unknown field"),
+    ):
+        with pytest.raises(ApiError, match=words):
+            parse_chat(body, MODEL)
+    with pytest.raises(ApiError, match="no tokenizer"):
+        parse_chat({"messages": USER}, ServedModel("tiny", 1000))
