@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
+from hicache.errors import ConfigError
 from hicache.server.admin import AdminApi
 from hicache.server.api import CompletionsApi
 from hicache.server.auth import Access
@@ -25,18 +27,39 @@ from hicache.server.request_body import ServedModel
 from hicache.serving.online import OnlineSource
 from hicache.serving.setup import ServingSetup
 
-__all__ = ["HttpServer", "Listen"]
+__all__ = ["HttpServer", "Listen", "TlsFiles"]
 
 logger = logging.getLogger(__name__)
+_KEEPALIVE_S = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """A PEM certificate chain and its private key: the server answers HTTPS only."""
+
+    certfile: str
+    keyfile: str
+
+    def context(self) -> ssl.SSLContext:
+        """A server context (TLS 1.2 or newer); ConfigError when the files do not load."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(self.certfile, self.keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"TLS files {self.certfile}, {self.keyfile}: {exc}") from None
+        return context
 
 
 @dataclass(frozen=True, slots=True)
 class Listen:
-    """Where to listen, and how long shutdown may wait for L3 writes."""
+    """Where to listen, how (TLS files, or plain HTTP), and how long shutdown may wait for L3
+    writes."""
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the bound one is reported)
     drain_s: float = 30.0
+    tls: TlsFiles | None = None
 
 
 class HttpServer:
@@ -72,14 +95,16 @@ class HttpServer:
         app = self.api.app()
         if self.access.admin_key is not None:  # the admin plane is off without its key
             self.admin.add_routes(app)
-        runner = web.AppRunner(app, handle_signals=False)
+        # An idle keep-alive connection is closed after a while, so idle clients hold nothing.
+        runner = web.AppRunner(app, handle_signals=False, keepalive_timeout=_KEEPALIVE_S)
         await runner.setup()
         engine = asyncio.create_task(self.setup.engine.run(self.source, wake=self.source.wake))
         try:
-            site = web.TCPSite(runner, self.listen.host, self.listen.port)
+            tls = self.listen.tls.context() if self.listen.tls is not None else None
+            site = web.TCPSite(runner, self.listen.host, self.listen.port, ssl_context=tls)
             await site.start()
             host, port = runner.addresses[0][:2]
-            self.url = f"http://{host}:{port}"
+            self.url = f"{'https' if tls else 'http'}://{host}:{port}"
             if ready is not None:
                 ready(self.url)
             stopping = asyncio.create_task(self._stop.wait())

@@ -74,6 +74,9 @@ def test_fingerprints_tell_configs_apart() -> None:
     assert config_fingerprint(base) != config_fingerprint({**base, "seed": 2})
 
 
+TLS_FLAGS = ["--ssl-certfile", "pyproject.toml", "--ssl-keyfile", "pyproject.toml"]
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
@@ -84,6 +87,8 @@ def test_fingerprints_tell_configs_apart() -> None:
         (["--http", "0.0.0.0:0"], "no API key is set"),
         (["--http", "127.0.0.1:0", "--api-key", "short"], "at least 8"),
         (["--http", "127.0.0.1:0", "--api-key", "k" * 12, "--workers", "2"], "--workers"),
+        (["--http", "127.0.0.1:0", "--ssl-certfile", "pyproject.toml"], "go together"),
+        (["--http", "127.0.0.1:0", *TLS_FLAGS], "TLS files"),
     ],
 )
 def test_bad_http_flags_are_usage_errors(extra: list[str], words: str) -> None:

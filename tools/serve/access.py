@@ -12,11 +12,12 @@ import os
 import pathlib
 
 from hicache.errors import InvalidArgumentError
+from hicache.server.app import TlsFiles
 from hicache.server.auth import DEFAULT_TENANT, MIN_KEY_CHARS, Access, KeyRing
 from hicache.server.limits import Limits
 from hicache.tools.cli_parsing import float_range, input_file, int_range, size_range
 
-__all__ = ["access_of", "add_access_flags", "add_limit_flags", "limits_of"]
+__all__ = ["access_of", "add_access_flags", "add_limit_flags", "limits_of", "tls_of"]
 
 _KEY_ENV = "HICACHE_API_KEY"
 
@@ -46,6 +47,8 @@ def add_access_flags(p: argparse.ArgumentParser) -> None:
         help="tenants share cached prefixes (by default each tenant has a cache of its own)",
     )  # fmt: skip
     g.add_argument("--metrics-public", action="store_true", help="/metrics answers without a key")
+    g.add_argument("--ssl-certfile", type=input_file, help="serve HTTPS with this PEM chain")
+    g.add_argument("--ssl-keyfile", type=input_file, help="and this PEM private key")
     g.add_argument(
         "--insecure-no-auth", action="store_true",
         help="listen on a non-loopback address with no API key (anyone may use the server)",
@@ -86,6 +89,13 @@ def limits_of(args: argparse.Namespace) -> Limits:
         rate_per_s=args.rate_limit,
         max_concurrent=args.max_concurrent,
     )
+
+
+def tls_of(args: argparse.Namespace) -> TlsFiles | None:
+    """The TLS files the flags name (both, or neither)."""
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise InvalidArgumentError("--ssl-certfile and --ssl-keyfile go together")
+    return TlsFiles(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
 
 
 def access_of(args: argparse.Namespace) -> Access:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +22,13 @@ from hicache.models.tiny import TinyTransformer
 from hicache.models.types import ServingModel
 from hicache.server.router import RouterKind
 from hicache.tools.cli_parsing import arg_type, int_range
-from hicache.tools.serve.access import access_of, add_access_flags, add_limit_flags, limits_of
+from hicache.tools.serve.access import (
+    access_of,
+    add_access_flags,
+    add_limit_flags,
+    limits_of,
+    tls_of,
+)
 from hicache.tools.serve.cluster import run_cluster
 from hicache.tools.serve.config import checked_model, hicache_config
 from hicache.tools.serve.http import Background, parse_listen, run_http
@@ -67,6 +74,10 @@ def run_online(args: argparse.Namespace) -> int:
     if offline:
         raise InvalidArgumentError(f"--http serves clients; {', '.join(offline)} runs a workload")
     access, limits = access_of(args), limits_of(args)
+    tls = tls_of(args)
+    if tls is not None:
+        tls.context()  # files that do not load are a usage error now, not after the weights
+        args.http = dataclasses.replace(args.http, tls=tls)
     with _auto_mooncake(args) as background:
         hicache = hicache_config(args)  # the model's own namespace: kept across restarts
         config, plan, device = checked_model(args, hicache)
