@@ -165,10 +165,12 @@ class CompletionsApi:
             raise ApiError("too many requests for this key: retry shortly", None, 429,
                            "rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
 
-    @staticmethod
-    async def _json(request: web.Request) -> Any:
+    async def _json(self, request: web.Request) -> Any:
         try:
-            return json.loads(await request.read())
+            raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
+            return json.loads(raw)
+        except TimeoutError:
+            raise ApiError("the request body did not arrive in time", None, 408) from None
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(f"the request body is too large: {exc.text}", None, 413) from None
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

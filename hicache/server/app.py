@@ -16,11 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from hicache.errors import ConfigError
 from hicache.server.admin import AdminApi
 from hicache.server.api import CompletionsApi
 from hicache.server.auth import Access
+from hicache.server.connections import ConnectionGuard
 from hicache.server.limits import Limits
 from hicache.server.metrics import ServingMetrics
 from hicache.server.request_body import ServedModel
@@ -82,6 +84,8 @@ class HttpServer:
         self.api = CompletionsApi(
             setup.engine, self.source, model, self.metrics, self.access, limits
         )
+        limits = limits or Limits()
+        self.guard = ConnectionGuard(limits.max_connections, limits.header_timeout_s)
         self.admin = AdminApi(setup.engine, model, listen.drain_s, self.access.l3_allow)
         self._stop = asyncio.Event()
         self.url: str | None = None  # once listening
@@ -96,14 +100,20 @@ class HttpServer:
         if self.access.admin_key is not None:  # the admin plane is off without its key
             self.admin.add_routes(app)
         # An idle keep-alive connection is closed after a while, so idle clients hold nothing.
+        app.middlewares.insert(0, _asked(self.guard))
         runner = web.AppRunner(app, handle_signals=False, keepalive_timeout=_KEEPALIVE_S)
         await runner.setup()
         engine = asyncio.create_task(self.setup.engine.run(self.source, wake=self.source.wake))
+        listener: asyncio.Server | None = None
         try:
             tls = self.listen.tls.context() if self.listen.tls is not None else None
-            site = web.TCPSite(runner, self.listen.host, self.listen.port, ssl_context=tls)
-            await site.start()
-            host, port = runner.addresses[0][:2]
+            loop = asyncio.get_running_loop()
+            assert runner.server is not None  # set up above
+            protocols = self.guard.factory(runner.server)
+            listener = await loop.create_server(
+                protocols, self.listen.host, self.listen.port, ssl=tls
+            )
+            host, port = listener.sockets[0].getsockname()[:2]
             self.url = f"{'https' if tls else 'http'}://{host}:{port}"
             if ready is not None:
                 ready(self.url)
@@ -119,6 +129,8 @@ class HttpServer:
                 engine.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await engine
+            if listener is not None:
+                listener.close()  # no new connections
             await runner.cleanup()  # waits for the handlers writing the last answers
             await self.setup.close(self.listen.drain_s)
 
@@ -132,3 +144,14 @@ class HttpServer:
             queued = cache.storage.queued_pages
             logger.warning("shutdown: %d pages still queued for L3 after %.0f s", queued,
                            self.listen.drain_s)  # fmt: skip
+
+
+def _asked(guard: ConnectionGuard) -> Middleware:
+    """A middleware telling ``guard`` that a request head arrived on its connection."""
+
+    @web.middleware
+    async def seen(request: web.Request, handler: Handler) -> web.StreamResponse:
+        guard.asked(request.transport)
+        return await handler(request)
+
+    return seen

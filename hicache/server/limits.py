@@ -30,15 +30,22 @@ class Limits:
     max_queue: int = 1024  # requests in flight, queued or running; past it a 503
     rate_per_s: float | None = None  # requests a second per caller; past it a 429
     max_concurrent: int | None = None  # requests in flight per caller; past it a 429
+    max_connections: int = 1024  # open connections; past it a new one is closed at once
+    header_timeout_s: float = 10.0  # a connection's first request head must arrive by then
+    body_timeout_s: float = 30.0  # a request body must arrive by then (else a 408)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_tokens", "max_queue"):
+        for name in ("max_body_bytes", "max_tokens", "max_queue", "max_connections"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         rate = self.rate_per_s
         if rate is not None and (not math.isfinite(rate) or rate <= 0):
             raise ConfigError(f"rate_per_s must be a positive number, got {rate!r}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            seconds = getattr(self, name)
+            if not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {seconds!r}")
         if self.max_concurrent is not None and self.max_concurrent < 1:
             raise ConfigError(f"max_concurrent must be at least 1, got {self.max_concurrent!r}")
 

@@ -79,6 +79,20 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
         "--max-concurrent", type=int_range(1, 1 << 20),
         help="requests in flight per key (per client address without keys); past it a 429",
     )  # fmt: skip
+    g.add_argument(
+        "--max-connections", type=int_range(1, 1 << 20), default=default.max_connections,
+        help=f"open connections; past it a new one is closed (default {default.max_connections})",
+    )  # fmt: skip
+    g.add_argument(
+        "--header-timeout", type=float_range(0.0, 3600.0, low_open=True),
+        default=default.header_timeout_s, metavar="S",
+        help="close a connection whose first request head has not arrived by then (default 10)",
+    )  # fmt: skip
+    g.add_argument(
+        "--body-timeout", type=float_range(0.0, 3600.0, low_open=True),
+        default=default.body_timeout_s, metavar="S",
+        help="a request body not arrived by then is a 408 (default 30)",
+    )  # fmt: skip
 
 
 def limits_of(args: argparse.Namespace) -> Limits:
@@ -88,6 +102,9 @@ def limits_of(args: argparse.Namespace) -> Limits:
         max_queue=args.max_queue,
         rate_per_s=args.rate_limit,
         max_concurrent=args.max_concurrent,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
     )
 
 
