@@ -198,16 +198,18 @@ class CompletionsApi:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})  # fmt: skip
         await response.prepare(request)
-        served = admission.request
+        served, timeout = admission.request, self.limits.write_timeout_s
         try:
             while not text.stopped and (token := await admission.tokens.get()) is not None:
                 piece = text.push(token)
-                await response.write(
-                    event(shape.chunk(served, piece, [token], None, not text.tokens[1:]))
-                )
-        except ConnectionError:  # the client hung up: stop computing for it
+                chunk = event(shape.chunk(served, piece, [token], None, not text.tokens[1:]))
+                await asyncio.wait_for(response.write(chunk), timeout)
+        except (ConnectionError, TimeoutError):
+            # The client hung up, or stopped reading: stop computing for it, drop it.
             self.source.cancel(admission)
             self.metrics.done(await admission.done)
+            if request.transport is not None:
+                request.transport.close()
             return response
         served = await self._ended(admission, text)
         if served.record.error is not None:

@@ -33,6 +33,7 @@ class Limits:
     max_connections: int = 1024  # open connections; past it a new one is closed at once
     header_timeout_s: float = 10.0  # a connection's first request head must arrive by then
     body_timeout_s: float = 30.0  # a request body must arrive by then (else a 408)
+    write_timeout_s: float = 30.0  # a stream's client must take each chunk by then (else dropped)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_tokens", "max_queue", "max_connections"):
@@ -42,7 +43,7 @@ class Limits:
         rate = self.rate_per_s
         if rate is not None and (not math.isfinite(rate) or rate <= 0):
             raise ConfigError(f"rate_per_s must be a positive number, got {rate!r}")
-        for name in ("header_timeout_s", "body_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s"):
             seconds = getattr(self, name)
             if not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {seconds!r}")

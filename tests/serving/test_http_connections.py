@@ -4,6 +4,8 @@ body, against a live server over raw sockets."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 
 import httpx
 from test_http_api import start, stop
@@ -75,5 +77,37 @@ async def test_two_hundred_slow_heads_leave_health_and_requests_served() -> None
             assert (await client.post("/v1/completions", json=body)).status_code == 200
         for _, writer in slow:
             writer.close()
+    finally:
+        await stop(server)
+
+
+async def test_a_stream_whose_client_stops_reading_is_dropped() -> None:
+    server = await start(None, device_tokens=4096, limits=Limits(write_timeout_s=0.5))
+    try:
+        host, port = (server.url or "").removeprefix("http://").split(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once: unread
+        sock.connect((host, int(port)))
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        # Small buffers on the server's side of the connection too, so that an unread stream
+        # blocks its writes after a few chunks (loopback buffers hold megabytes otherwise).
+        for _ in range(200):
+            if server.guard._asked:
+                break
+            await asyncio.sleep(0.01)
+        (transport,) = server.guard._asked
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        transport.set_write_buffer_limits(high=4096)
+        engine = server.setup.engine
+        for _ in range(600):  # the request ends long before its 3,000 tokens
+            if engine.records and server.source.in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        record = engine.records[-1]
+        assert server.source.in_flight == 0 and record.error is not None
+        assert "cancelled" in record.error and record.output_tokens < 3000
+        sock.close()
     finally:
         await stop(server)

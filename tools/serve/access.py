@@ -93,6 +93,11 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
         default=default.body_timeout_s, metavar="S",
         help="a request body not arrived by then is a 408 (default 30)",
     )  # fmt: skip
+    g.add_argument(
+        "--write-timeout", type=float_range(0.0, 3600.0, low_open=True),
+        default=default.write_timeout_s, metavar="S",
+        help="drop a stream whose client has not taken a chunk by then (default 30)",
+    )  # fmt: skip
 
 
 def limits_of(args: argparse.Namespace) -> Limits:
@@ -105,6 +110,7 @@ def limits_of(args: argparse.Namespace) -> Limits:
         max_connections=args.max_connections,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
+        write_timeout_s=args.write_timeout,
     )
 
 
