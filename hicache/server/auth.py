@@ -32,6 +32,7 @@ from hicache.errors import ConfigError
 __all__ = [
     "DEFAULT_TENANT",
     "MIN_KEY_CHARS",
+    "TENANT_HEADER",
     "Access",
     "KeyRing",
     "access_middleware",
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"  # the tenant of keys given without one (--api-key)
 MIN_KEY_CHARS = 8
+TENANT_HEADER = "X-Hicache-Tenant"  # from a router to its workers, with the internal token
 # The request's tenant, set by the middleware around its handler (the handler's own task).
 _TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", default=None)
 _MAX_KEY_FILE_BYTES = 1 << 20
@@ -144,6 +146,9 @@ class Access:
     share_cache: bool = False
     metrics_public: bool = False
     l3_allow: tuple[str, ...] = ()  # URL prefixes /admin/l3/attach accepts
+    # A worker behind a router: only the router's token opens it, and the router names the
+    # request's tenant (``X-Hicache-Tenant``); tenant keys are the router's to check.
+    internal_token: str | None = None
 
 
 def cache_namespace(tenant: str | None, salt: str | None, share_cache: bool) -> str | None:
@@ -182,6 +187,8 @@ def access_middleware(access: Access) -> Middleware:
         token = _bearer(request)
         if path == "/health":
             return await handler(request)
+        if access.internal_token is not None:
+            return await _internal(request, handler, access.internal_token, token)
         if path.startswith("/admin/"):
             return await _admin(request, handler, access, token)
         tenant = access.keys.tenant_of(token) if token is not None else None
@@ -195,6 +202,21 @@ def access_middleware(access: Access) -> Middleware:
             _TENANT.reset(token_set)
 
     return check
+
+
+async def _internal(
+    request: web.Request, handler: Handler, internal: str, token: str | None
+) -> web.StreamResponse:
+    if token is None or not hmac.compare_digest(token.encode(), internal.encode()):
+        return _refused(request, token)  # nobody reaches a worker around its router
+    tenant = request.headers.get(TENANT_HEADER)
+    if tenant is not None and not (0 < len(tenant) <= _MAX_TENANT_CHARS and tenant.isprintable()):
+        return _error(400, f"a bad {TENANT_HEADER} header", "invalid_request_error", "bad_tenant")
+    token_set = _TENANT.set(tenant)
+    try:
+        return await handler(request)
+    finally:
+        _TENANT.reset(token_set)
 
 
 def current_tenant() -> str | None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import enum
 import itertools
 import json
+import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -24,12 +26,30 @@ from aiohttp import web
 from hicache.errors import InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.scheduling.router import CacheAwareRouter, RouterConfig
+from hicache.server.auth import (
+    TENANT_HEADER,
+    Access,
+    access_middleware,
+    cache_namespace,
+    current_tenant,
+    key_id,
+    key_of,
+)
+from hicache.server.limits import CallerLimiter, Limits
 from hicache.server.request_body import ApiError, ServedModel, parse_completion
 from hicache.server.workers import WorkerProcess
 
-__all__ = ["RouterApi", "RouterKind"]
+__all__ = ["RouterApi", "RouterGate", "RouterKind"]
 
-_MAX_BODY_BYTES = 64 << 20
+
+@dataclass(frozen=True, slots=True)
+class RouterGate:
+    """What the router checks before forwarding (keys, tenants, per-caller limits), and the
+    internal token its workers take from it alone."""
+
+    access: Access = field(default_factory=Access)
+    limits: Limits = field(default_factory=Limits)
+    internal_token: str | None = None
 
 
 class RouterKind(enum.Enum):
@@ -41,8 +61,15 @@ class RouterApi:
     """Routes of the router process over its workers."""
 
     def __init__(
-        self, workers: list[WorkerProcess], kind: RouterKind, model: ServedModel, page_size: int
+        self,
+        workers: list[WorkerProcess],
+        kind: RouterKind,
+        model: ServedModel,
+        page_size: int,
+        gate: RouterGate | None = None,
     ) -> None:
+        self.gate = gate or RouterGate()
+        self.limiter = CallerLimiter(self.gate.limits)
         self.workers = workers
         self.kind = kind
         self.model = model
@@ -54,7 +81,9 @@ class RouterApi:
         self._register_metrics()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        middlewares = [access_middleware(self.gate.access)]
+        size = self.gate.limits.max_body_bytes
+        app = web.Application(client_max_size=size, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -88,17 +117,39 @@ class RouterApi:
         return web.json_response(body, status=200 if ok else 503)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
+        key = key_of(request)
+        caller = f"key:{key_id(key)}" if key is not None else f"addr:{request.remote}"
+        wait = self.limiter.admit(caller)
+        if wait is not None:
+            error = ApiError("too many requests for this key: retry shortly", None, 429,
+                             "rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
+            response = web.json_response(error.body(), status=429)
+            response.headers["Retry-After"] = str(max(1, math.ceil(wait)))
+            return response
         try:
+            return await self._route(request)
+        finally:
+            self.limiter.release(caller)
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
+        try:
+            raw = await request.read()
             if self.closing:
                 raise ApiError("the server is shutting down and takes no new requests", None, 503)
             body = _json(raw)
             args = parse_completion(body, self.model)  # the worker checks it again, fully
-            worker = self._pick(RadixKey(args.prompt))
+            tenant = current_tenant()
+            share = self.gate.access.share_cache
+            # Routed by the prefix in the request's own namespace: tenants share no pages.
+            key = RadixKey(args.prompt, cache_namespace(tenant, args.cache_salt, share))
+            worker = self._pick(key)
+        except web.HTTPRequestEntityTooLarge:
+            error = ApiError("the request body is too large", None, 413)
+            return web.json_response(error.body(), status=413)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
         try:
-            return await self._forward(request, worker, raw)
+            return await self._forward(request, worker, raw, tenant)
         finally:
             self.tree.complete(worker, float(len(args.prompt)))
 
@@ -138,9 +189,13 @@ class RouterApi:
         except InvalidArgumentError as exc:
             raise ApiError(str(exc), None, 503) from None
 
-    async def _forward(self, request: web.Request, worker: int, raw: bytes) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, worker: int, raw: bytes, tenant: str | None
+    ) -> web.StreamResponse:
         url = f"{self.workers[worker].url}/v1/completions"
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **self._worker_headers()}
+        if tenant is not None:
+            headers[TENANT_HEADER] = tenant
         response: web.StreamResponse | None = None
         try:
             async with self.session.post(url, data=raw, headers=headers) as answer:
@@ -176,10 +231,15 @@ class RouterApi:
 
     async def _worker_metrics(self, worker: int) -> str | None:
         try:
-            async with self.session.get(f"{self.workers[worker].url}/metrics") as answer:
+            url, headers = f"{self.workers[worker].url}/metrics", self._worker_headers()
+            async with self.session.get(url, headers=headers) as answer:
                 return await answer.text() if answer.status == 200 else None
         except aiohttp.ClientError:
             return None
+
+    def _worker_headers(self) -> dict[str, str]:
+        token = self.gate.internal_token
+        return {"Authorization": f"Bearer {token}"} if token is not None else {}
 
 
 def _json(raw: bytes) -> Any:

@@ -20,7 +20,14 @@ from hicache.errors import HiCacheError
 
 __all__ = ["WorkerProcess", "WorkerStartError", "start_workers", "worker_argv"]
 
-_ROUTER_FLAGS = ("--http", "--workers", "--router")  # each takes one value
+# The router's flags, each taking one value, then those without one: a worker listens on
+# loopback for the router alone, which checks keys and per-caller limits itself.
+_ROUTER_FLAGS = (
+    "--http", "--workers", "--router", "--api-key", "--api-keys", "--admin-api-key",
+    "--rate-limit", "--max-concurrent", "--l3-allow", "--ssl-certfile", "--ssl-keyfile",
+    "--internal-token-file",
+)  # fmt: skip
+_ROUTER_SWITCHES = ("--insecure-no-auth", "--metrics-public")
 _START_TIMEOUT_S = 300.0  # loading a checkpoint can take minutes
 _STOP_TIMEOUT_S = 60.0
 
@@ -29,10 +36,13 @@ class WorkerStartError(HiCacheError):
     """A worker exited or said nothing before it listened; its last error line is quoted."""
 
 
-def worker_argv(argv: Sequence[str], l3: str | None = None) -> list[str]:
+def worker_argv(
+    argv: Sequence[str], l3: str | None = None, token_file: str | None = None
+) -> list[str]:
     """A ``serve`` command line for one worker: ``argv`` less the router's flags (``--flag V``
     and ``--flag=V`` forms), listening on a free port of 127.0.0.1; ``l3``: the ``--l3`` URL
-    it uses instead of ``argv``'s (the master ``mooncake://auto`` started)."""
+    it uses instead of ``argv``'s (the master ``mooncake://auto`` started); ``token_file``:
+    the router's internal token, the only key the worker takes."""
     dropped = _ROUTER_FLAGS + (("--l3",) if l3 is not None else ())
     out: list[str] = []
     skip = False
@@ -41,11 +51,14 @@ def worker_argv(argv: Sequence[str], l3: str | None = None) -> list[str]:
             skip = False
             continue
         name = arg.split("=", 1)[0]
+        if name in _ROUTER_SWITCHES:
+            continue
         if name in dropped:
             skip = "=" not in arg
             continue
         out.append(arg)
-    return [*out, "--http", "127.0.0.1:0", *(("--l3", l3) if l3 is not None else ())]
+    token = ("--internal-token-file", token_file) if token_file is not None else ()
+    return [*out, "--http", "127.0.0.1:0", *(("--l3", l3) if l3 is not None else ()), *token]
 
 
 @dataclass(eq=False)
@@ -78,13 +91,13 @@ class WorkerProcess:
 
 
 async def start_workers(
-    argv: Sequence[str], count: int, gpus: int, l3: str | None = None
+    argv: Sequence[str], count: int, gpus: int, l3: str | None = None, token_file: str | None = None
 ) -> list[WorkerProcess]:
     """Start ``count`` workers of the ``serve`` command line ``argv`` (see :func:`worker_argv`);
     ``gpus``: CUDA devices to spread them over (0: the CPU's cores are shared out instead).
     Each is listening when this returns; if any fails, the others are stopped and its
     :class:`WorkerStartError` raised."""
-    command = worker_argv(argv, l3)
+    command = worker_argv(argv, l3, token_file)
     results = await asyncio.gather(
         *(_start(i, command, _env(i, count, gpus)) for i in range(count)),
         return_exceptions=True,

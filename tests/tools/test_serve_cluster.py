@@ -32,6 +32,14 @@ def test_worker_command_lines_drop_the_router_flags() -> None:
     assert worker_argv(argv) == ["-v", "serve", "--seed", "3", "--http", "127.0.0.1:0"]
 
 
+def test_worker_command_lines_drop_the_routers_keys_and_take_its_token() -> None:
+    argv = ["serve", "--api-key", "k" * 12, "--api-keys=keys", "--insecure-no-auth",
+            "--rate-limit", "5", "--share-cache", "--workers", "2"]  # fmt: skip
+    assert worker_argv(argv, token_file="/run/t") == [
+        "serve", "--share-cache", "--http", "127.0.0.1:0", "--internal-token-file", "/run/t"
+    ]  # fmt: skip
+
+
 def cli(*args: str) -> list[str]:
     return serve_argv(*args)
 
@@ -207,3 +215,27 @@ def test_a_worker_killed_under_a_whole_answer_gives_a_502(tmp_path: pathlib.Path
         assert failed.status_code == 502, failed.text
         assert "worker 0 failed" in failed.json()["error"]["message"]
         assert complete(url, [5, 6, 7])["choices"][0]["token_ids"]  # worker 1 serves on
+
+
+def test_the_router_enforces_keys_and_tenants_and_workers_take_only_its_token(
+    tmp_path: pathlib.Path,
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alice-router-01 alice\nsk-bob-router-0002 bob\n")
+    with cluster(tmp_path / "l3", 2, "cache_aware", "--api-keys", str(keys)) as url:
+        body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+
+        def post(key: str | None, target: str = url) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.post(f"{target}/v1/completions", json=body, headers=headers, timeout=60)
+
+        assert post(None).status_code == 401 and post("sk-wrong-key-0003").status_code == 401
+        assert post("sk-alice-router-01").status_code == 200
+        hit = post("sk-alice-router-01").json()["usage"]["prompt_tokens_details"]
+        assert hit["cached_tokens"] > 0  # alice hits her own prefix, on its worker
+        bob = post("sk-bob-router-0002").json()["usage"]["prompt_tokens_details"]
+        assert bob["cached_tokens"] == 0  # another tenant's prefix is a miss, on any worker
+        workers = httpx.get(f"{url}/health", timeout=10).json()["workers"]
+        for worker in workers:  # around the router: no key of a tenant opens a worker
+            assert post("sk-alice-router-01", worker["url"]).status_code == 401
+            assert post(None, worker["url"]).status_code == 401

@@ -86,7 +86,7 @@ TLS_FLAGS = ["--ssl-certfile", "pyproject.toml", "--ssl-keyfile", "pyproject.tom
         # A server others can reach answers anyone without a key: refused unless meant.
         (["--http", "0.0.0.0:0"], "no API key is set"),
         (["--http", "127.0.0.1:0", "--api-key", "short"], "at least 8"),
-        (["--http", "127.0.0.1:0", "--api-key", "k" * 12, "--workers", "2"], "--workers"),
+        (["--http", "127.0.0.1:0", "--admin-api-key", "k" * 12, "--workers", "2"], "--workers"),
         (["--http", "127.0.0.1:0", "--ssl-certfile", "pyproject.toml"], "go together"),
         (["--http", "127.0.0.1:0", *TLS_FLAGS], "TLS files"),
     ],

@@ -47,6 +47,10 @@ def add_access_flags(p: argparse.ArgumentParser) -> None:
         help="tenants share cached prefixes (by default each tenant has a cache of its own)",
     )  # fmt: skip
     g.add_argument("--metrics-public", action="store_true", help="/metrics answers without a key")
+    g.add_argument(
+        "--internal-token-file", type=input_file, metavar="FILE",
+        help="a worker behind a router: take only the token in FILE (the router's)",
+    )  # fmt: skip
     g.add_argument("--ssl-certfile", type=input_file, help="serve HTTPS with this PEM chain")
     g.add_argument("--ssl-keyfile", type=input_file, help="and this PEM private key")
     g.add_argument(
@@ -136,8 +140,13 @@ def access_of(args: argparse.Namespace) -> Access:
             f"--http {host} is reachable from other hosts and no API key is set: give "
             "--api-key or --api-keys, or --insecure-no-auth to serve anyone"
         )
-    if args.workers > 1 and (keys.configured or args.admin_api_key):
-        raise InvalidArgumentError("API keys are enforced by a single server: drop --workers")
+    if args.workers > 1 and args.admin_api_key:
+        raise InvalidArgumentError("the admin routes are a single server's: drop --workers")
+    if args.internal_token_file:  # a worker behind a router: the router checked the keys
+        token = pathlib.Path(args.internal_token_file).read_text().strip()
+        if len(token) < 16:
+            raise InvalidArgumentError("the internal token file holds fewer than 16 characters")
+        return Access(share_cache=args.share_cache, internal_token=token)
     allow = tuple(args.l3_allow)
     return Access(keys, args.admin_api_key, args.share_cache, args.metrics_public, allow)
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import secrets
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 
 import torch
@@ -25,9 +28,10 @@ from hicache.models.config import ModelConfig
 from hicache.models.hf.loader import CheckpointPlan
 from hicache.models.hf.tokenizer import load_tokenizer
 from hicache.server.request_body import ServedModel
-from hicache.server.router import RouterApi, RouterKind
+from hicache.server.router import RouterApi, RouterGate, RouterKind
 from hicache.server.workers import WorkerProcess, WorkerStartError, start_workers
 from hicache.tools.cli_parsing import CommandFailed
+from hicache.tools.serve.access import access_of, limits_of
 from hicache.tools.serve.http import Background, model_identity, running
 
 __all__ = ["run_cluster"]
@@ -69,13 +73,21 @@ async def _route(
 async def _route_requests(
     args: argparse.Namespace, argv: Sequence[str], served: ServedModel, gpus: int
 ) -> None:
-    workers = await start_workers(argv, args.workers, gpus, l3=args.l3)
-    api = RouterApi(workers, RouterKind(args.router), served, args.page_size)
+    with tempfile.TemporaryDirectory(prefix="hicache-router-") as scratch:
+        # The workers' only key, in a file only this user can read (never on a command line).
+        token, token_file = secrets.token_urlsafe(32), os.path.join(scratch, "internal-token")
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(token)
+        workers = await start_workers(argv, args.workers, gpus, l3=args.l3, token_file=token_file)
+    gate = RouterGate(access_of(args), limits_of(args), token)
+    api = RouterApi(workers, RouterKind(args.router), served, args.page_size, gate)
     runner = web.AppRunner(api.app(), handle_signals=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, gate.access.keys.reload)
     watcher = asyncio.create_task(_watch(api, workers, stop))
     try:
         await runner.setup()
