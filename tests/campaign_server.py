@@ -170,13 +170,13 @@ async def cross_tenant_ttft(client: httpx.AsyncClient, rounds: int) -> list[floa
     return ratios
 
 
-def start(root: pathlib.Path) -> tuple[subprocess.Popen[str], str]:
+def start(root: pathlib.Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
     keys = root / "keys"
     keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
     argv = [sys.executable, "-m", "hicache.tools.cli", "serve", *MODEL, "--http", "127.0.0.1:0",
             "--api-keys", str(keys), "--admin-api-key", ADMIN, "--l3", f"file://{root}/l3",
             "--l3-allow", f"file://{root}/allowed/", "--rate-limit", "20",
-            "--max-body-bytes", "65536"]  # fmt: skip
+            "--max-body-bytes", "65536", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -203,7 +203,14 @@ async def campaign(url: str, root: pathlib.Path, rounds: int) -> tuple[Tally, fl
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ttft-rounds", type=int, default=5)
+    parser.add_argument(
+        "--control", action="store_true",
+        help="only the TTFT rounds, on a server started with --share-cache: the ratio a "
+        "shared prefix gives, to show the figure tells the two apart",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.control:
+        return control(args.ttft_rounds)
     with tempfile.TemporaryDirectory() as scratch:
         root = pathlib.Path(scratch)
         proc, url = start(root)
@@ -226,6 +233,24 @@ def main() -> int:
         print(f"wrong: {line}")
     bad = tally.secrets_leaked or tally.cross_tenant_hits or tally.crashes or tally.wrong
     return 1 if bad else 0
+
+
+def control(rounds: int) -> int:
+    with tempfile.TemporaryDirectory() as scratch:
+        proc, url = start(pathlib.Path(scratch), "--share-cache")
+        try:
+
+            async def run() -> list[float]:
+                async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
+                    return await cross_tenant_ttft(client, rounds)
+
+            ratios = asyncio.run(run())
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=60)
+    print(json.dumps({"shared_cache_ttft_ratio": round(statistics.median(ratios), 3),
+                      "rounds": [round(r, 3) for r in ratios]}))  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
