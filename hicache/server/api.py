@@ -38,6 +38,7 @@ from hicache.server.auth import (
     current_tenant,
     key_id,
     key_of,
+    openai_errors,
 )
 from hicache.server.chat import parse_chat
 from hicache.server.limits import CallerLimiter, Limits
@@ -74,7 +75,7 @@ class CompletionsApi:
         self.started = int(time.time())
 
     def app(self) -> web.Application:
-        middlewares = [access_middleware(self.access)]
+        middlewares = [openai_errors, access_middleware(self.access)]
         size = self.limits.max_body_bytes
         app = web.Application(client_max_size=size, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)

@@ -36,6 +36,7 @@ __all__ = [
     "Access",
     "KeyRing",
     "access_middleware",
+    "openai_errors",
     "cache_namespace",
     "current_tenant",
     "key_id",
@@ -175,6 +176,20 @@ def _bearer(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own refusals (an unknown route, a method a route lacks) in OpenAI's error
+    shape, as every other error is."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        code = "not_found" if exc.status == 404 else exc.reason.lower().replace(" ", "_")
+        return _error(exc.status, f"{request.method} {request.path}: {exc.reason}", kind, code)
 
 
 def access_middleware(access: Access) -> Middleware:

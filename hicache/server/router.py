@@ -34,6 +34,7 @@ from hicache.server.auth import (
     current_tenant,
     key_id,
     key_of,
+    openai_errors,
 )
 from hicache.server.limits import CallerLimiter, Limits
 from hicache.server.request_body import ApiError, ServedModel, parse_completion
@@ -81,7 +82,7 @@ class RouterApi:
         self._register_metrics()
 
     def app(self) -> web.Application:
-        middlewares = [access_middleware(self.gate.access)]
+        middlewares = [openai_errors, access_middleware(self.gate.access)]
         size = self.gate.limits.max_body_bytes
         app = web.Application(client_max_size=size, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)

@@ -172,3 +172,16 @@ async def test_limits_answer_with_their_status_and_retry_after() -> None:
         await hold.done
     finally:
         await stop(server)
+
+
+async def test_unknown_routes_and_methods_answer_in_openais_shape() -> None:
+    server = await start(None, access=Access(KEYS))
+    try:
+        async with http(server, ALICE) as client:
+            for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405),
+                                         ("POST", "/admin/flush", 404)):  # fmt: skip
+                answer = await client.request(method, path)
+                assert answer.status_code == status
+                assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+    finally:
+        await stop(server)
