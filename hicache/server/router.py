@@ -16,7 +16,7 @@ import enum
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ from hicache.server.auth import (
 )
 from hicache.server.limits import CallerLimiter, Limits
 from hicache.server.request_body import ApiError, ServedModel, parse_completion
-from hicache.server.workers import WorkerProcess
+from hicache.server.workers import Worker
 
 __all__ = ["RouterApi", "RouterGate", "RouterKind"]
 
@@ -63,7 +63,7 @@ class RouterApi:
 
     def __init__(
         self,
-        workers: list[WorkerProcess],
+        workers: Sequence[Worker],
         kind: RouterKind,
         model: ServedModel,
         page_size: int,
@@ -110,7 +110,7 @@ class RouterApi:
             "status": "ok" if ok else "unavailable",
             "model": self.model.name,
             "workers": [
-                {"index": w.index, "url": w.url, "pid": w.process.pid, "alive": w.index in alive}
+                {"index": w.index, "url": w.url, "pid": w.pid, "alive": w.index in alive}
                 for w in self.workers
             ],
             "router": self.kind.value,

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 
 from hicache.errors import HiCacheError
 
-__all__ = ["WorkerProcess", "WorkerStartError", "start_workers", "worker_argv"]
+__all__ = [
+    "RemoteWorker",
+    "Worker",
+    "WorkerProcess",
+    "WorkerStartError",
+    "start_workers",
+    "worker_argv",
+]
 
 # The router's flags, each taking one value, then those without one: a worker listens on
 # loopback for the router alone, which checks keys and per-caller limits itself.
@@ -74,6 +81,14 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.process.returncode is None
 
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def ended(self) -> str:
+        """Why it is gone, for the log."""
+        return f"exited (status {self.process.returncode})"
+
     async def stop(self) -> int | None:
         """SIGTERM (the worker drains), then SIGKILL past the timeout; its exit status."""
         if self.alive:
@@ -88,6 +103,33 @@ class WorkerProcess:
         if self._relay is not None:
             await self._relay
         return self.process.returncode
+
+
+@dataclass(eq=False)
+class RemoteWorker:
+    """A worker started elsewhere (``serve --http ... --internal-token-file FILE``), known by
+    its URL; it is alive while its ``/health`` answers (the router looks, see ``cluster``)."""
+
+    index: int
+    url: str
+    answering: bool = True
+
+    @property
+    def alive(self) -> bool:
+        return self.answering
+
+    @property
+    def pid(self) -> int | None:
+        return None  # not the router's process
+
+    def ended(self) -> str:
+        return "stopped answering /health"
+
+    async def stop(self) -> int | None:
+        return None  # its own operator stops it
+
+
+Worker = WorkerProcess | RemoteWorker
 
 
 async def start_workers(

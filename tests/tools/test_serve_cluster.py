@@ -239,3 +239,39 @@ def test_the_router_enforces_keys_and_tenants_and_workers_take_only_its_token(
         for worker in workers:  # around the router: no key of a tenant opens a worker
             assert post("sk-alice-router-01", worker["url"]).status_code == 401
             assert post(None, worker["url"]).status_code == 401
+
+
+def test_a_router_over_workers_started_apart_checks_them_and_retires_a_dead_one(
+    tmp_path: pathlib.Path,
+) -> None:
+    token = tmp_path / "internal-token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alice-remote-01 alice\n")
+    worker = cli("--http", "127.0.0.1:0", "--l3", f"file://{tmp_path / 'l3'}",
+                 "--internal-token-file", str(token))  # fmt: skip
+    with serving(worker) as first, serving(worker) as second:
+        router = cli("--http", "127.0.0.1:0", "--worker", first.url, "--worker", second.url,
+                     "--internal-token-file", str(token), "--api-keys", str(keys))  # fmt: skip
+        with serving(router) as routed:
+            body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+            alice = {"Authorization": "Bearer sk-alice-remote-01"}
+            for _ in range(2):
+                answer = httpx.post(f"{routed.url}/v1/completions", json=body, headers=alice,
+                                    timeout=60)  # fmt: skip
+                assert answer.status_code == 200, answer.text
+            assert (
+                httpx.post(f"{routed.url}/v1/completions", json=body, timeout=60).status_code == 401
+            )
+            direct = httpx.post(f"{first.url}/v1/completions", json=body, headers=alice, timeout=60)
+            assert direct.status_code == 401  # a worker takes the router's token only
+            second.process.kill()
+            second.process.wait()
+            wait_until(lambda: [w["alive"] for w in httpx.get(f"{routed.url}/health",
+                                timeout=10).json()["workers"]] == [True, False])  # fmt: skip
+            for _ in range(3):  # all to the worker left
+                answer = httpx.post(f"{routed.url}/v1/completions", json=body, headers=alice,
+                                    timeout=60)  # fmt: skip
+                assert answer.status_code == 200, answer.text
+        second.process.returncode = 0  # killed on purpose: serving() checks a clean exit

@@ -125,8 +125,9 @@ def tls_of(args: argparse.Namespace) -> TlsFiles | None:
     return TlsFiles(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
 
 
-def access_of(args: argparse.Namespace) -> Access:
-    """The access rules the flags give; InvalidArgumentError (exit 2) for unsafe or bad ones."""
+def access_of(args: argparse.Namespace, router: bool = False) -> Access:
+    """The access rules the flags give; InvalidArgumentError (exit 2) for unsafe or bad ones.
+    ``router``: the rules of a router, whose ``--internal-token-file`` is its workers'."""
     direct = [*args.api_key, *([os.environ[_KEY_ENV]] if os.environ.get(_KEY_ENV) else [])]
     for key in [*direct, *([args.admin_api_key] if args.admin_api_key else [])]:
         _check_key(key)
@@ -140,9 +141,12 @@ def access_of(args: argparse.Namespace) -> Access:
             f"--http {host} is reachable from other hosts and no API key is set: give "
             "--api-key or --api-keys, or --insecure-no-auth to serve anyone"
         )
-    if args.workers > 1 and args.admin_api_key:
+    routing = args.workers > 1 or bool(args.worker)
+    if routing and args.admin_api_key:
         raise InvalidArgumentError("the admin routes are a single server's: drop --workers")
-    if args.internal_token_file:  # a worker behind a router: the router checked the keys
+    if args.worker and not args.internal_token_file:
+        raise InvalidArgumentError("--worker needs --internal-token-file: the workers' token")
+    if args.internal_token_file and not router and not routing:  # a worker behind a router
         token = pathlib.Path(args.internal_token_file).read_text().strip()
         if len(token) < 16:
             raise InvalidArgumentError("the internal token file holds fewer than 16 characters")

@@ -15,12 +15,14 @@ import argparse
 import asyncio
 import contextlib
 import os
+import pathlib
 import secrets
 import signal
 import sys
 import tempfile
 from collections.abc import Sequence
 
+import aiohttp
 import torch
 from aiohttp import web
 
@@ -29,14 +31,15 @@ from hicache.models.hf.loader import CheckpointPlan
 from hicache.models.hf.tokenizer import load_tokenizer
 from hicache.server.request_body import ServedModel
 from hicache.server.router import RouterApi, RouterGate, RouterKind
-from hicache.server.workers import WorkerProcess, WorkerStartError, start_workers
+from hicache.server.workers import RemoteWorker, Worker, WorkerStartError, start_workers
 from hicache.tools.cli_parsing import CommandFailed
 from hicache.tools.serve.access import access_of, limits_of
 from hicache.tools.serve.http import Background, model_identity, running
 
 __all__ = ["run_cluster"]
 
-_WATCH_S = 0.5  # how often the router looks for workers that exited
+_WATCH_S = 0.5  # how often the router looks for workers that exited or stopped answering
+_HEALTH_TIMEOUT_S = 1.0
 
 
 def run_cluster(
@@ -70,17 +73,30 @@ async def _route(
         await _route_requests(args, argv, served, gpus)
 
 
-async def _route_requests(
-    args: argparse.Namespace, argv: Sequence[str], served: ServedModel, gpus: int
-) -> None:
+async def _workers(
+    args: argparse.Namespace, argv: Sequence[str], gpus: int
+) -> tuple[list[Worker], str]:
+    """The workers to route over, and the internal token they take: those at ``--worker``
+    URLs (started elsewhere with ``--internal-token-file``), or ``--workers`` processes
+    started here with a new token."""
+    if args.worker:
+        token = pathlib.Path(args.internal_token_file).read_text().strip()
+        return [RemoteWorker(i, url.rstrip("/")) for i, url in enumerate(args.worker)], token
     with tempfile.TemporaryDirectory(prefix="hicache-router-") as scratch:
         # The workers' only key, in a file only this user can read (never on a command line).
         token, token_file = secrets.token_urlsafe(32), os.path.join(scratch, "internal-token")
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(token)
-        workers = await start_workers(argv, args.workers, gpus, l3=args.l3, token_file=token_file)
-    gate = RouterGate(access_of(args), limits_of(args), token)
+        started = await start_workers(argv, args.workers, gpus, l3=args.l3, token_file=token_file)
+    return list(started), token
+
+
+async def _route_requests(
+    args: argparse.Namespace, argv: Sequence[str], served: ServedModel, gpus: int
+) -> None:
+    workers, token = await _workers(args, argv, gpus)
+    gate = RouterGate(access_of(args, router=True), limits_of(args), token)
     api = RouterApi(workers, RouterKind(args.router), served, args.page_size, gate)
     runner = web.AppRunner(api.app(), handle_signals=False)
     stop = asyncio.Event()
@@ -108,16 +124,29 @@ async def _route_requests(
               flush=True)  # fmt: skip
 
 
-async def _watch(api: RouterApi, workers: list[WorkerProcess], stop: asyncio.Event) -> None:
-    """Retire workers whose process exited; stop the router once none is left."""
+async def _watch(api: RouterApi, workers: list[Worker], stop: asyncio.Event) -> None:
+    """Retire workers whose process exited or that stopped answering ``/health``; stop the
+    router once none is left."""
     while True:
         for worker in workers:
+            if isinstance(worker, RemoteWorker) and worker.index in api.tree.alive:
+                worker.answering = await _answers(api, worker)
             if not worker.alive and worker.index in api.tree.alive:
-                print(f"worker {worker.index} exited (status {worker.process.returncode}); "
-                      "no more requests go to it", file=sys.stderr, flush=True)  # fmt: skip
+                print(f"worker {worker.index} {worker.ended()}; no more requests go to it",
+                      file=sys.stderr, flush=True)  # fmt: skip
                 api.tree.retire(worker.index)
         if not api.tree.alive:
             print("every worker has exited: stopping", file=sys.stderr, flush=True)
             stop.set()
             return
         await asyncio.sleep(_WATCH_S)
+
+
+async def _answers(api: RouterApi, worker: RemoteWorker) -> bool:
+    """Whether ``worker``'s ``/health`` answers 200 within a second."""
+    try:
+        timeout = aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_S)
+        async with api.session.get(f"{worker.url}/health", timeout=timeout) as answer:
+            return answer.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False

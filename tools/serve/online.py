@@ -57,12 +57,24 @@ def add_online_flags(p: argparse.ArgumentParser) -> None:
         "a router process; they share the L3",
     )
     g.add_argument(
+        "--worker", action="append", default=[], metavar="URL", type=arg_type(_worker_url),
+        help="--http: route over the worker at URL (repeatable; each started elsewhere with "
+        "serve --http ... --internal-token-file FILE) instead of starting --workers",
+    )  # fmt: skip
+    g.add_argument(
         "--router",
         choices=[k.value for k in RouterKind],
         default=RouterKind.CACHE_AWARE.value,
         help="--workers: send each request where its prefix is cached (cache_aware, balanced "
         "by load) or take turns (round_robin)",
     )
+
+
+def _worker_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme != "http" or not parts.hostname or parts.port is None or parts.path.strip("/"):
+        raise InvalidArgumentError(f"--worker wants http://HOST:PORT, got {text!r}")
+    return text.rstrip("/")
 
 
 def run_online(args: argparse.Namespace) -> int:
@@ -81,7 +93,7 @@ def run_online(args: argparse.Namespace) -> int:
     with _auto_mooncake(args) as background:
         hicache = hicache_config(args)  # the model's own namespace: kept across restarts
         config, plan, device = checked_model(args, hicache)
-        if args.workers > 1:  # the router loads no weights
+        if args.workers > 1 or args.worker:  # the router loads no weights
             return run_cluster(args, args.argv, config, plan, device, background)
         model: ServingModel = plan.load() if plan else TinyTransformer(config, device)
         return run_http(args, hicache, model, plan, background, (access, limits))
