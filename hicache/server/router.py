@@ -16,6 +16,7 @@ import enum
 import itertools
 import json
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from hicache.server.auth import (
     key_of,
     openai_errors,
 )
+from hicache.server.chat import parse_chat
 from hicache.server.limits import CallerLimiter, Limits
 from hicache.server.request_body import ApiError, ServedModel, parse_completion
 from hicache.server.workers import Worker
@@ -70,6 +72,7 @@ class RouterApi:
         gate: RouterGate | None = None,
     ) -> None:
         self.gate = gate or RouterGate()
+        self.started = int(time.time())
         self.limiter = CallerLimiter(self.gate.limits)
         self.workers = workers
         self.kind = kind
@@ -86,6 +89,8 @@ class RouterApi:
         size = self.gate.limits.max_body_bytes
         app = web.Application(client_max_size=size, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.on_cleanup.append(self._close_session)
@@ -117,6 +122,11 @@ class RouterApi:
         }
         return web.json_response(body, status=200 if ok else 503)
 
+    async def models(self, _: web.Request) -> web.Response:
+        model = {"id": self.model.name, "object": "model", "created": self.started,
+                 "owned_by": "hicache"}  # fmt: skip
+        return web.json_response({"object": "list", "data": [model]})
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         key = key_of(request)
         caller = f"key:{key_id(key)}" if key is not None else f"addr:{request.remote}"
@@ -138,7 +148,9 @@ class RouterApi:
             if self.closing:
                 raise ApiError("the server is shutting down and takes no new requests", None, 503)
             body = _json(raw)
-            args = parse_completion(body, self.model)  # the worker checks it again, fully
+            chat = request.path == "/v1/chat/completions"
+            # The prompt's tokens, to route by; the worker checks the body again, fully.
+            args = parse_chat(body, self.model) if chat else parse_completion(body, self.model)
             tenant = current_tenant()
             share = self.gate.access.share_cache
             # Routed by the prefix in the request's own namespace: tenants share no pages.
@@ -193,7 +205,7 @@ class RouterApi:
     async def _forward(
         self, request: web.Request, worker: int, raw: bytes, tenant: str | None
     ) -> web.StreamResponse:
-        url = f"{self.workers[worker].url}/v1/completions"
+        url = f"{self.workers[worker].url}{request.path}"
         headers = {"Content-Type": "application/json", **self._worker_headers()}
         if tenant is not None:
             headers[TENANT_HEADER] = tenant

@@ -235,6 +235,12 @@ def test_the_router_enforces_keys_and_tenants_and_workers_take_only_its_token(
         assert hit["cached_tokens"] > 0  # alice hits her own prefix, on its worker
         bob = post("sk-bob-router-0002").json()["usage"]["prompt_tokens_details"]
         assert bob["cached_tokens"] == 0  # another tenant's prefix is a miss, on any worker
+        alice = {"Authorization": "Bearer sk-alice-router-01"}
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=chat, headers=alice, timeout=60)
+        assert answer.status_code == 200 and answer.json()["object"] == "chat.completion"
+        models = httpx.get(f"{url}/v1/models", headers=alice, timeout=10).json()
+        assert [m["object"] for m in models["data"]] == ["model"]
         workers = httpx.get(f"{url}/health", timeout=10).json()["workers"]
         for worker in workers:  # around the router: no key of a tenant opens a worker
             assert post("sk-alice-router-01", worker["url"]).status_code == 401

@@ -28,13 +28,12 @@ from aiohttp import web
 
 from hicache.models.config import ModelConfig
 from hicache.models.hf.loader import CheckpointPlan
-from hicache.models.hf.tokenizer import load_tokenizer
 from hicache.server.request_body import ServedModel
 from hicache.server.router import RouterApi, RouterGate, RouterKind
 from hicache.server.workers import RemoteWorker, Worker, WorkerStartError, start_workers
 from hicache.tools.cli_parsing import CommandFailed
 from hicache.tools.serve.access import access_of, limits_of
-from hicache.tools.serve.http import Background, model_identity, running
+from hicache.tools.serve.http import Background, model_identity, running, served_model
 
 __all__ = ["run_cluster"]
 
@@ -52,8 +51,7 @@ def run_cluster(
 ) -> int:
     """Route over ``args.workers`` workers until a signal; 0 after a clean stop."""
     name, _ = model_identity(model, plan)
-    tokenizer = load_tokenizer(plan.directory) if plan is not None else None
-    served = ServedModel(name, model.vocab_size, tokenizer)
+    served = served_model(name, model, plan)  # the router tokenizes prompts to route them
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     try:
         asyncio.run(_route(args, argv, served, gpus, background))

@@ -35,7 +35,15 @@ from hicache.tiering.config import HiCacheConfig, StorageConfig
 from hicache.tools.cli_parsing import CommandFailed
 from hicache.tools.serve.config import engine_config_of, hisparse_config
 
-__all__ = ["Background", "model_identity", "parse_listen", "run_http", "running", "serving_mode"]
+__all__ = [
+    "Background",
+    "model_identity",
+    "parse_listen",
+    "run_http",
+    "running",
+    "served_model",
+    "serving_mode",
+]
 
 # A task the server runs beside itself for its whole life (a service it keeps alive).
 Background = Callable[[], Coroutine[Any, Any, None]]
@@ -70,6 +78,16 @@ def model_identity(model: ModelConfig, plan: CheckpointPlan | None) -> tuple[str
     return name, f"{name}-{config_fingerprint(dataclasses.asdict(model))}"
 
 
+def served_model(name: str, config: ModelConfig, plan: CheckpointPlan | None) -> ServedModel:
+    """What the endpoint serves: a checkpoint's tokenizer and chat template, or for a seeded
+    preset text as UTF-8 bytes and the plain template."""
+    if plan is not None:
+        tokenizer, chat = load_tokenizer(plan.directory), load_chat_template(plan.directory)
+    else:
+        tokenizer, chat = ByteTokenizer(), ChatTemplate()
+    return ServedModel(name, config.vocab_size, tokenizer, chat)
+
+
 def run_http(
     args: argparse.Namespace,
     hicache: HiCacheConfig,
@@ -82,11 +100,7 @@ def run_http(
     name, model_id = model_identity(model.config, plan)
     if hicache.storage.url is not None and hicache.storage.model_id == _DEFAULT_MODEL_ID:
         hicache = hicache.with_changes("storage", model_id=model_id)
-    if plan is not None:
-        tokenizer, chat = load_tokenizer(plan.directory), load_chat_template(plan.directory)
-    else:  # a seeded preset: text as UTF-8 bytes, messages through the plain template
-        tokenizer, chat = ByteTokenizer(), ChatTemplate()
-    served = ServedModel(name, model.config.vocab_size, tokenizer, chat)
+    served = served_model(name, model.config, plan)
     asyncio.run(_serve(args, hicache, model, served, background, rules or (Access(), Limits())))
     return 0
 
