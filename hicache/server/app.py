@@ -86,6 +86,7 @@ class HttpServer:
         )
         limits = limits or Limits()
         self.guard = ConnectionGuard(limits.max_connections, limits.header_timeout_s)
+        self.metrics.watch_connections(self.guard)
         self.admin = AdminApi(setup.engine, model, listen.drain_s, self.access.l3_allow)
         self._stop = asyncio.Event()
         self.url: str | None = None  # once listening

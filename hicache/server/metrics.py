@@ -52,6 +52,11 @@ class ServingMetrics:
         )  # fmt: skip
         self.in_flight = Gauge(f"{prefix}_requests_in_flight", "requests not done", registry=reg)
 
+    def watch_connections(self, guard: Any, prefix: str = "hicache") -> None:
+        """Export a :class:`~hicache.server.connections.ConnectionGuard`'s counts: connections
+        open, closed at once over the cap, and closed for want of a request head in time."""
+        self.registry.register(_ConnectionCounts(guard, prefix))
+
     def refused(self) -> None:
         """A request answered 4xx before it reached the engine."""
         self.requests.labels("refused").inc()
@@ -80,3 +85,25 @@ class ServingMetrics:
     def sample(self, name: str, labels: dict[str, str] | None = None) -> Any:
         """One sample's value by full name (for tests); None if absent."""
         return self.registry.get_sample_value(name, labels or {})
+
+
+class _ConnectionCounts:
+    """A collector reading the guard's numbers at each scrape."""
+
+    def __init__(self, guard: Any, prefix: str) -> None:
+        self._guard = guard
+        self._prefix = prefix
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        p, guard = self._prefix, self._guard
+        yield GaugeMetricFamily(f"{p}_http_connections_open", "connections open", guard.open)
+        yield CounterMetricFamily(
+            f"{p}_http_connections_refused", "connections closed at once: the cap was reached",
+            guard.refused,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{p}_http_connections_timed_out",
+            "connections closed: no request head within the header timeout", guard.timed_out,
+        )  # fmt: skip

@@ -8,6 +8,7 @@ import json
 import socket
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from test_http_api import start, stop
 
 from hicache.server.app import HttpServer
@@ -43,6 +44,10 @@ async def test_slow_heads_are_closed_and_the_cap_refuses_more() -> None:
         assert (server.guard.refused, server.guard.timed_out) == (1, 4)
         async with httpx.AsyncClient(base_url=server.url or "") as client:
             assert (await client.get("/health")).status_code == 200  # room again
+            text = (await client.get("/metrics")).text
+        counts = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert counts["hicache_http_connections_refused_total"] == 1
+        assert counts["hicache_http_connections_timed_out_total"] == 4
         for _, writer in slow:
             writer.close()
     finally:
