@@ -10,13 +10,17 @@ there yet).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
+from hicache.server.request_body import ApiError
 from hicache.serving.request import ServeRequest
 
-__all__ = ["Shape", "TextStream", "event", "usage"]
+__all__ = ["Shape", "TextStream", "error_response", "event", "models_body", "usage"]
 
 _PARTIAL = "\ufffd"
 
@@ -112,6 +116,20 @@ def usage(request: ServeRequest, generated: int) -> dict[str, Any]:
         "total_tokens": prompt + generated,
         "prompt_tokens_details": {"cached_tokens": sum(tiers.values()), **tiers},
     }
+
+
+def models_body(name: str, created: int) -> dict[str, Any]:
+    """``/v1/models``: the one model served."""
+    model = {"id": name, "object": "model", "created": created, "owned_by": "hicache"}
+    return {"object": "list", "data": [model]}
+
+
+def error_response(exc: ApiError) -> web.Response:
+    """A refusal in OpenAI's error shape, with ``Retry-After`` when it says when to retry."""
+    response = web.json_response(exc.body(), status=exc.status)
+    if exc.retry_after_s is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return response
 
 
 def event(payload: dict[str, Any]) -> bytes:

@@ -23,25 +23,22 @@ import asyncio
 import contextlib
 import functools
 import json
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from hicache.server.answers import Shape, TextStream, event, usage
+from hicache.server.answers import Shape, TextStream, error_response, event, models_body, usage
 from hicache.server.auth import (
     Access,
     access_middleware,
     cache_namespace,
     current_tenant,
-    key_id,
-    key_of,
     openai_errors,
 )
 from hicache.server.chat import parse_chat
-from hicache.server.limits import CallerLimiter, Limits
+from hicache.server.limits import CallerLimiter, Limits, caller_of
 from hicache.server.metrics import ServingMetrics
 from hicache.server.request_body import ApiError, CompletionArgs, ServedModel, parse_completion
 from hicache.serving.engine import Engine
@@ -93,9 +90,7 @@ class CompletionsApi:
         return web.json_response(body, status=status)
 
     async def models(self, _: web.Request) -> web.Response:
-        model = {"id": self.model.name, "object": "model", "created": self.started,
-                 "owned_by": "hicache"}  # fmt: skip
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response(models_body(self.model.name, self.started))
 
     async def metrics_text(self, _: web.Request) -> web.Response:
         self.metrics.in_flight.set(self.source.in_flight)
@@ -115,12 +110,12 @@ class CompletionsApi:
     async def _limited(
         self, request: web.Request, parse: Callable[[Any], CompletionArgs], shape: Shape
     ) -> web.StreamResponse:
-        caller = _caller(request)
+        caller = caller_of(request)
         try:
             self._check_room(caller)
         except ApiError as exc:
             self.metrics.refused()
-            return _refusal(exc)
+            return error_response(exc)
         try:
             return await self._answer(request, parse, shape)
         finally:
@@ -138,12 +133,12 @@ class CompletionsApi:
             admission = self._submit(args, namespace)
         except ApiError as exc:
             self.metrics.refused()
-            return _refusal(exc)
+            return error_response(exc)
         text = TextStream(self.model.tokenizer, args.stop)
         if args.stream:
             return await self._stream(request, admission, text, (shape, args.include_usage))
         shown = ""
-        while (token := await _next_token(request, admission)) is not None:
+        while (token := await _next_token(request, admission, self.source)) is not None:
             shown += text.push(token)
             if text.stopped:
                 break
@@ -161,10 +156,7 @@ class CompletionsApi:
         if self.source.in_flight >= self.limits.max_queue:
             raise ApiError("the server is at its queue limit: retry shortly", None, 503,
                            "server_busy", retry_after_s=1.0)  # fmt: skip
-        wait = self.limiter.admit(caller)
-        if wait is not None:
-            raise ApiError("too many requests for this key: retry shortly", None, 429,
-                           "rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
+        self.limiter.take(caller)
 
     async def _json(self, request: web.Request) -> Any:
         try:
@@ -238,14 +230,16 @@ class CompletionsApi:
         return served
 
 
-async def _next_token(request: web.Request, admission: Admission) -> int | None:
+async def _next_token(
+    request: web.Request, admission: Admission, source: OnlineSource
+) -> int | None:
     """The next token of ``admission`` (None once it ended, or once its client's connection
     closed: looked at every 50 ms, as aiohttp does not cancel a handler when its client leaves;
     the request is cancelled then)."""
     while True:
         transport = request.transport
         if transport is None or transport.is_closing():
-            admission.request.cancelled = True  # nobody reads the answer: stop computing it
+            source.cancel(admission)  # nobody reads the answer: stop computing it
             return None
         with contextlib.suppress(TimeoutError):
             return await asyncio.wait_for(admission.tokens.get(), _HANG_UP_POLL_S)
@@ -253,16 +247,3 @@ async def _next_token(request: web.Request, admission: Admission) -> int | None:
 
 def _finish(text: TextStream) -> str:
     return "stop" if text.stopped else "length"
-
-
-def _caller(request: web.Request) -> str:
-    """Whose limits a request counts against: its key's, else its client address's."""
-    key = key_of(request)
-    return f"key:{key_id(key)}" if key is not None else f"addr:{request.remote}"
-
-
-def _refusal(exc: ApiError) -> web.Response:
-    response = web.json_response(exc.body(), status=exc.status)
-    if exc.retry_after_s is not None:
-        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-    return response

@@ -16,9 +16,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hicache.errors import ConfigError
+from aiohttp import web
 
-__all__ = ["CallerLimiter", "Limits"]
+from hicache.errors import ConfigError
+from hicache.server.auth import key_id, key_of
+from hicache.server.request_body import ApiError
+
+__all__ = ["CallerLimiter", "Limits", "caller_of"]
 
 _MAX_CALLERS = 65536
 
@@ -83,6 +87,13 @@ class CallerLimiter:
         state.in_flight += 1
         return None
 
+    def take(self, caller: str) -> None:
+        """:meth:`admit`, raising the 429 (with its retry delay) when refused."""
+        wait = self.admit(caller)
+        if wait is not None:
+            raise ApiError("too many requests for this key: retry shortly", None, 429,
+                           "rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
+
     def release(self, caller: str) -> None:
         """End one admitted request of ``caller``."""
         state = self._callers.get(caller)
@@ -107,3 +118,9 @@ class CallerLimiter:
                     return
                 continue
             del self._callers[oldest]
+
+
+def caller_of(request: web.Request) -> str:
+    """Whose limits a request counts against: its key's, else its client address's."""
+    key = key_of(request)
+    return f"key:{key_id(key)}" if key is not None else f"addr:{request.remote}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import enum
 import itertools
 import json
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,18 +26,17 @@ from aiohttp import web
 from hicache.errors import InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.scheduling.router import CacheAwareRouter, RouterConfig
+from hicache.server.answers import error_response, models_body
 from hicache.server.auth import (
     TENANT_HEADER,
     Access,
     access_middleware,
     cache_namespace,
     current_tenant,
-    key_id,
-    key_of,
     openai_errors,
 )
 from hicache.server.chat import parse_chat
-from hicache.server.limits import CallerLimiter, Limits
+from hicache.server.limits import CallerLimiter, Limits, caller_of
 from hicache.server.request_body import ApiError, ServedModel, parse_completion
 from hicache.server.workers import Worker
 
@@ -123,20 +121,14 @@ class RouterApi:
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, _: web.Request) -> web.Response:
-        model = {"id": self.model.name, "object": "model", "created": self.started,
-                 "owned_by": "hicache"}  # fmt: skip
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response(models_body(self.model.name, self.started))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        key = key_of(request)
-        caller = f"key:{key_id(key)}" if key is not None else f"addr:{request.remote}"
-        wait = self.limiter.admit(caller)
-        if wait is not None:
-            error = ApiError("too many requests for this key: retry shortly", None, 429,
-                             "rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
-            response = web.json_response(error.body(), status=429)
-            response.headers["Retry-After"] = str(max(1, math.ceil(wait)))
-            return response
+        caller = caller_of(request)
+        try:
+            self.limiter.take(caller)
+        except ApiError as exc:
+            return error_response(exc)
         try:
             return await self._route(request)
         finally:

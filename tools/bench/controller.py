@@ -59,6 +59,7 @@ from hicache.tiering.cache import HiRadixCache
 from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig
 from hicache.tiering.controller import HiCacheController
 from hicache.tools.bench.controller_l3 import (
+    BATCH_PAGES,
     CpuLog,
     cpu_report,
     l3_report,
@@ -70,7 +71,6 @@ from hicache.tools.cli_parsing import check_memory, input_dir, int_range
 
 __all__ = ["add_bench_controller_parser", "run_bench_controller"]
 
-_BATCH = 32  # pages per backend call, for the controller and the raw baseline alike
 _L3_PAGE_BYTES = 2 << 20  # the round trip's pages (see _measure)
 # Bounds of the flags: each overhead page is a few tree and queue objects moved four times;
 # each L3 page takes 2 MiB of host memory twice and as much disk twice.
@@ -84,8 +84,8 @@ Step = Callable[[int], Awaitable[float]]  # round number -> seconds timed (prepa
 async def _build(shape: ModelShape, device_tokens: int, host_pages: int, url: str) -> Any:
     model = preset(PoolPreset.DENSE, shape)
     config = HiCacheConfig(
-        prefetch=PrefetchConfig(threshold_tokens=shape.page_size, batch_pages=_BATCH),
-        storage=StorageConfig(url=url, write_batch_pages=_BATCH, write_queue_pages=1 << 20),
+        prefetch=PrefetchConfig(threshold_tokens=shape.page_size, batch_pages=BATCH_PAGES),
+        storage=StorageConfig(url=url, write_batch_pages=BATCH_PAGES, write_queue_pages=1 << 20),
     )
     device = device_pools(model, {"kv": device_tokens}, "cpu")
     host = host_pools(model, {"kv": host_pages}, pin_memory=False)

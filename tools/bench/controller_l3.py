@@ -16,9 +16,16 @@ from hicache.tiering.controller import HiCacheController
 from hicache.tiering.storage_tier import PrefetchOp, WriteJob
 from hicache.tools.bench.rounds import spread
 
-__all__ = ["CpuLog", "cpu_report", "l3_report", "roundtrip_controller", "roundtrip_raw"]
+__all__ = [
+    "BATCH_PAGES",
+    "CpuLog",
+    "cpu_report",
+    "l3_report",
+    "roundtrip_controller",
+    "roundtrip_raw",
+]
 
-_BATCH = 32  # pages per backend call, as the controller's batches
+BATCH_PAGES = 32  # pages per backend call, for the controller and the raw baseline alike
 
 
 def _bundle(ctl: HiCacheController, pages: int, tag: int) -> list[BundlePage]:
@@ -98,13 +105,13 @@ async def roundtrip_raw(
     _clear_dest(ctl, pages)
     cpu.start()
     start = time.perf_counter()
-    for lo in range(0, pages, _BATCH):
-        batch = range(lo, min(lo + _BATCH, pages))
+    for lo in range(0, pages, BATCH_PAGES):
+        batch = range(lo, min(lo + BATCH_PAGES, pages))
         values = [host.page_segments(i) for i in batch]
         if not all(await backend.put([keys[i] for i in batch], values)):
             raise RuntimeError("a raw put failed during the benchmark")
-    for lo in range(0, pages, _BATCH):
-        batch = range(lo, min(lo + _BATCH, pages))
+    for lo in range(0, pages, BATCH_PAGES):
+        batch = range(lo, min(lo + BATCH_PAGES, pages))
         got = await backend.get_into(
             [keys[i] for i in batch], [host.page_segments(pages + i) for i in batch]
         )
