@@ -53,6 +53,7 @@ class _Known:
 _KNOWN: dict[str, _Known] = {
     "memory": _Known("hicache.backends.memory:MemoryBackend", ("memory",), ""),
     "file": _Known("hicache.backends.file:FileBackend", ("file",), ""),
+    "disk": _Known("hicache.backends.disk:DiskBackend", ("disk",), ""),
     "shm": _Known("hicache.backends.shm:SharedMemoryBackend", ("shm",), ""),
     # First-party backends whose client libraries are optional extras.
     "fsspec": _Known(

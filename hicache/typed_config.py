@@ -141,7 +141,9 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     if tp is bool:
         return parse_bool(value)
     if tp is int:
-        return parse_size(value) if name.endswith("bytes") else int(value)
+        # A byte count takes K/M/G/T suffixes: fields named *bytes, and capacity.
+        is_size = name.endswith("bytes") or name == "capacity"
+        return parse_size(value) if is_size else int(value)
     if tp is str:
         return value
     raise ValueError(f"cannot be set from text (type {tp})")

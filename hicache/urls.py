@@ -27,7 +27,7 @@ _SECRET_NAME = re.compile(
     r"(?:^|[_.-])(?:key|secret|token|password|passwd|pwd|credentials?|auth|signature|sig)$",
     re.IGNORECASE,
 )
-_LOCAL_SCHEMES = frozenset({"file", "nixl", "3fs"})
+_LOCAL_SCHEMES = frozenset({"file", "disk", "nixl", "3fs"})
 _MASK = "***"
 
 
@@ -54,7 +54,13 @@ def redact_url(url: str) -> str:
         netloc = f"{_MASK}@{netloc.rpartition('@')[2]}"
     pairs = parse_qsl(parts.query, keep_blank_values=True)
     query = urlencode([(k, _MASK if _SECRET_NAME.search(k) else v) for k, v in pairs], safe="*/:")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    shown = urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    # urlunsplit drops an empty authority's "//" for schemes it does not know (disk:///a would
+    # come back as disk:/a): keep the form the URL was given in.
+    lead = f"{parts.scheme}://"
+    if url.startswith(lead) and not shown.startswith(lead):
+        shown = lead + shown[len(parts.scheme) + 1 :]
+    return shown
 
 
 def scrub(text: str, url: str) -> str:

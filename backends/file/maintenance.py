@@ -11,19 +11,24 @@ fall back to the plain API where a backend has neither:
   worker and calls the tool's check right there, and only the results come back, in batches.
 - :class:`TempFileOwner`: list and remove the temporary files that writers which crashed
   left behind (:class:`TempFile`), never one younger than :data:`TEMP_GRACE_S`.
+- :class:`SegmentStore`: a store that appends objects into segments (``disk``): an audit of
+  its segments, which names each damaged stretch and the objects it lost, and a compaction
+  that moves live objects out of mostly dead segments.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, TypeVar, runtime_checkable
 
 __all__ = [
     "TEMP_GRACE_S",
     "BulkReader",
+    "DamagedStretch",
     "ObjectBatches",
     "ObjectCheck",
+    "SegmentStore",
     "TempFile",
     "TempFileOwner",
 ]
@@ -72,4 +77,30 @@ class TempFileOwner(Protocol):
 
     async def remove_temp_files(self, min_age_s: float = TEMP_GRACE_S) -> list[TempFile]:
         """Remove temporary files not written for ``min_age_s`` seconds; those removed."""
+        ...
+
+
+@runtime_checkable
+class DamagedStretch(Protocol):
+    """A stretch of a segment that does not check out, and the objects stored in it."""
+
+    segment: str
+    start: int
+    end: int
+    keys: tuple[str, ...]
+
+    def to_json(self) -> dict[str, object]: ...
+
+
+@runtime_checkable
+class SegmentStore(Protocol):
+    """A store of segments (``disk``)."""
+
+    async def audit_segments(self) -> Sequence[DamagedStretch]:
+        """Every damaged stretch of every segment, with the objects each one lost."""
+        ...
+
+    async def compact_segments(self, min_dead: float = 0.5) -> tuple[int, int]:
+        """Move live objects out of segments at least ``min_dead`` dead and reclaim those;
+        (segments reclaimed, bytes freed)."""
         ...

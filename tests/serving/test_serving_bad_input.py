@@ -3,6 +3,7 @@ runs end to end (all four cache configurations, no L3, trace replay)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 from serving_helpers import DEVICE_TOKENS, VOCAB, hicache_config, serve, trace
 
+from hicache.backends.registry import open_backend
 from hicache.models.config import ModelPreset
 from hicache.serving.engine import CacheMode
 from hicache.serving.request import ServeRequest
@@ -116,7 +118,7 @@ def test_cli_compare_runs_four_configs(
     rows = result["configs"]
     assert [r["name"] for r in rows] == ["none", "device", "device+host", "device+host+l3"]
     assert result["outputs_identical"] is True
-    assert result["l3"] == f"file://{l3}"
+    assert result["l3"] == f"disk://{l3}"
     oracle = result["oracle_hit_rate"]
     assert 0 < oracle < 1
     for row in rows:
@@ -132,7 +134,8 @@ def test_cli_compare_runs_four_configs(
     assert rows[3]["bytes_host_to_l3"] > 0, "the L3 config wrote no pages"
     # ... in a namespace of the run's own, deleted when it ended
     assert rows[3]["l3_discarded_objects"] > 0
-    assert not any(p.is_file() for p in l3.rglob("*"))
+    # (a disk store keeps its marker, logs and locks; every segment held the run's pages)
+    assert not any(p.is_file() for p in (l3 / "segments").rglob("*"))
 
 
 def test_cli_restart_reads_l3(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
@@ -140,8 +143,15 @@ def test_cli_restart_reads_l3(capsys: pytest.CaptureFixture[str], tmp_path: path
     wrote. A run without it starts from an empty namespace of its own (reproducible)."""
     args = [*CHAT, "--cache-dir", str(tmp_path / "l3")]
 
-    def stored() -> list[pathlib.Path]:
-        return sorted(p for p in (tmp_path / "l3").rglob("*") if p.is_file())
+    def stored() -> list[str]:
+        """The keys the default L3 (a disk store in the cache dir) holds, read-only."""
+
+        async def keys() -> list[str]:
+            url = f"disk://{tmp_path / 'l3'}?read_only=true"
+            async with await open_backend(url) as store:
+                return sorted([info.key async for info in store.scan()])
+
+        return asyncio.run(keys())
 
     first = _serve_json(capsys, *args, "--l3-warm")
     kept = stored()

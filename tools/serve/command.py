@@ -71,7 +71,9 @@ from hicache.workloads.traces import TraceRequest, load_trace
 
 __all__ = ["add_serve_parser", "run_serve"]
 
-DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hicache", "l3")
+# The default L3 is a disk:// store here. Its own folder: file:// stores kept their pages under
+# .../hicache/l3 before, and a disk store refuses a folder that holds something else.
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hicache", "disk")
 
 
 # Upper bounds of the workload: far past a benchmark, low enough that a typo is refused.
@@ -179,7 +181,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "(default: an empty namespace of the run's own, so runs are reproducible)",
     )
     e.add_argument(
-        "--cache-dir", type=path_arg, default=DEFAULT_CACHE_DIR, help="the default file L3"
+        "--cache-dir",
+        type=path_arg,
+        default=DEFAULT_CACHE_DIR,
+        help="where the default L3 (a disk:// store) lives",
     )
     e.add_argument(
         "--l3-bandwidth",

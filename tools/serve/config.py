@@ -143,7 +143,7 @@ def hicache_config(args: argparse.Namespace) -> HiCacheConfig:
     default)."""
     base = HiCacheConfig()
     base = base.with_changes("tiers", host_ratio=2.0)
-    base = base.with_changes("storage", url=f"file://{os.path.abspath(args.cache_dir)}")
+    base = base.with_changes("storage", url=f"disk://{os.path.abspath(args.cache_dir)}")
     base = base.with_changes("prefetch", threshold_tokens=max(args.page_size, 64))
     config = config_from_args(args, base)
     check_config(config, args.page_size)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.backends.base import StorageBackend
-from hicache.backends.file.maintenance import BulkReader
+from hicache.backends.file.maintenance import BulkReader, DamagedStretch, SegmentStore
 from hicache.tools.progress import Progress
 from hicache.tools.store.scan import (
     Damage,
@@ -63,6 +63,8 @@ class VerifyReport:
     vanished: int = 0  # listed, then gone before they were read: removed by someone else
     bad: list[BadObject] = field(default_factory=list)
     deleted: list[str] | None = None  # None unless deletion was asked for
+    # Damaged stretches of a segment store's segments (SegmentStore), None for other stores.
+    regions: list[DamagedStretch] | None = None
 
     @property
     def exit_code(self) -> int:
@@ -78,11 +80,16 @@ class VerifyReport:
         }
         if self.deleted is not None:
             out["deleted"] = self.deleted
+        if self.regions is not None:
+            out["damaged_regions"] = [r.to_json() for r in self.regions]
         return out
 
     def lines(self) -> list[str]:
         """The human-readable report."""
         out = [f"{b.problem.value:<20} {b.key}  {b.detail}" for b in self.bad]
+        for r in self.regions or []:
+            out.append(f"damaged region       {r.segment} bytes {r.start}-{r.end}: "
+                       f"{len(r.keys)} objects lost")  # fmt: skip
         counts: dict[str, int] = {}
         for b in self.bad:
             counts[b.problem.value] = counts.get(b.problem.value, 0) + 1
@@ -98,6 +105,10 @@ async def verify_store(
     backend: StorageBackend, options: VerifyOptions, progress: Progress | None = None
 ) -> VerifyReport:
     report = VerifyReport()
+    if isinstance(backend, SegmentStore):
+        # Before the reads: a read that lands on a damaged record forgets it, and then the
+        # audit could no longer say which object the stretch held.
+        await _audit(backend, options, report)
     if options.bulk and isinstance(backend, BulkReader):
         await _read_bulk(backend, options, report, progress)
     else:
@@ -108,6 +119,17 @@ async def verify_store(
         done = await backend.delete(still_bad) if still_bad else []
         report.deleted = [key for key, ok in zip(still_bad, done) if ok]
     return report
+
+
+async def _audit(backend: SegmentStore, options: VerifyOptions, report: VerifyReport) -> None:
+    report.regions = list(await backend.audit_segments())
+    for region in report.regions:
+        where = f"in the damaged stretch {region.start}-{region.end} of {region.segment}"
+        report.bad.extend(
+            BadObject(key, Problem.CORRUPT, where)
+            for key in region.keys
+            if key.startswith(options.prefix)
+        )
 
 
 async def _read_scanned(

@@ -53,10 +53,12 @@ def _manager(url: str, made: list[StorageManager]) -> StorageManager:
     return manager
 
 
+@pytest.mark.parametrize("scheme", ["file", "disk"])
 def test_storage_manager_chunks_are_found_and_read_by_a_second_instance(
-    tmp_path: Path, managers: list[StorageManager]
+    tmp_path: Path, managers: list[StorageManager], scheme: str
 ) -> None:
-    first = _manager(f"file://{tmp_path}", managers)
+    """Two managers open at once on one store (on ``disk://``, two writer slots)."""
+    first = _manager(f"{scheme}://{tmp_path}", managers)
     metadata = lmcache_metadata()
     keys = [chunk_key(h) for h in (101, 102, 103, 104)]
     objs = [first.allocate(metadata.get_shapes(), metadata.get_dtypes()) for _ in keys]
@@ -64,7 +66,7 @@ def test_storage_manager_chunks_are_found_and_read_by_a_second_instance(
     first.batched_put(keys, objs)
     wait_stored(first.storage_backends[REMOTE], keys)
 
-    second = _manager(f"file://{tmp_path}", managers)
+    second = _manager(f"{scheme}://{tmp_path}", managers)
     hits, where = second.batched_contains([*keys, chunk_key(999)])
     assert hits == 4 and list(where) == [REMOTE]  # its own CPU cache is empty
     got = second.batched_get(keys, location=REMOTE)

@@ -1,0 +1,308 @@
+"""``disk://``: a log-structured local store (large append-only segments, an index in memory).
+
+One file per page costs a create, a write, a rename and a close per put, and a scan of every
+file at open. This store appends objects to large segment files instead and keeps the key ->
+(segment, offset, length, sequence) index in memory, persisted as append-only logs plus
+snapshots (:mod:`.format` has the formats, :mod:`.layout` the directory):
+
+- **Puts** of a batch are one ``pwritev`` from the callers' buffers, then one log append
+  (:mod:`.writer`). **Reads** go straight into the callers' buffers, back-to-back records in
+  one ``preadv``, each checked against its index entry and its payload's xxh3 (:mod:`.reads`):
+  a damaged, stale or foreign record is a miss, and forgotten.
+- **exists / leading_hits** are lookups in the index: no system call while keys are found.
+- **Several processes** open one directory at once: each writer takes a slot (a lock file) and
+  appends to segments and a log of its own; a process reads the others' logs on a miss and at
+  least every half second (:mod:`.catalog`), so a page another process stored before the miss
+  is found. A reader holding a segment that gets reclaimed reads its old bytes or a miss.
+- **Crashes**: data is written before the log names it, logs end at their last whole record,
+  and a reader checks every record, so after ``kill -9`` anywhere an indexed object reads
+  byte-exact or as a miss. ``fsync=true`` syncs data and log before a put returns.
+- **Capacity**: whole segments are reclaimed, least recently used first, hot objects appended
+  anew first (:mod:`.reclaim`); ``delete`` marks objects dead in the log.
+
+``read_only=true`` opens an existing store and writes nothing (the tools' reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from hicache.backends._io_threads import in_thread
+from hicache.backends._urls import local_root
+from hicache.backends.base import MISS, Capabilities, ObjectInfo, StorageBackend
+from hicache.backends.disk.audit import DamagedRegion, audit_segments
+from hicache.backends.disk.catalog import Catalog
+from hicache.backends.disk.config import DiskConfig
+from hicache.backends.disk.format import (
+    RECORD_HEADER,
+    LogOp,
+    encode_log_record,
+    parse_record_header,
+)
+from hicache.backends.disk.layout import StoreDirs, claim_slot, open_store_dirs
+from hicache.backends.disk.reads import ReadItem, read_records, trim
+from hicache.backends.disk.reclaim import Reclaimer
+from hicache.backends.disk.segments import list_segments
+from hicache.backends.disk.writer import Appender
+from hicache.errors import ReadOnlyStoreError
+
+__all__ = ["DiskBackend", "DiskConfig"]
+
+logger = logging.getLogger(__name__)
+D = TypeVar("D", bound="DiskBackend")
+
+
+class DiskBackend(StorageBackend):
+    name = "disk"
+    url_schemes = ("disk",)
+    url_parts = frozenset({"host", "path"})  # the host may only be localhost
+    capabilities = Capabilities(
+        persistent=True, shared_across_processes=True, zero_copy=False, listable=True
+    )
+    config_type = DiskConfig
+
+    def __init__(self, config: DiskConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._dirs: StoreDirs | None = None
+        self._catalog: Catalog | None = None
+        self._appender: Appender | None = None
+        self._reclaimer: Reclaimer | None = None
+        self._append_lock = threading.Lock()  # appends, deletes, reclaims of this process
+        self._n = dict.fromkeys(("bad_records", "refreshes"), 0)
+        self.open_s = 0.0
+
+    # ----- construction -------------------------------------------------------------------
+    @classmethod
+    def url_location_fields(cls, netloc: str, path: str) -> dict[str, Any]:
+        return local_root(
+            netloc, path, "disk", "a local path (disk:///abs/path)", "disk:///var/cache/kv"
+        )
+
+    @classmethod
+    async def open(cls: type[D], config: Any) -> D:
+        backend = cls(config)
+        await asyncio.to_thread(backend._prepare)
+        return backend
+
+    def _prepare(self) -> None:
+        start = time.perf_counter()
+        dirs = open_store_dirs(self.config)
+        try:
+            slot, lock_fd = (
+                (None, -1) if self.config.read_only else claim_slot(dirs, self.config.max_writers)
+            )
+            catalog = Catalog(dirs, slot)
+            catalog.load()
+            if slot is not None:
+                self._appender = Appender(catalog, self.config, slot, lock_fd)
+                self._reclaimer = Reclaimer(
+                    catalog, self._appender, self.config.capacity, self.config.reinsert
+                )
+        except BaseException:
+            dirs.close()
+            raise
+        self._dirs, self._catalog = dirs, catalog
+        if self._appender is not None:
+            largest = self._appender.max_object_bytes
+            self.capabilities = replace(self.capabilities, max_object_bytes=largest)
+        self.open_s = time.perf_counter() - start
+
+    @property
+    def catalog(self) -> Catalog:
+        assert self._catalog is not None, "open() first"
+        return self._catalog
+
+    # ----- lookups ------------------------------------------------------------------------
+    async def _exists(self, keys: list[str]) -> list[bool]:
+        catalog = self.catalog
+        found = [k in catalog.index for k in keys]  # a dict lookup each: atomic under the GIL
+        if not all(found) or catalog.stale():
+            await self._refresh()
+            found = [k in catalog.index for k in keys]
+        return found
+
+    async def _refresh(self) -> None:
+        catalog = self.catalog
+        self._n["refreshes"] += 1
+        if catalog.lock.acquire(blocking=False):  # usually free: read the logs right here
+            catalog.lock.release()
+            catalog.refresh()
+        else:  # a snapshot or a long put holds it: wait in a thread, not on the loop
+            await in_thread(catalog.refresh)
+
+    async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
+        return await in_thread(self._read, keys, buffers)
+
+    def _read(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
+        catalog = self.catalog
+        with catalog.lock:
+            entries = [catalog.index.get(k) for k in keys]
+        if None in entries or catalog.stale():
+            catalog.refresh()
+            with catalog.lock:
+                entries = [catalog.index.get(k) for k in keys]
+        results = [MISS] * len(keys)
+        items: list[ReadItem] = []
+        where: list[int] = []
+        for i, (key, entry) in enumerate(zip(keys, entries, strict=True)):
+            if entry is None:
+                continue
+            room = sum(s.nbytes for s in buffers[i])
+            if entry[2] > room:
+                results[i] = entry[2]  # too small: the size, nothing read
+                continue
+            items.append(ReadItem(key, entry, trim(buffers[i], entry[2])))
+            where.append(i)
+        got, bad = read_records(catalog.files, items)
+        for i, n in zip(where, got, strict=True):
+            results[i] = n
+        if bad:
+            self._forget_bad([items[j] for j in bad])
+        if self._reclaimer is not None:
+            hits = [it for it, n in zip(items, got, strict=True) if n >= 0]
+            with catalog.lock:
+                self._reclaimer.note_reads([it.key for it in hits], [it.entry[0] for it in hits])
+        return results
+
+    def _forget_bad(self, items: list[ReadItem]) -> None:
+        """Records that failed their checks: out of the index here, and out of every other
+        process's through a DELETE at the bad entry's sequence (a newer put survives it)."""
+        catalog = self.catalog
+        with catalog.lock:
+            for it in items:
+                catalog.index.remove_if_at(it.key, it.entry[0], it.entry[1])
+            self._n["bad_records"] += len(items)
+        logger.warning("disk store %s: %d records failed their checks (read as misses)",
+                       catalog.dirs.root, len(items))  # fmt: skip
+        if self._appender is not None:
+            data = b"".join(
+                encode_log_record(LogOp.DELETE, it.key, it.entry[3], 0, 0, 0) for it in items
+            )
+            with self._append_lock:
+                self._appender.log.append(data)
+
+    async def _peek(self, keys: list[str], nbytes: int) -> list[bytes | None]:
+        return await in_thread(self._peek_sync, keys, nbytes)
+
+    def _peek_sync(self, keys: list[str], nbytes: int) -> list[bytes | None]:
+        import os
+
+        catalog = self.catalog
+        out: list[bytes | None] = []
+        for key in keys:
+            with catalog.lock:
+                entry = catalog.index.get(key)
+            fd = catalog.files.fd(entry[0]) if entry is not None else None
+            if entry is None or fd is None:
+                out.append(None)
+                continue
+            kb = key.encode("ascii")
+            want = min(nbytes, entry[2])
+            try:
+                data = os.pread(fd, RECORD_HEADER + len(kb) + want, entry[1])
+            except OSError:
+                data = b""
+            h = parse_record_header(data, kb)
+            ok = h is not None and h.length == entry[2] and h.seq == entry[3]
+            out.append(
+                data[RECORD_HEADER + len(kb) :]
+                if ok and len(data) == RECORD_HEADER + len(kb) + want
+                else None
+            )
+        return out
+
+    async def _scan(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        await in_thread(self.catalog.refresh)
+        entries = await in_thread(self._listing, prefix)
+        for key, length, seq in entries:
+            yield ObjectInfo(key, length, seq / 1e9)
+
+    def _listing(self, prefix: str) -> list[tuple[str, int, int]]:
+        with self.catalog.lock:
+            return [(k, e[2], e[3]) for k, e in self.catalog.index.items(prefix)]
+
+    # ----- writes -------------------------------------------------------------------------
+    def _writer(self, what: str) -> Appender:
+        if self._appender is None:
+            raise ReadOnlyStoreError(
+                f"{what} refused: the disk store at {self.config.root} was opened read-only"
+            )
+        return self._appender
+
+    async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
+        appender = self._writer("put")
+        return await in_thread(self._locked, appender.put, keys, values)
+
+    async def _delete(self, keys: list[str]) -> list[bool]:
+        appender = self._writer("delete")
+        await self._refresh()
+        return await in_thread(self._locked, appender.delete, keys)
+
+    def _locked(self, fn: Any, *args: Any) -> Any:
+        with self._append_lock:
+            if self.catalog.stale():
+                self.catalog.refresh()
+            return fn(*args)
+
+    async def compact_segments(self, min_dead: float = 0.5) -> tuple[int, int]:
+        """Move the live records out of segments at least ``min_dead`` dead (deleted or
+        overwritten) and reclaim them; (segments reclaimed, bytes freed)."""
+        self._check_open()
+        self._writer("compaction")
+        assert self._reclaimer is not None
+        return await in_thread(self._locked, self._reclaimer.compact, min_dead)
+
+    async def audit_segments(self) -> list[DamagedRegion]:
+        """Walk every segment and report each stretch that does not check out, with the
+        objects it lost (for ``hicache verify``)."""
+        self._check_open()
+        await in_thread(self.catalog.refresh)
+        return await in_thread(audit_segments, self.catalog)
+
+    # ----- stats and close ----------------------------------------------------------------
+    async def _stats(self) -> dict[str, int | float]:
+        catalog = self.catalog
+        segments = await asyncio.to_thread(list_segments, catalog.dirs.segments)
+        with catalog.lock:
+            out: dict[str, int | float] = {
+                "objects": len(catalog.index),
+                "used_bytes": catalog.index.used_bytes,
+                **self._n,
+                **catalog.counts,
+            }
+        out["segments"] = len(segments)
+        out["disk_bytes"] = sum(st.st_size for st in segments.values())
+        out["capacity"] = self.config.capacity or 0
+        out["open_s"] = round(self.open_s, 6)
+        for part in (self._appender, self._reclaimer):
+            if part is not None:
+                out.update(part.counts)
+        return out
+
+    async def _close(self) -> None:
+        await asyncio.to_thread(self._shutdown)
+
+    def _shutdown(self) -> None:
+        try:
+            if self._appender is not None:
+                with self._append_lock:
+                    try:
+                        self._appender.seal()
+                        self._appender.maybe_snapshot(force=True)  # a fast next open
+                    except OSError as exc:
+                        logger.warning(
+                            "disk store %s: no snapshot at close: %s", self.config.root, exc
+                        )
+                    self._appender.close()
+        finally:
+            if self._catalog is not None:
+                self._catalog.close()
+            if self._dirs is not None:
+                self._dirs.close()

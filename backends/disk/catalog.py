@@ -1,0 +1,203 @@
+"""What one process knows of a ``disk`` store: the index, and how far it has read each log.
+
+Opening loads the newest snapshot, then reads every slot's log from the point the snapshot
+covers (or from its first generation, for a slot the snapshot does not know), then drops the
+entries whose segment file is gone. Afterwards :meth:`Catalog.refresh` reads what other
+processes appended since: it is called on a miss, so a page another process stored before the
+miss is found, and at least every ``REFRESH_S`` seconds by the busy paths.
+
+Snapshots: :meth:`Catalog.capture` and :func:`write_snapshot`; the writer decides when.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import random
+import threading
+import time
+
+from hicache.backends.disk.format import (
+    LOG_HEADER,
+    LogOp,
+    LogRecord,
+    Snapshot,
+    decode_snapshot,
+    encode_snapshot,
+)
+from hicache.backends.disk.index import KeyIndex
+from hicache.backends.disk.layout import StoreDirs
+from hicache.backends.disk.logs import LogTail, list_generations
+from hicache.backends.disk.segments import SegmentFiles, list_segments
+
+__all__ = ["REFRESH_S", "Catalog", "write_snapshot"]
+
+logger = logging.getLogger(__name__)
+
+REFRESH_S = 0.5
+SNAPSHOT = "snapshot"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_OPEN_TRIES = 5  # a snapshot replaced while this process read the logs it names: read again
+
+
+class Catalog:
+    def __init__(self, dirs: StoreDirs, own_slot: int | None) -> None:
+        self.dirs = dirs
+        self.own_slot = own_slot
+        self.index = KeyIndex()
+        self.lock = threading.Lock()  # the index and the tails
+        self.tails: dict[int, LogTail] = {}
+        self.files = SegmentFiles(dirs.segments)
+        self.last_refresh = 0.0
+        self.counts = {"log_gaps": 0, "snapshot_damaged": 0, "lost_segments": 0}
+        self._warned: set[str] = set()
+
+    # ----- opening ------------------------------------------------------------------------
+    def load(self) -> None:
+        """Build the index from the snapshot and the logs (blocking)."""
+        for _ in range(_OPEN_TRIES):
+            snap = self._read_snapshot()
+            index = KeyIndex()
+            if snap is not None:
+                index.load(snap)
+            tails = self._start_tails(snap)
+            if tails is not None:
+                break
+        else:  # snapshots kept changing under us: read the logs as they are
+            tails = self._start_tails(snap, give_up=True) or {}
+        self.index, self.tails = index, tails
+        for tail in tails.values():
+            self._apply(tail.read(self._gap))
+        present = set(list_segments(self.dirs.segments))
+        self.counts["lost_segments"] += self.index.keep_segments(present)
+        if self.own_slot is not None:  # this process appends its own records itself
+            own = self.tails.pop(self.own_slot, None)
+            if own is not None:
+                own.close()
+        self.last_refresh = time.monotonic()
+
+    def _read_snapshot(self) -> Snapshot | None:
+        try:
+            fd = os.open(SNAPSHOT, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirs.index)
+        except FileNotFoundError:
+            return None
+        except OSError:  # a link (O_NOFOLLOW: ELOOP), no permission: as damaged, not a crash
+            fd = -1
+        data = b""
+        if fd >= 0:
+            try:
+                with os.fdopen(fd, "rb") as f:
+                    data = f.read()
+            except OSError:  # a directory named snapshot, an I/O error
+                data = b""
+        snap = decode_snapshot(data)
+        if snap is None:
+            self.counts["snapshot_damaged"] += 1
+            self._warn("snapshot", "the index snapshot is damaged: the logs are read instead")
+        return snap
+
+    def _start_tails(
+        self, snap: Snapshot | None, give_up: bool = False
+    ) -> dict[int, LogTail] | None:
+        """A tail per slot at the point the snapshot covers; None when a generation the
+        snapshot names is gone while a later one exists (a newer snapshot replaced it)."""
+        gens = list_generations(self.dirs.index)
+        covered = snap.logs if snap is not None else {}
+        tails: dict[int, LogTail] = {}
+        for slot in sorted(set(gens) | set(covered)):
+            have = gens.get(slot, [])
+            gen, off = covered.get(slot, (have[0] if have else 1, LOG_HEADER))
+            if have and gen not in have and not give_up and any(g > gen for g in have):
+                return None
+            tails[slot] = LogTail(self.dirs.index, slot, gen, off)
+        return tails
+
+    # ----- keeping up -----------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Apply what other processes appended to their logs since the last look (blocking)."""
+        with self.lock:
+            known = set(self.tails)
+            for slot, gens in list_generations(self.dirs.index).items():
+                if slot not in known and slot != self.own_slot and gens:
+                    self.tails[slot] = LogTail(self.dirs.index, slot, gens[0], LOG_HEADER)
+            for tail in self.tails.values():
+                self._apply(tail.read(self._gap))
+            self.last_refresh = time.monotonic()
+
+    def stale(self) -> bool:
+        return time.monotonic() - self.last_refresh > REFRESH_S
+
+    def _apply(self, records: list[LogRecord]) -> None:
+        index = self.index
+        for rec in records:
+            index.apply(rec)
+            if rec.op is LogOp.RECLAIM:
+                self.files.forget(rec.segment)
+
+    def positions(self) -> dict[int, tuple[int, int]]:
+        return {slot: (t.generation, t.offset) for slot, t in self.tails.items()}
+
+    def _gap(self, message: str) -> None:
+        self.counts["log_gaps"] += 1
+        self._warn("gap", message + ": the objects it indexed read as misses")
+
+    def _warn(self, kind: str, message: str) -> None:
+        level = logging.DEBUG if kind in self._warned else logging.WARNING
+        self._warned.add(kind)
+        logger.log(level, "%s (store %s)", message, self.dirs.root)
+
+    def close(self) -> None:
+        for tail in self.tails.values():
+            tail.close()
+        self.tails.clear()
+        self.files.close()
+
+
+def snapshot_positions(index_fd: int) -> dict[int, tuple[int, int]] | None:
+    """The log points the current snapshot covers, or None when there is none to read."""
+    try:
+        fd = os.open(SNAPSHOT, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC, dir_fd=index_fd)
+        with os.fdopen(fd, "rb") as f:
+            snap = decode_snapshot(f.read())
+    except OSError:  # none, or a link or directory planted there: replaced by the next one
+        return None
+    return None if snap is None else snap.logs
+
+
+@contextlib.contextmanager
+def snapshot_lock(index_fd: int):  # type: ignore[no-untyped-def]
+    """The store's snapshot lock if free (yields True), else yields False at once."""
+    fd = os.open("snapshot.lock", os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_CLOEXEC, 0o600,
+                 dir_fd=index_fd)  # fmt: skip
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def write_snapshot(index_fd: int, snap: Snapshot, fsync: bool) -> None:
+    """Replace the store's snapshot with ``snap`` atomically (a temporary file, then rename)."""
+    tmp = f".{SNAPSHOT}.{os.getpid()}.{random.getrandbits(32):08x}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600, dir_fd=index_fd)
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
+            for chunk in encode_snapshot(snap):
+                f.write(chunk)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, SNAPSHOT, src_dir_fd=index_fd, dst_dir_fd=index_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=index_fd)
+        raise
+    if fsync:
+        os.fsync(index_fd)

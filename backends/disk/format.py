@@ -1,0 +1,309 @@
+"""On-disk formats of the ``disk`` backend: pure packing and parsing, no I/O.
+
+Three kinds of file, each self-describing so it can be checked on its own:
+
+- **Segment** (``segments/wNNN-XXXXXXXX.seg``): a 64-byte header naming its writer slot and
+  number, then records appended back to back, each 8-byte aligned. A record is a 40-byte
+  header (magic, key length, payload length, write sequence, xxh3 of the payload, CRC32 of the
+  header and key), the key, the payload and padding. A segment can be walked from its header
+  to its end without any index (``verify`` and reclaim do), and a read checks the header it
+  lands on against the index entry, so a stale or damaged entry reads as a miss.
+- **Index log** (``index/wNNN.GGGGGGGG.log``): a 32-byte header naming slot and generation,
+  then variable-size records, each with its own CRC32: PUT (key, segment, offset, length,
+  sequence), DELETE (key, sequence), RECLAIM (a segment is gone), ROTATE (appends continue in
+  the named generation). A torn or damaged tail ends a replay; nothing after it is trusted.
+- **Snapshot** (``index/snapshot``): the merged index at a known point of every log, as one
+  blob of keys and four little-endian int64 arrays, with an xxh3 of the whole.
+
+Sequences are hybrid logical clocks in nanoseconds (the wall clock, never below one past the
+largest sequence seen), so the newest write of a key wins whatever order logs are read in,
+and a sequence doubles as the write time that ``scan`` reports.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+
+import xxhash
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LOG_HEADER",
+    "RECORD_HEADER",
+    "SEGMENT_HEADER",
+    "LogOp",
+    "LogRecord",
+    "RecordHeader",
+    "Snapshot",
+    "align8",
+    "decode_log",
+    "decode_snapshot",
+    "encode_log_record",
+    "encode_snapshot",
+    "log_header",
+    "pack_record_header",
+    "parse_log_header",
+    "parse_record_header",
+    "parse_segment_header",
+    "payload_hash",
+    "record_bytes",
+    "segment_code",
+    "segment_header",
+    "split_code",
+]
+
+FORMAT_VERSION = 1
+
+# Segment header: magic, version, slot, number, creation time; CRC32 of those; zero padding.
+_SEG = struct.Struct("<8sHHIQ")
+_SEG_MAGIC = b"HDSKSEG1"
+SEGMENT_HEADER = 64
+# Record header: magic, key length, flags, payload length, sequence, payload xxh3; then the
+# CRC32 of those 32 bytes and the key, and 4 zero bytes.
+_REC = struct.Struct("<4sHHQQQ")
+_REC_CRC = struct.Struct("<I4x")
+_REC_MAGIC = b"HDSR"
+RECORD_HEADER = _REC.size + _REC_CRC.size  # 40
+# Log header: magic, version, slot, generation; CRC32 of those.
+_LOG = struct.Struct("<8sHHQ")
+_LOG_MAGIC = b"HDSKLOG1"
+LOG_HEADER = 32
+# Log record: CRC32 of what follows, body length, then the body: op, key length, sequence,
+# segment code, offset, length, key.
+_LREC_HEAD = struct.Struct("<IH")
+_LREC_BODY = struct.Struct("<BBQQQQ")
+_LREC_FIXED = _LREC_HEAD.size + _LREC_BODY.size
+# Snapshot header: magic, version, entries, logs, keys blob bytes; xxh3 of everything after.
+_SNAP = struct.Struct("<8sHIQQQ")
+_SNAP_MAGIC = b"HDSKSNP1"
+_SNAP_LOG = struct.Struct("<HQQ")  # slot, generation, offset
+
+
+class LogOp(IntEnum):
+    PUT = 1
+    DELETE = 2
+    RECLAIM = 3  # ``segment``: every entry in that segment is gone
+    ROTATE = 4  # ``segment``: the generation appends continue in
+
+
+@dataclass(frozen=True, slots=True)
+class LogRecord:
+    op: LogOp
+    key: str
+    seq: int
+    segment: int  # a segment code, or a generation for ROTATE
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    key_len: int
+    length: int
+    seq: int
+    payload_hash: int
+
+
+def align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def record_bytes(key_len: int, length: int) -> int:
+    """Bytes a record takes in its segment, padding included."""
+    return align8(RECORD_HEADER + key_len + length)
+
+
+def segment_code(slot: int, number: int) -> int:
+    """One int naming a segment: its writer slot and its number within that slot."""
+    return (slot << 32) | number
+
+
+def split_code(code: int) -> tuple[int, int]:
+    return code >> 32, code & 0xFFFFFFFF
+
+
+# ----- segments -------------------------------------------------------------------------------
+def segment_header(slot: int, number: int, created_ns: int) -> bytes:
+    body = _SEG.pack(_SEG_MAGIC, FORMAT_VERSION, slot, number, created_ns)
+    crc = struct.pack("<I", zlib.crc32(body))
+    return (body + crc).ljust(SEGMENT_HEADER, b"\0")
+
+
+def parse_segment_header(data: bytes) -> tuple[int, int, int] | None:
+    """``(slot, number, created_ns)``, or None for bytes that are no segment header of ours."""
+    if len(data) < SEGMENT_HEADER:
+        return None
+    body = data[: _SEG.size]
+    (crc,) = struct.unpack_from("<I", data, _SEG.size)
+    magic, version, slot, number, created = _SEG.unpack(body)
+    if magic != _SEG_MAGIC or version != FORMAT_VERSION or zlib.crc32(body) != crc:
+        return None
+    return slot, number, created
+
+
+def payload_hash(segs: list[memoryview]) -> int:
+    if len(segs) == 1:
+        return xxhash.xxh3_64_intdigest(segs[0])
+    h = xxhash.xxh3_64()
+    for s in segs:
+        h.update(s)
+    return h.intdigest()
+
+
+def pack_record_header(key: bytes, length: int, seq: int, digest: int) -> bytes:
+    """The 40-byte header of a record whose key and payload follow it."""
+    body = _REC.pack(_REC_MAGIC, len(key), 0, length, seq, digest)
+    return body + _REC_CRC.pack(zlib.crc32(key, zlib.crc32(body)))
+
+
+def parse_record_header(data: memoryview | bytes, key: bytes | None = None) -> RecordHeader | None:
+    """The header at the start of ``data`` (header then key), or None when it is damaged.
+
+    ``data`` must hold the header and the key; with ``key`` given, the stored key must be it.
+    """
+    if len(data) < RECORD_HEADER:
+        return None
+    magic, key_len, _flags, length, seq, digest = _REC.unpack_from(data)
+    if magic != _REC_MAGIC or len(data) < RECORD_HEADER + key_len:
+        return None
+    stored_key = bytes(data[RECORD_HEADER : RECORD_HEADER + key_len])
+    if key is not None and stored_key != key:
+        return None
+    (crc,) = _REC_CRC.unpack_from(data, _REC.size)
+    if zlib.crc32(stored_key, zlib.crc32(bytes(data[: _REC.size]))) != crc:
+        return None
+    return RecordHeader(key_len, length, seq, digest)
+
+
+# ----- index logs -----------------------------------------------------------------------------
+def log_header(slot: int, generation: int) -> bytes:
+    body = _LOG.pack(_LOG_MAGIC, FORMAT_VERSION, slot, generation)
+    return (body + struct.pack("<I", zlib.crc32(body))).ljust(LOG_HEADER, b"\0")
+
+
+def parse_log_header(data: bytes) -> tuple[int, int] | None:
+    """``(slot, generation)`` of a log's first bytes, or None when they are not a log header."""
+    if len(data) < LOG_HEADER:
+        return None
+    magic, version, slot, generation = _LOG.unpack_from(data)
+    (crc,) = struct.unpack_from("<I", data, _LOG.size)
+    if magic != _LOG_MAGIC or version != FORMAT_VERSION or zlib.crc32(data[: _LOG.size]) != crc:
+        return None
+    return slot, generation
+
+
+def encode_log_record(
+    op: LogOp, key: str, seq: int, segment: int, offset: int, length: int
+) -> bytes:
+    kb = key.encode("ascii")
+    body = _LREC_BODY.pack(op, len(kb), seq, segment, offset, length) + kb
+    return _LREC_HEAD.pack(zlib.crc32(body), len(body)) + body
+
+
+def decode_log(data: bytes | memoryview, start: int = 0) -> tuple[list[LogRecord], int]:
+    """The whole records of ``data`` from ``start``, and the offset just past the last one.
+
+    Stops at the first record that is incomplete or fails its CRC: a torn tail, or the place
+    a writer is appending to right now.
+    """
+    out: list[LogRecord] = []
+    pos, end = start, len(data)
+    head, body_s, crc32 = _LREC_HEAD, _LREC_BODY, zlib.crc32
+    while pos + _LREC_FIXED <= end:
+        crc, n = head.unpack_from(data, pos)
+        body_at = pos + head.size
+        if n < body_s.size or body_at + n > end:
+            break
+        body = data[body_at : body_at + n]
+        if crc32(body) != crc:
+            break
+        op, key_len, seq, segment, offset, length = body_s.unpack_from(body)
+        if body_s.size + key_len != n or op not in _OPS:
+            break
+        key = bytes(body[body_s.size :]).decode("ascii", "replace")
+        out.append(LogRecord(_OPS[op], key, seq, segment, offset, length))
+        pos = body_at + n
+    return out, pos
+
+
+_OPS = {int(op): op for op in LogOp}
+
+
+# ----- snapshots ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Snapshot:
+    """The index at a point of each log: ``logs`` maps a slot to (generation, offset)."""
+
+    logs: dict[int, tuple[int, int]]
+    keys: list[str]
+    segments: array[int]
+    offsets: array[int]
+    lengths: array[int]
+    seqs: array[int]
+
+
+def encode_snapshot(snap: Snapshot) -> Iterator[bytes]:
+    """The snapshot as chunks to write one after the other (its header first)."""
+    blob = "\n".join(snap.keys).encode("ascii")
+    logs = b"".join(_SNAP_LOG.pack(s, g, o) for s, (g, o) in sorted(snap.logs.items()))
+    arrays = [_le_bytes(a) for a in (snap.segments, snap.offsets, snap.lengths, snap.seqs)]
+    h = xxhash.xxh3_64()
+    for part in (logs, blob, *arrays):
+        h.update(part)
+    head = _SNAP.pack(
+        _SNAP_MAGIC, FORMAT_VERSION, len(snap.logs), len(snap.keys), len(blob), h.intdigest()
+    )
+    yield head
+    yield logs
+    yield blob
+    yield from arrays
+
+
+def decode_snapshot(data: bytes) -> Snapshot | None:
+    """The snapshot in ``data``, or None when it is damaged, truncated or not one."""
+    if len(data) < _SNAP.size:
+        return None
+    magic, version, n_logs, n, blob_len, digest = _SNAP.unpack_from(data)
+    logs_len = n_logs * _SNAP_LOG.size
+    if magic != _SNAP_MAGIC or version != FORMAT_VERSION:
+        return None
+    if len(data) != _SNAP.size + logs_len + blob_len + 32 * n:
+        return None
+    body = memoryview(data)[_SNAP.size :]
+    if xxhash.xxh3_64_intdigest(body) != digest:
+        return None
+    logs = {}
+    for i in range(n_logs):
+        slot, gen, off = _SNAP_LOG.unpack_from(body, i * _SNAP_LOG.size)
+        logs[slot] = (gen, off)
+    pos = logs_len
+    keys = bytes(body[pos : pos + blob_len]).decode("ascii").split("\n") if n else []
+    pos += blob_len
+    cols = []
+    for _ in range(4):
+        col = array("q")
+        col.frombytes(body[pos : pos + 8 * n])
+        cols.append(_from_le(col))
+        pos += 8 * n
+    if len(keys) != n:
+        return None
+    return Snapshot(logs, keys, *cols)
+
+
+def _le_bytes(col: array[int]) -> bytes:
+    if struct.pack("=q", 1) == struct.pack("<q", 1):
+        return col.tobytes()
+    swapped = array("q", col)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def _from_le(col: array[int]) -> array[int]:
+    if struct.pack("=q", 1) != struct.pack("<q", 1):
+        col.byteswap()
+    return col
