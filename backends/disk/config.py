@@ -26,6 +26,9 @@ class DiskConfig:
     read_only: bool = False  # open an existing store and never write to it
     reinsert: bool = True  # objects read since they were written survive their segment's reclaim
     snapshot_records: int = 131072  # log records of this writer between two snapshots
+    # A put batch of at most this many bytes is written on the caller's event loop instead
+    # of a worker thread, while the page cache takes writes without waiting (see backend).
+    inline_bytes: int = 1 << 20
     max_writers: int = 64  # processes that may write to the store at once
 
     def __post_init__(self) -> None:
@@ -39,6 +42,8 @@ class DiskConfig:
             )
         if self.capacity is not None and self.capacity <= 0:
             raise ConfigError(f"DiskConfig.capacity must be positive, got {self.capacity}")
+        if self.inline_bytes < 0:
+            raise ConfigError(f"DiskConfig.inline_bytes must be >= 0, got {self.inline_bytes}")
         if self.snapshot_records <= 0:
             raise ConfigError("DiskConfig.snapshot_records must be positive")
         if not 1 <= self.max_writers <= 999:

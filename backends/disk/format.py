@@ -9,9 +9,10 @@ Three kinds of file, each self-describing so it can be checked on its own:
   to its end without any index (``verify`` and reclaim do), and a read checks the header it
   lands on against the index entry, so a stale or damaged entry reads as a miss.
 - **Index log** (``index/wNNN.GGGGGGGG.log``): a 32-byte header naming slot and generation,
-  then variable-size records, each with its own CRC32: PUT (key, segment, offset, length,
-  sequence), DELETE (key, sequence), RECLAIM (a segment is gone), ROTATE (appends continue in
-  the named generation). A torn or damaged tail ends a replay; nothing after it is trusted.
+  then frames, one per append, each a CRC32 over its records: PUT (key, segment, offset,
+  length, sequence), DELETE (key, sequence), RECLAIM (a segment is gone), ROTATE (appends
+  continue in the named generation). A torn or damaged frame ends a replay; nothing after it
+  is trusted.
 - **Snapshot** (``index/snapshot``): the merged index at a known point of every log, as one
   blob of keys and four little-endian int64 arrays, with an xxh3 of the whole.
 
@@ -43,6 +44,7 @@ __all__ = [
     "align8",
     "decode_log",
     "decode_snapshot",
+    "encode_log_frame",
     "encode_log_record",
     "encode_snapshot",
     "log_header",
@@ -73,11 +75,10 @@ RECORD_HEADER = _REC.size + _REC_CRC.size  # 40
 _LOG = struct.Struct("<8sHHQ")
 _LOG_MAGIC = b"HDSKLOG1"
 LOG_HEADER = 32
-# Log record: CRC32 of what follows, body length, then the body: op, key length, sequence,
-# segment code, offset, length, key.
-_LREC_HEAD = struct.Struct("<IH")
+# Log frame: CRC32 of its body, body length, record count; then the records, each an op, a key
+# length, sequence, segment code, offset and length, then the key.
+_FRAME = struct.Struct("<IIH")
 _LREC_BODY = struct.Struct("<BBQQQQ")
-_LREC_FIXED = _LREC_HEAD.size + _LREC_BODY.size
 # Snapshot header: magic, version, entries, logs, keys blob bytes; xxh3 of everything after.
 _SNAP = struct.Struct("<8sHIQQQ")
 _SNAP_MAGIC = b"HDSKSNP1"
@@ -197,38 +198,69 @@ def parse_log_header(data: bytes) -> tuple[int, int] | None:
     return slot, generation
 
 
+def encode_log_frame(records: list[tuple[LogOp, str, int, int, int, int]]) -> bytes:
+    """One log frame: ``(op, key, seq, segment, offset, length)`` records under one CRC.
+
+    A frame is what one call appends (a put batch's records), so it is whole or torn as one:
+    a torn frame was never acknowledged to anyone.
+    """
+    pack = _LREC_BODY.pack
+    parts = []
+    for op, key, seq, segment, offset, length in records:
+        kb = key.encode("ascii")
+        parts.append(pack(op, len(kb), seq, segment, offset, length))
+        parts.append(kb)
+    body = b"".join(parts)
+    return _FRAME.pack(zlib.crc32(body), len(body), len(records)) + body
+
+
 def encode_log_record(
     op: LogOp, key: str, seq: int, segment: int, offset: int, length: int
 ) -> bytes:
-    kb = key.encode("ascii")
-    body = _LREC_BODY.pack(op, len(kb), seq, segment, offset, length) + kb
-    return _LREC_HEAD.pack(zlib.crc32(body), len(body)) + body
+    """A frame of one record."""
+    return encode_log_frame([(op, key, seq, segment, offset, length)])
 
 
 def decode_log(data: bytes | memoryview, start: int = 0) -> tuple[list[LogRecord], int]:
-    """The whole records of ``data`` from ``start``, and the offset just past the last one.
+    """The records of the whole frames of ``data`` from ``start``, and the offset just past
+    the last one.
 
-    Stops at the first record that is incomplete or fails its CRC: a torn tail, or the place
-    a writer is appending to right now.
+    Stops at the first frame that is incomplete or fails its CRC: a torn tail, or the place a
+    writer is appending to right now.
     """
     out: list[LogRecord] = []
     pos, end = start, len(data)
-    head, body_s, crc32 = _LREC_HEAD, _LREC_BODY, zlib.crc32
-    while pos + _LREC_FIXED <= end:
-        crc, n = head.unpack_from(data, pos)
-        body_at = pos + head.size
-        if n < body_s.size or body_at + n > end:
+    while pos + _FRAME.size <= end:
+        crc, n, count = _FRAME.unpack_from(data, pos)
+        body_at = pos + _FRAME.size
+        if body_at + n > end:
             break
         body = data[body_at : body_at + n]
-        if crc32(body) != crc:
+        if zlib.crc32(body) != crc:
             break
-        op, key_len, seq, segment, offset, length = body_s.unpack_from(body)
-        if body_s.size + key_len != n or op not in _OPS:
+        records = _decode_frame(body, count)
+        if records is None:
             break
-        key = bytes(body[body_s.size :]).decode("ascii", "replace")
-        out.append(LogRecord(_OPS[op], key, seq, segment, offset, length))
+        out.extend(records)
         pos = body_at + n
     return out, pos
+
+
+def _decode_frame(body: bytes | memoryview, count: int) -> list[LogRecord] | None:
+    """A frame body's ``count`` records, or None when they do not fill it exactly."""
+    out = []
+    pos, end, size = 0, len(body), _LREC_BODY.size
+    for _ in range(count):
+        if pos + size > end:
+            return None
+        op, key_len, seq, segment, offset, length = _LREC_BODY.unpack_from(body, pos)
+        pos += size
+        if op not in _OPS or pos + key_len > end:
+            return None
+        key = bytes(body[pos : pos + key_len]).decode("ascii", "replace")
+        pos += key_len
+        out.append(LogRecord(_OPS[op], key, seq, segment, offset, length))
+    return out if pos == end else None
 
 
 _OPS = {int(op): op for op in LogOp}

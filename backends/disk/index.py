@@ -32,6 +32,7 @@ from hicache.backends.disk.format import (
 __all__ = ["Entry", "KeyIndex"]
 
 Entry = tuple[int, int, int, int]  # segment code, offset, length, sequence
+_GROW_ROWS = 1024
 
 
 class KeyIndex:
@@ -104,6 +105,23 @@ class KeyIndex:
         )
         self.live_bytes[segment] = self.live_bytes.get(segment, 0) + record_bytes(len(key), length)
         return True
+
+    def put_many(self, entries: list[tuple[str, int, int, int, int]]) -> None:
+        """:meth:`put` of each ``(key, segment, offset, length, seq)``, which this process has
+        just appended, so is newer than anything indexed: the hot path of a put batch."""
+        rows, seg_c, off_c, len_c, seq_c = self._rows, self._seg, self._off, self._len, self._seq
+        free, live = self._free, self.live_bytes
+        for key, segment, offset, length, seq in entries:
+            row = rows.get(key)
+            if row is None:
+                row = free.pop() if free else self._grow()
+                rows[key] = row
+            elif seq_c[row] >= seq:
+                continue
+            else:
+                self._unaccount(key, row)
+            seg_c[row], off_c[row], len_c[row], seq_c[row] = segment, offset, length, seq
+            live[segment] = live.get(segment, 0) + ((RECORD_HEADER + len(key) + length + 7) & ~7)
 
     def remove(self, key: str, seq: int | None = None) -> bool:
         """Forget ``key`` (only if its entry is not newer than ``seq``); whether it was there.
@@ -189,9 +207,13 @@ class KeyIndex:
         return self._seg, self._off, self._len, self._seq
 
     def _grow(self) -> int:
+        """A free row, the columns grown by a block of rows when none is left (one append
+        per column per row would be a good part of a put's cost)."""
+        start = len(self._seg)
         for col in self._columns():
-            col.append(0)
-        return len(self._seg) - 1
+            col.frombytes(bytes(8 * _GROW_ROWS))
+        self._free.extend(range(start + _GROW_ROWS - 1, start, -1))
+        return start
 
     def _unaccount(self, key: str, row: int) -> None:
         seg = self._seg[row]

@@ -2,41 +2,47 @@
 
 Records that lie back to back in one segment (a prefix stored in one batch does) are read with
 one ``preadv``: their headers and padding into a scratch buffer, their payloads into the
-callers' segments. Each record is then checked against its index entry (key, length, write
-sequence, header CRC) and its payload against the xxh3 in its header; one that fails is a miss
-and is reported, so the index forgets it.
+callers' segments. Each record is then checked against its index entry (magic, key, length,
+write sequence) and its payload against the xxh3 in its header; one that fails is a miss and
+is reported, so the index forgets it.
+
+A first pass may run on the event loop with ``RWF_NOWAIT``: the kernel serves what its page
+cache holds and refuses the rest instead of waiting for the disk, so a cached read costs no
+thread hop and an uncached one never blocks the loop; the refused runs are read again,
+blocking, in a worker thread.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from xxhash import xxh3_64_intdigest
 
 from hicache.backends.base import MISS
-from hicache.backends.disk.format import (
-    RECORD_HEADER,
-    parse_record_header,
-    payload_hash,
-    record_bytes,
-)
+from hicache.backends.disk.format import RECORD_HEADER, payload_hash
 from hicache.backends.disk.index import Entry
 from hicache.backends.disk.segments import SegmentFiles
 
-__all__ = ["ReadItem", "read_records", "trim"]
+__all__ = ["NOWAIT", "ReadItem", "read_records", "trim"]
 
 _IOV_MAX = 1024
+_REC = struct.Struct("<4sHHQQQ")  # format.py's record header, without its CRC
+_MAGIC = b"HDSR"
+# RWF_NOWAIT where the platform has it (Linux 4.14+); 0 turns the first pass off.
+NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
-
-@dataclass(frozen=True, slots=True)
-class ReadItem:
-    key: str
-    entry: Entry  # segment code, offset, length, sequence
-    target: list[memoryview]  # exactly ``length`` bytes of the caller's buffer
+#: One read: key, index entry (segment code, offset, length, sequence), and exactly ``length``
+#: bytes of the caller's buffer as views.
+ReadItem = tuple[str, Entry, list[memoryview]]
 
 
 def trim(segs: Sequence[memoryview], n: int) -> list[memoryview]:
     """The first ``n`` bytes of ``segs`` (which hold at least that many), as views."""
+    if len(segs) == 1 and segs[0].nbytes == n:
+        return [segs[0]]
     out: list[memoryview] = []
     for s in segs:
         if n <= 0:
@@ -47,75 +53,94 @@ def trim(segs: Sequence[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def read_records(files: SegmentFiles, items: list[ReadItem]) -> tuple[list[int], list[int]]:
-    """Each item's length, or MISS; and the positions of items whose record failed a check."""
+def read_records(
+    files: SegmentFiles, items: list[ReadItem], flags: int = 0
+) -> tuple[list[int], list[int], list[int]]:
+    """Each item's length or MISS; the positions of items whose record failed a check; and,
+    with ``flags`` = :data:`NOWAIT`, the positions the kernel would have had to wait for."""
     results = [MISS] * len(items)
     bad: list[int] = []
-    order = sorted(range(len(items)), key=lambda i: items[i].entry[:2])
+    later: list[int] = []
+    order = sorted(range(len(items)), key=lambda i: (items[i][1][0], items[i][1][1]))
     run: list[int] = []
     iov = 0  # iovecs the run needs: a header, the payload's segments, maybe padding
+    next_at = (-1, -1)
     for i in order:
-        need = 2 + len(items[i].target)
-        if run and not (_follows(items[run[-1]], items[i]) and iov + need <= _IOV_MAX):
-            _read_run(files, items, run, results, bad)
+        code, off, length, _ = items[i][1]
+        need = 2 + len(items[i][2])
+        if run and ((code, off) != next_at or iov + need > _IOV_MAX):
+            _read_run(files, items, run, results, bad, later, flags)
             run, iov = [], 0
         run.append(i)
         iov += need
+        next_at = (code, off + ((RECORD_HEADER + len(items[i][0]) + length + 7) & ~7))
     if run:
-        _read_run(files, items, run, results, bad)
-    return results, bad
-
-
-def _follows(prev: ReadItem, item: ReadItem) -> bool:
-    p_seg, p_off, p_len, _ = prev.entry
-    seg, off, _, _ = item.entry
-    return seg == p_seg and off == p_off + record_bytes(len(prev.key), p_len)
+        _read_run(files, items, run, results, bad, later, flags)
+    return results, bad, later
 
 
 def _read_run(
-    files: SegmentFiles, items: list[ReadItem], run: list[int], results: list[int], bad: list[int]
+    files: SegmentFiles,
+    items: list[ReadItem],
+    run: list[int],
+    results: list[int],
+    bad: list[int],
+    later: list[int],
+    flags: int,
 ) -> None:
-    first = items[run[0]].entry
-    fd = files.fd(first[0])
+    code, start = items[run[0]][1][:2]
+    fd = files.fd(code)
     if fd is None:
         return  # the segment is gone (reclaimed): misses
-    sizes = [record_bytes(len(items[i].key), items[i].entry[2]) for i in run]
-    heads = [RECORD_HEADER + len(items[i].key) for i in run]
-    overhead = sum(s - items[i].entry[2] for s, i in zip(sizes, run, strict=True))
+    heads = []
+    overhead = 0
+    for i in run:
+        key, (_, _, length, _), _ = items[i]
+        head = RECORD_HEADER + len(key)
+        pad = ((head + length + 7) & ~7) - head - length
+        heads.append((overhead, head, pad))
+        overhead += head + pad
     scratch = memoryview(bytearray(overhead))
     iov: list[memoryview] = []
-    spots: list[tuple[memoryview, int]] = []  # each record's header view, its end in the run
-    pos = end = 0
-    for i, size, head in zip(run, sizes, heads, strict=True):
-        length = items[i].entry[2]
-        hview = scratch[pos : pos + head]
-        pad = size - head - length
-        iov.append(hview)
-        iov.extend(items[i].target)
+    ends = []
+    end = 0
+    for i, (at, head, pad) in zip(run, heads, strict=True):
+        iov.append(scratch[at : at + head])
+        iov.extend(items[i][2])
         if pad:
-            iov.append(scratch[pos + head : pos + head + pad])
-        pos += head + pad
-        end += size
-        spots.append((hview, end))
+            iov.append(scratch[at + head : at + head + pad])
+        end += head + items[i][1][2] + pad
+        ends.append(end)
     try:
-        got = os.preadv(fd, iov, first[1])
-    except OSError:
+        got = os.preadv(fd, iov, start, flags) if flags else os.preadv(fd, iov, start)
+    except BlockingIOError:
+        later.extend(run)
+        return
+    except OSError as exc:
+        if flags and exc.errno == errno.EOPNOTSUPP:
+            later.extend(run)  # no RWF_NOWAIT on this filesystem: read in the worker
         return  # a descriptor closed under us by a reclaim, an I/O error: misses
-    for k, (i, (hview, rec_end)) in enumerate(zip(run, spots, strict=True)):
+    for i, (at, _, _), rec_end in zip(run, heads, ends, strict=True):
         if rec_end > got:
-            # A short read: the segment was cut short (by hand); the rest are misses, and
-            # damaged ones (forgotten), else `exists` kept reporting them forever.
-            bad.extend(run[k:])
-            return
-        item = items[i]
-        h = parse_record_header(hview, item.key.encode("ascii"))
-        _, _, length, seq = item.entry
-        if (
-            h is None
-            or h.length != length
-            or h.seq != seq
-            or payload_hash(item.target) != h.payload_hash
-        ):
-            bad.append(i)
+            # With NOWAIT: cached only in part, the rest from the worker. Without: the
+            # segment was cut short (by hand), and these are misses.
+            if flags:
+                later.append(i)
             continue
-        results[i] = length
+        key, (_, _, length, seq), target = items[i]
+        magic, key_len, _, stored_len, stored_seq, digest = _REC.unpack_from(scratch, at)
+        kb = key.encode("ascii")
+        ok = (
+            magic == _MAGIC
+            and key_len == len(kb)
+            and stored_len == length
+            and stored_seq == seq
+            and scratch[at + RECORD_HEADER : at + RECORD_HEADER + key_len] == kb
+        )
+        if ok:
+            actual = xxh3_64_intdigest(target[0]) if len(target) == 1 else payload_hash(target)
+            ok = actual == digest
+        if ok:
+            results[i] = length
+        else:
+            bad.append(i)

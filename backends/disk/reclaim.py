@@ -65,6 +65,10 @@ class Reclaimer:
         for code in segments:
             self.last_read_ns[code] = now
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit without reclaiming anything (by the running estimate)."""
+        return self.capacity is None or self._estimate + nbytes <= self.capacity
+
     def make_room(self, nbytes: int) -> bool:
         """Reclaim until ``nbytes`` more fit; False (counted) when they cannot."""
         if self.capacity is None:

@@ -15,7 +15,9 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from xxhash import xxh3_64_intdigest
 
 from hicache.backends.disk.catalog import Catalog, snapshot_lock, snapshot_positions, write_snapshot
 from hicache.backends.disk.config import DiskConfig
@@ -24,6 +26,7 @@ from hicache.backends.disk.format import (
     RECORD_HEADER,
     SEGMENT_HEADER,
     LogOp,
+    encode_log_frame,
     encode_log_record,
     pack_record_header,
     payload_hash,
@@ -72,16 +75,24 @@ class Appender:
     def put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
         """Append the batch; True where the object is stored and indexed. Call under the
         catalog's append lock."""
-        sizes = [sum(s.nbytes for s in segs) for segs in values]
+        sizes = [segs[0].nbytes if len(segs) == 1 else sum(s.nbytes for s in segs)
+                 for segs in values]  # fmt: skip
         fits = [n <= self.max_object_bytes for n in sizes]
-        self.counts["put_too_large"] += fits.count(False)
-        todo = [i for i, ok in enumerate(fits) if ok]
+        todo: Sequence[int]
+        if all(fits):  # the usual case: no copies of the batch's lists
+            todo, keys_in, values_in, sizes_in = range(len(keys)), keys, values, sizes
+        else:
+            self.counts["put_too_large"] += fits.count(False)
+            todo = [i for i, ok in enumerate(fits) if ok]
+            keys_in, values_in = [keys[i] for i in todo], [values[i] for i in todo]
+            sizes_in = [sizes[i] for i in todo]
         results = [False] * len(keys)
         try:
-            if not todo or not self.room(sum(record_bytes(len(keys[i]), sizes[i]) for i in todo)):
+            room = sum((RECORD_HEADER + len(k) + n + 7) & ~7 for k, n in zip(keys_in, sizes_in))
+            if not todo or not self.room(room):
                 return results
-            for i, ok in zip(todo, self.append([keys[i] for i in todo], [values[i] for i in todo]),
-                             strict=True):  # fmt: skip
+            stored = self.append(keys_in, values_in, sizes_in)
+            for i, ok in zip(todo, stored, strict=True):
                 results[i] = ok
         except OSError as exc:
             # The log append (or a reclaim's) failed, a full disk most often: nothing of the
@@ -94,66 +105,74 @@ class Appender:
             logger.warning("disk store %s: no snapshot: %s", self.catalog.dirs.root, exc)
         return results
 
-    def append(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
-        """Write, log and index records (no room check: reclaim's reinsertion calls this)."""
+    def append(
+        self, keys: list[str], values: list[list[memoryview]], lengths: list[int] | None = None
+    ) -> list[bool]:
+        """Write, log and index records (no room check: reclaim's reinsertion calls this).
+
+        The loop below is the per-object cost of a put, so it is kept to plain local work: one
+        header pack, one xxh3, list appends; the system calls are one per run and one per log.
+        """
+        if lengths is None:
+            lengths = [sum(s.nbytes for s in segs) for segs in values]
         results = [False] * len(keys)
-        placed: list[tuple[int, str, int, int, int]] = []  # item, key, segment, offset, seq
+        placed: list[tuple[int, int, int, int]] = []  # item, segment, offset, seq
         run: list[memoryview | bytes] = []
-        run_items: list[tuple[int, str, int, int, int]] = []
-        run_start = self._seg_end
-        for i, (key, segs) in enumerate(zip(keys, values, strict=True)):
+        run_items: list[tuple[int, int, int, int]] = []
+        seq = self._reserve_seqs(len(keys))
+        end, limit, code = self._seg_end, self.segment_bytes, self._seg_code
+        run_start = end
+        for i, key in enumerate(keys):
             kb = key.encode("ascii")
-            length = sum(s.nbytes for s in segs)
-            size = record_bytes(len(kb), length)
-            if self._seg_fd < 0 or self._seg_end + size > self.segment_bytes:
-                if run and self._write(run, run_start):
+            length, segs = lengths[i], values[i]
+            size = (RECORD_HEADER + len(kb) + length + 7) & ~7
+            if self._seg_fd < 0 or end + size > limit:
+                self._seg_end = end
+                if run and self._write(run, run_start, end - run_start):
                     placed.extend(run_items)
                 run, run_items = [], []
                 if not self._new_segment():
                     return results
-                run_start = self._seg_end
-            seq = self._next_seq()
-            run.append(pack_record_header(kb, length, seq, payload_hash(segs)))
+                end = run_start = self._seg_end
+                code = self._seg_code
+            digest = xxh3_64_intdigest(segs[0]) if len(segs) == 1 else payload_hash(segs)
+            run.append(pack_record_header(kb, length, seq, digest))
             run.append(kb)
             run.extend(segs)
             pad = size - RECORD_HEADER - len(kb) - length
             if pad:
                 run.append(_PAD[:pad])
-            run_items.append((i, key, self._seg_code, self._seg_end, seq))
-            self._seg_end += size
-        if run and self._write(run, run_start):
+            run_items.append((i, code, end, seq))
+            end += size
+            seq += 1
+        self._seg_end = end
+        if run and self._write(run, run_start, end - run_start):
             placed.extend(run_items)
         if not placed:
             return results
-        lengths = {i: sum(s.nbytes for s in values[i]) for i, *_ in placed}
+        put = LogOp.PUT
         self._log(
-            b"".join(
-                encode_log_record(LogOp.PUT, key, seq, code, off, lengths[i])
-                for i, key, code, off, seq in placed
-            ),
+            encode_log_frame([(put, keys[i], q, c, off, lengths[i]) for i, c, off, q in placed]),
             len(placed),
         )
         with self.catalog.lock:
-            index = self.catalog.index
-            for i, key, code, off, seq in placed:
-                index.put(key, code, off, lengths[i], seq)
-                results[i] = True
+            self.catalog.index.put_many([(keys[i], c, o, lengths[i], q) for i, c, o, q in placed])
+        for i, *_ in placed:
+            results[i] = True
         return results
 
-    def _write(self, iov: list[memoryview | bytes], offset: int) -> bool:
-        """One run of records at ``offset`` of the open segment; False (counted) on failure,
-        after which the segment is left for a new one."""
+    def _write(self, iov: list[memoryview | bytes], offset: int, nbytes: int) -> bool:
+        """One run of ``nbytes`` of records at ``offset`` of the open segment; False (counted)
+        on failure, after which the segment is left for a new one."""
         try:
-            for start in range(0, len(iov), _IOV_MAX):
-                part = iov[start : start + _IOV_MAX]
-                want = sum(len(memoryview(p).cast("B")) for p in part)
-                done = os.pwritev(self._seg_fd, part, offset)
-                if done < want:  # rare: finish it through a joined copy
-                    rest = b"".join(bytes(memoryview(p).cast("B")) for p in part)[done:]
-                    while rest:
-                        n = os.pwrite(self._seg_fd, rest, offset + done)
-                        rest, done = rest[n:], done + n
-                offset += want
+            if len(iov) <= _IOV_MAX:
+                self._pwrite_all(iov, offset, nbytes)
+            else:
+                for start in range(0, len(iov), _IOV_MAX):
+                    part = iov[start : start + _IOV_MAX]
+                    want = sum(memoryview(p).nbytes for p in part)
+                    self._pwrite_all(part, offset, want)
+                    offset += want
             if self.config.fsync:
                 os.fdatasync(self._seg_fd)
             return True
@@ -161,6 +180,14 @@ class Appender:
             self._count_error(exc, "a write failed")
             self._seal()
             return False
+
+    def _pwrite_all(self, iov: list[memoryview | bytes], offset: int, want: int) -> None:
+        done = os.pwritev(self._seg_fd, iov, offset)
+        if done < want:  # rare (a signal, a filesystem's limit): finish through a joined copy
+            rest = b"".join(bytes(memoryview(p).cast("B")) for p in iov)[done:]
+            while rest:
+                n = os.pwrite(self._seg_fd, rest, offset + done)
+                rest, done = rest[n:], done + n
 
     def _count_error(self, exc: OSError, what: str) -> None:
         self.counts["put_errors"] += 1
@@ -190,10 +217,14 @@ class Appender:
         self._seg_fd, self._seg_code = -1, -1
 
     def _next_seq(self) -> int:
+        return self._reserve_seqs(1)
+
+    def _reserve_seqs(self, n: int) -> int:
+        """The first of ``n`` consecutive sequences, newer than any this process has seen."""
         index = self.catalog.index
-        seq = max(index.clock + 1, time.time_ns())
-        index.clock = seq
-        return seq
+        first = max(index.clock + 1, time.time_ns())
+        index.clock = first + n - 1
+        return first
 
     def _log(self, data: bytes, records: int) -> None:
         self.log.append(data)

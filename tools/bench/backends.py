@@ -3,10 +3,11 @@
 The baseline moves the same bytes in the same run, the plainest way there is: for ``file``,
 open/write/rename per object with the same fsync setting and open/readinto a preallocated
 buffer; for ``memory`` and ``shm``, a memcpy into and out of a preallocated, touched buffer;
-for the others, the raw client library (``raw_*``). Backend and baseline runs alternate, round
-after round, because this machine is shared and noisy: each GB/s figure (1e9 bytes per second)
-is the median of the rounds with its range (``_min``, ``_max``), and each ratio the median of
-the rounds' own ratios (both sides of a round ran one right after the other), with its range.
+for ``disk``, ``pwritev``/``preadv`` on one preallocated file (``raw_disk``); for the others,
+the raw client library (``raw_*``). Backend and baseline runs alternate, round after round,
+because this machine is shared and noisy: each GB/s figure (1e9 bytes per second) is the
+median of the rounds with its range (``_min``, ``_max``), and each ratio the median of the
+rounds' own ratios (both sides of a round ran one right after the other), with its range.
 
 Both sides move batches of 32 objects, and the baseline runs two ways:
 
@@ -16,6 +17,14 @@ Both sides move batches of 32 objects, and the baseline runs two ways:
 - ``raw_blocking``: every batch back to back in one thread, with no event loop at all.
   ``*_ratio_blocking`` compare against this; the difference between the two baselines is
   the loop-to-thread round trip itself (0.3-0.5 ms a call on a 2-core VM).
+
+Every step also reports its CPU cost, ``LABEL_cpu_us``: the process CPU time
+(``time.process_time``, every thread of the process) it took, per object, the median of the
+rounds with its range; ``put_cpu_ratio`` and ``get_cpu_ratio`` are the backend's CPU over the
+async raw baseline's (above 1: the backend spends more).
+
+With ``open_objects``, only the open benchmark runs instead (``store_open``): the time to
+open a ``disk`` (and ``file``) store of that many small objects left by a writer that died.
 """
 
 from __future__ import annotations
@@ -35,8 +44,11 @@ from typing import Any
 import numpy as np
 
 from hicache.backends.base import StorageBackend
+from hicache.backends.disk.config import DEFAULT_SEGMENT_BYTES
+from hicache.backends.disk.format import record_bytes
 from hicache.backends.registry import open_backend
 from hicache.errors import InvalidArgumentError
+from hicache.keys import KEY_MAX_LEN
 from hicache.tools.bench.rounds import paired_ratio, rotated, spread
 
 __all__ = ["BackendBenchConfig", "run_backend_bench"]
@@ -53,6 +65,9 @@ class BackendBenchConfig:
     object_bytes: int = 2 << 20
     repeats: int = 6
     directory: str | None = None
+    # Above 0: only the open benchmark runs, over stores of this many small objects (see
+    # hicache.tools.bench.store_open).
+    open_objects: int = 0
 
 
 @dataclass(slots=True)
@@ -76,6 +91,7 @@ _RAW_MODULES: dict[str, str] = {
     "mooncake": "raw_mooncake",
     "nixl": "raw_nixl",
     "3fs": "raw_hf3fs",
+    "disk": "raw_disk",
 }
 
 
@@ -84,10 +100,12 @@ def _raw_module(name: str) -> Any | None:
     return importlib.import_module(f"hicache.tools.bench.{module}") if module else None
 
 
-def _default_url(name: str, scratch: str, total: int) -> str:
+def _default_url(name: str, scratch: str, total: int, object_bytes: int) -> str:
     capacity = total + total // 4 + (64 << 20)
     if name == "file":
         return f"file://{scratch}/store"
+    if name == "disk":
+        return _disk_url(scratch, total // object_bytes, object_bytes)
     if name == "shm":
         return f"shm://hicache-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}?capacity_bytes={capacity}"
     if name == "memory":
@@ -95,10 +113,22 @@ def _default_url(name: str, scratch: str, total: int) -> str:
     return f"{name}://"
 
 
-async def _timed(fn: Callable[[], Awaitable[None]]) -> float:
-    start = time.perf_counter()
+def _disk_url(scratch: str, objects: int, object_bytes: int) -> str:
+    """A disk store with segments that hold any object (at least the default 256 MiB), and a
+    capacity of three copies of the objects' records: the segments of old rounds, dead once
+    the next round rewrote their keys, are reclaimed instead of filling the disk."""
+    # A spare MiB covers the segment's header and the record's header, key and padding.
+    mib = -(-(object_bytes + (1 << 20)) // (1 << 20))
+    segment = max(DEFAULT_SEGMENT_BYTES, mib << 20)
+    capacity = 3 * objects * record_bytes(KEY_MAX_LEN, object_bytes) + 2 * segment
+    return f"disk://{scratch}/store?segment_bytes={segment}&capacity={capacity}"
+
+
+async def _timed(fn: Callable[[], Awaitable[None]]) -> tuple[float, float]:
+    """Wall seconds and process CPU seconds (every thread's) of ``fn``."""
+    start, cpu = time.perf_counter(), time.process_time()
     await fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _batches(n: int) -> list[tuple[int, int]]:
@@ -188,18 +218,20 @@ async def _bench_backend(
     scratch = tempfile.mkdtemp(prefix="hicache-bench-", dir=cfg.directory)
     try:
         with contextlib.ExitStack() as services:
-            url = url or _provisioned_url(name, scratch, work.nbytes, services)
+            url = url or _provisioned_url(name, scratch, work, services)
             return await _bench_open(name, url, scratch, work, cfg)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _provisioned_url(name: str, scratch: str, total: int, services: contextlib.ExitStack) -> str:
+def _provisioned_url(
+    name: str, scratch: str, work: _Workload, services: contextlib.ExitStack
+) -> str:
     module = _raw_module(name)
     provision = getattr(module, "provision", None)
     if provision is None:
-        return _default_url(name, scratch, total)
-    return str(services.enter_context(provision(scratch, total)))
+        return _default_url(name, scratch, work.nbytes, int(work.source.shape[1]))
+    return str(services.enter_context(provision(scratch, work.nbytes)))
 
 
 async def _bench_open(
@@ -220,13 +252,13 @@ async def _bench_open(
             _raw_blocking(raw_get, work)
             if not np.array_equal(work.dest, work.source):
                 raise RuntimeError(f"{name}: the raw baseline read back other data")
-        times = await _timed_rounds(backend, work, raw, cfg.repeats)
+        times, cpu = await _timed_rounds(backend, work, raw, cfg.repeats)
     finally:
         unlink = getattr(backend, "unlink", None)
         await backend.close()
         if callable(unlink):
             unlink()
-    return _report(name, work, times)
+    return _report(name, work, times) | _cpu_report(len(work.keys), cpu)
 
 
 def _subdir(scratch: str, way: str) -> str:
@@ -240,8 +272,9 @@ async def _timed_rounds(
     work: _Workload,
     raw: dict[str, tuple[BatchMove, BatchMove]],
     repeats: int,
-) -> dict[str, list[float]]:
-    """The seconds of each step in each of ``repeats`` rounds."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """The wall seconds and the process CPU seconds of each step in each of ``repeats``
+    rounds."""
     (async_put, async_get), (blocking_put, blocking_get) = raw["async"], raw["blocking"]
     steps = {
         "put": lambda: _backend_put(backend, work),
@@ -252,6 +285,7 @@ async def _timed_rounds(
         "raw_get_blocking": lambda: asyncio.to_thread(_raw_blocking, blocking_get, work),
     }
     times: dict[str, list[float]] = {label: [] for label in steps}
+    cpu: dict[str, list[float]] = {label: [] for label in steps}
     puts = ["put", "raw_put", "raw_put_blocking"]
     gets = ["get", "raw_get", "raw_get_blocking"]
     for repeat in range(repeats):
@@ -262,8 +296,10 @@ async def _timed_rounds(
             # paid for the previous step's writeback and one baseline read 0.8 GB/s in a run
             # where the same code, one place over, read 1.9.
             await asyncio.to_thread(os.sync)
-            times[label].append(await _timed(steps[label]))
-    return times
+            wall, used = await _timed(steps[label])
+            times[label].append(wall)
+            cpu[label].append(used)
+    return times, cpu
 
 
 def _report(name: str, work: _Workload, times: dict[str, list[float]]) -> dict[str, Any]:
@@ -281,7 +317,30 @@ def _report(name: str, work: _Workload, times: dict[str, list[float]]) -> dict[s
     return out
 
 
+def _cpu_report(objects: int, cpu: dict[str, list[float]]) -> dict[str, Any]:
+    """``LABEL_cpu_us``: process CPU microseconds (every thread's) per object of each step, the
+    median of the rounds with its range; ``put_cpu_ratio``, ``get_cpu_ratio``: the backend's
+    CPU over the async raw baseline's, the median of the rounds' own ratios (above 1: the
+    backend spends more)."""
+    out: dict[str, Any] = {}
+    for label, seconds in cpu.items():
+        out.update(spread(f"{label}_cpu_us", [s / objects * 1e6 for s in seconds], 2))
+    for op in ("put", "get"):
+        # paired_ratio gives baseline over ours: pass them swapped for backend over raw. The
+        # floor keeps a step too short for the CPU clock from dividing by zero.
+        raw = [max(s, 1e-9) for s in cpu[f"raw_{op}"]]
+        out.update(paired_ratio(f"{op}_cpu_ratio", raw, cpu[op]))
+    return out
+
+
 async def run_backend_bench(cfg: BackendBenchConfig) -> list[dict[str, Any]]:
+    """One row per backend: put/get figures, or with ``open_objects`` its open figures."""
+    if cfg.open_objects < 0:
+        raise InvalidArgumentError("open objects must not be negative")
+    if cfg.open_objects:
+        from hicache.tools.bench.store_open import run_open_bench
+
+        return await run_open_bench(cfg.backends, cfg.open_objects, cfg.directory)
     if cfg.objects <= 0 or cfg.object_bytes <= 0 or cfg.repeats <= 0:
         raise InvalidArgumentError("objects, object bytes and repeats must be positive")
     rng = np.random.default_rng(0)

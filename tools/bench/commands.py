@@ -118,6 +118,12 @@ def add_bench_backends(bench_sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--dir", type=input_dir, help="scratch directory for file stores (default: temp)"
     )
+    p.add_argument(
+        "--open-objects",
+        type=int_range(1, _MAX_OBJECTS),
+        help="instead of put/get: time opening a disk (and file, up to 200000) store of this "
+        "many 64-byte objects whose writer died (default backends: disk, file)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(bench_run=_run_backends)
     return p
@@ -136,15 +142,19 @@ def _backend_name(text: str) -> str:
 def _run_backends(args: argparse.Namespace) -> list[dict[str, Any]]:
     from hicache.tools.bench.backends import BackendBenchConfig, run_backend_bench
 
-    check_memory(args.objects * args.object_bytes * 2, "--objects x --object-bytes x 2")
-
+    if args.open_objects:
+        default: tuple[str, ...] = ("disk", "file")
+    else:
+        check_memory(args.objects * args.object_bytes * 2, "--objects x --object-bytes x 2")
+        default = ("memory", "file", "shm")
     config = BackendBenchConfig(
-        backends=tuple(args.backend or ("memory", "file", "shm")),
+        backends=tuple(args.backend or default),
         url=args.url,
         objects=args.objects,
         object_bytes=args.object_bytes,
         repeats=args.repeats,
         directory=args.dir,
+        open_objects=args.open_objects or 0,
     )
     return asyncio.run(run_backend_bench(config))
 
