@@ -51,7 +51,8 @@ def audit_segments(catalog: Catalog) -> list[DamagedRegion]:
 def _audit_one(code: int, fd: int, indexed: dict[int, str]) -> list[DamagedRegion]:
     name = segment_name(code)
     out = []
-    for item in walk_segment(fd, os.fstat(fd).st_size, payloads=True):
+    last = max(indexed, default=0)
+    for item in walk_segment(fd, os.fstat(fd).st_size, payloads=True, until=last + 1):
         if isinstance(item, Found):
             if item.intact:
                 continue

@@ -56,20 +56,32 @@ class Catalog:
 
     # ----- opening ------------------------------------------------------------------------
     def load(self) -> None:
-        """Build the index from the snapshot and the logs (blocking)."""
-        for _ in range(_OPEN_TRIES):
+        """Build the index from the snapshot and the logs (blocking). Also rebuilds it when a
+        refresh found a log generation gone (see :meth:`refresh`)."""
+        damaged = self.counts["snapshot_damaged"]
+        for attempt in range(_OPEN_TRIES):
+            last = attempt == _OPEN_TRIES - 1  # snapshots kept changing: the logs as they are
+            self.counts["snapshot_damaged"] = damaged  # once a load, not once an attempt
             snap = self._read_snapshot()
+            tails = self._start_tails(snap, give_up=last)
+            if tails is None:
+                continue
             index = KeyIndex()
             if snap is not None:
                 index.load(snap)
-            tails = self._start_tails(snap)
-            if tails is not None:
+            for tail in self.tails.values():  # a rebuild's, or the previous attempt's
+                tail.close()
+            self.index, self.tails = index, tails
+            gaps: list[str] = []
+            for tail in tails.values():
+                self._apply(tail.read(gaps.append))
+            # A generation removed between reading the snapshot and opening it was covered by
+            # a newer snapshot: read again. Gaps that stay are damage (counted, misses).
+            newer = snapshot_positions(self.dirs.index) != (snap.logs if snap else None)
+            if not gaps or last or not newer:
+                for message in gaps:
+                    self._gap(message)
                 break
-        else:  # snapshots kept changing under us: read the logs as they are
-            tails = self._start_tails(snap, give_up=True) or {}
-        self.index, self.tails = index, tails
-        for tail in tails.values():
-            self._apply(tail.read(self._gap))
         present = set(list_segments(self.dirs.segments))
         self.counts["lost_segments"] += self.index.keep_segments(present)
         if self.own_slot is not None:  # this process appends its own records itself
@@ -122,8 +134,15 @@ class Catalog:
             for slot, gens in list_generations(self.dirs.index).items():
                 if slot not in known and slot != self.own_slot and gens:
                     self.tails[slot] = LogTail(self.dirs.index, slot, gens[0], LOG_HEADER)
+            gaps: list[str] = []
             for tail in self.tails.values():
-                self._apply(tail.read(self._gap))
+                self._apply(tail.read(gaps.append))
+            if gaps:
+                # A generation was removed before this process read it: a tail not holding it
+                # open yet (the ROTATE naming it read before it was created, or a new tail)
+                # while its writer snapshotted twice. Its records were lost here, then from
+                # this process's own snapshots; the current snapshot covers them: rebuild.
+                self.load()
             self.last_refresh = time.monotonic()
 
     def stale(self) -> bool:

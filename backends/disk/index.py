@@ -110,8 +110,10 @@ class KeyIndex:
         """:meth:`put` of each ``(key, segment, offset, length, seq)``, which this process has
         just appended, so is newer than anything indexed: the hot path of a put batch."""
         rows, seg_c, off_c, len_c, seq_c = self._rows, self._seg, self._off, self._len, self._seq
-        free, live = self._free, self.live_bytes
+        free, live, dead = self._free, self.live_bytes, self._dead
         for key, segment, offset, length, seq in entries:
+            if dead:  # newer than any DELETE seen: its tombstone is of no more use
+                dead.pop(key, None)
             row = rows.get(key)
             if row is None:
                 row = free.pop() if free else self._grow()

@@ -123,9 +123,12 @@ def _read_run(
     for i, (at, _, _), rec_end in zip(run, heads, ends, strict=True):
         if rec_end > got:
             # With NOWAIT: cached only in part, the rest from the worker. Without: the
-            # segment was cut short (by hand), and these are misses.
+            # segment was cut short (by hand): damaged records, misses and forgotten (else
+            # `exists` kept reporting them, and every read of them missed again).
             if flags:
                 later.append(i)
+            else:
+                bad.append(i)
             continue
         key, (_, _, length, seq), target = items[i]
         magic, key_len, _, stored_len, stored_seq, digest = _REC.unpack_from(scratch, at)

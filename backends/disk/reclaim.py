@@ -21,12 +21,15 @@ import contextlib
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from xxhash import xxh3_64_intdigest
+
 from hicache.backends.disk.catalog import Catalog
-from hicache.backends.disk.format import RECORD_HEADER, split_code
+from hicache.backends.disk.format import RECORD_HEADER, parse_record_header, split_code
 from hicache.backends.disk.layout import try_lock_slot
-from hicache.backends.disk.segments import Found, list_segments, segment_name, walk_segment
+from hicache.backends.disk.segments import Found, list_segments, segment_name
 from hicache.backends.disk.writer import Appender
 
 __all__ = ["HOT_KEYS", "Reclaimer"]
@@ -111,7 +114,9 @@ class Reclaimer:
                 return 0  # its writer is running: its segments are its own
         try:
             if move_all:
-                self._copy(seg.code, self._live(seg.code))
+                with self.catalog.lock:
+                    keys = list(self.catalog.index.in_segment(seg.code))
+                self._copy(seg.code, self._live(seg.code, keys))
             elif self.reinsert and seg.last_use_ns >= 0:
                 self._reinsert(seg)
             self.appender.log_reclaim(seg.code)
@@ -124,45 +129,49 @@ class Reclaimer:
             if lock is not None:
                 os.close(lock)
 
-    def _live(self, code: int, payloads: bool = False) -> list[Found]:
-        """The victim's records that the index still points at."""
-        fd = self.catalog.files.fd(code)
-        if fd is None:
-            return []
-        size = os.fstat(fd).st_size
+    def _live(self, code: int, keys: Iterable[str]) -> list[Found]:
+        """The records of segment ``code`` the index points at, among ``keys``, in segment
+        order (from the index: a walk of the segment would stop at a stretch damaged by
+        hand, and the records after it would be dropped with the segment)."""
         index = self.catalog.index
         out = []
-        for item in walk_segment(fd, size, payloads):
-            if isinstance(item, Found):
-                entry = index.get(item.key)
-                if entry is not None and entry[0] == code and entry[1] == item.offset:
-                    out.append(item)
+        with self.catalog.lock:
+            for key in keys:
+                entry = index.get(key)
+                if entry is not None and entry[0] == code:
+                    out.append(Found(entry[1], key, entry[2], entry[3], None))
+        out.sort(key=lambda rec: rec.offset)
         return out
 
     def _reinsert(self, seg: _Segment) -> None:
         budget = int(seg.size * _REINSERT_SHARE)
         chosen = []
-        for rec in self._live(seg.code):
-            if rec.key in self.hot and budget >= rec.length:
+        for rec in self._live(seg.code, list(self.hot)):
+            if budget >= rec.length:
                 budget -= rec.length
                 chosen.append(rec)
-        self._copy(seg.code, chosen)
+        moved = self._copy(seg.code, chosen)
         for rec in chosen:
             self.hot.pop(rec.key, None)
-        self.counts["reinserted"] += len(chosen)
+        self.counts["reinserted"] += moved
 
-    def _copy(self, code: int, records: list[Found]) -> None:
-        """Append ``records`` of segment ``code`` anew, a batch at a time."""
+    def _copy(self, code: int, records: list[Found]) -> int:
+        """Append ``records`` of segment ``code`` anew, a batch at a time, each checked as it
+        is read (a damaged one is left to go with its segment); how many were appended."""
         fd = self.catalog.files.fd(code)
         if fd is None or not records:
-            return
-        batch: list[tuple[str, bytes]] = []
+            return 0
+        batch: list[tuple[str, memoryview]] = []
+        moved = 0
         for rec in records:
-            data = os.pread(fd, rec.length, rec.offset + RECORD_HEADER + len(rec.key))
-            batch.append((rec.key, data))
-            if len(batch) >= 64 or rec is records[-1]:
-                self.appender.append([k for k, _ in batch], [[memoryview(d)] for _, d in batch])
+            data = _read_checked(fd, rec)
+            if data is not None:
+                batch.append((rec.key, data))
+            if batch and (len(batch) >= 64 or rec is records[-1]):
+                done = self.appender.append([k for k, _ in batch], [[d] for _, d in batch])
+                moved += sum(done)
                 batch = []
+        return moved
 
     def compact(self, min_dead: float) -> tuple[int, int]:
         """Move live records out of sealed segments at least ``min_dead`` dead, and reclaim
@@ -176,3 +185,19 @@ class Reclaimer:
             freed += done
             count += done > 0
         return count, freed
+
+
+def _read_checked(fd: int, rec: Found) -> memoryview | None:
+    """The payload of ``rec`` if its record checks out (header, key, sequence, xxh3)."""
+    kb = rec.key.encode("ascii")
+    try:
+        data = os.pread(fd, RECORD_HEADER + len(kb) + rec.length, rec.offset)
+    except OSError:
+        return None
+    h = parse_record_header(data, kb)
+    if h is None or h.length != rec.length or h.seq != rec.seq:
+        return None
+    payload = memoryview(data)[RECORD_HEADER + len(kb) :]
+    if payload.nbytes != rec.length or xxh3_64_intdigest(payload) != h.payload_hash:
+        return None
+    return payload

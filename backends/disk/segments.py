@@ -9,6 +9,7 @@ key it looked up; one that opens it afterwards gets a miss. Segment numbers are 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -77,11 +78,21 @@ def next_number(lock_fd: int) -> int:
     return number
 
 
-def create_segment(dir_fd: int, slot: int, number: int, created_ns: int) -> int:
-    """A new segment's file with its header written, open for writing."""
+def create_segment(dir_fd: int, slot: int, number: int, created_ns: int, size: int) -> int:
+    """A new segment's file, ``size`` bytes allocated, its header written, open for writing.
+
+    Allocated up front because appending into a file that grows costs the filesystem a block
+    allocation per extent: 2 MiB appends ran at 0.45 GB/s here, against 6.1 GB/s into an
+    allocated file. Where the filesystem cannot allocate ahead, the file grows as written.
+    """
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
     fd = os.open(segment_name(segment_code(slot, number)), flags, 0o600, dir_fd=dir_fd)
     try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise  # a full disk: no segment
         os.pwrite(fd, segment_header(slot, number, created_ns), 0)
     except OSError:
         os.close(fd)
@@ -152,15 +163,21 @@ class Damaged:
     end: int  # where the next record that checks out starts (the segment's size if none)
 
 
-def walk_segment(fd: int, size: int, payloads: bool = False) -> Iterator[Found | Damaged]:
+def walk_segment(
+    fd: int, size: int, payloads: bool = False, until: int = 0
+) -> Iterator[Found | Damaged]:
     """Every record of a segment in order, and every stretch where none could be read.
 
     Records are found by their own headers; after a damaged one the walk looks for the next
-    header that checks out, so one bad stretch loses only the records inside it.
+    header that checks out, so one bad stretch loses only the records inside it. Zeros where a
+    header should be are the segment's unwritten end (it is allocated ahead), unless a record
+    is known to start at ``until`` or later: then they are damage too.
     """
     off = SEGMENT_HEADER
     while off < size:
         head = os.pread(fd, RECORD_HEADER + KEY_MAX_LEN, off)
+        if off >= until and not head[:RECORD_HEADER].strip(b"\0"):
+            return  # the unwritten end
         h = parse_record_header(head)
         end = off + record_bytes(h.key_len, h.length) if h is not None else size + 1
         if h is None or end > size:

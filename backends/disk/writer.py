@@ -198,7 +198,9 @@ class Appender:
         self._seal()
         try:
             number = next_number(self.lock_fd)
-            fd = create_segment(self.catalog.dirs.segments, self.slot, number, time.time_ns())
+            fd = create_segment(
+                self.catalog.dirs.segments, self.slot, number, time.time_ns(), self.segment_bytes
+            )
         except OSError as exc:
             self.counts["put_errors"] += 1
             self.counts["enospc"] += exc.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -51,12 +51,12 @@ async def test_small_run_reports_every_figure(name: str, tmp_path: pathlib.Path)
 def test_raw_disk_baseline_round_trips_through_short_writes(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One preallocated file; a pwritev that comes back short is finished from where it
-    stopped, inside an object too."""
+    """A preallocated file per round, the earlier ones kept; a pwritev that comes back short is
+    finished from where it stopped, inside an object too."""
     source = np.random.default_rng(0).integers(0, 256, size=(40, 1000), dtype=np.uint8)
     work = types.SimpleNamespace(source=source, dest=np.zeros_like(source))
     put, get = raw_disk.raw_baseline(None, str(tmp_path), work)
-    assert os.path.getsize(tmp_path / "raw-disk.data") == source.nbytes  # allocated up front
+    assert os.path.getsize(tmp_path / "raw-disk.0") == source.nbytes  # allocated up front
     real = os.pwritev
 
     def short(fd: int, views: list[memoryview], offset: int) -> int:
@@ -71,6 +71,7 @@ def test_raw_disk_baseline_round_trips_through_short_writes(
     for lo in range(0, 40, 32):
         get(work, lo, min(lo + 32, 40))
     assert np.array_equal(work.dest, source)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw-disk.0", "raw-disk.1"]
 
 
 async def test_open_of_a_store_whose_writer_died(tmp_path: pathlib.Path) -> None:

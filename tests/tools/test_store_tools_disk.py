@@ -95,11 +95,13 @@ async def test_compact_moves_live_objects_out_of_half_dead_segments(
     assert await store.delete([k for k in keys if k not in kept]) == [True] * (
         len(keys) - len(kept)
     )
-    before = (await store.stats())["disk_bytes"]
+    before = await store.stats()
     report = await compact_store(store, CompactOptions(grace_s=0.0))
     after = await store.stats()
     assert report.segments_compacted > 0 and report.segment_bytes_freed > 0
-    assert after["disk_bytes"] < before / 2
+    # Segments are allocated whole: the live third moved into fewer of them.
+    assert after["segments"] < before["segments"]
+    assert after["disk_bytes"] <= before["disk_bytes"] - report.segment_bytes_freed + _SEGMENT
     assert {k: (await store.get([k]))[0] for k in kept} == kept
     await store.close()
     reopened = await DiskBackend.open(DiskConfig(root=str(root)))

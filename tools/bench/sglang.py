@@ -1,6 +1,8 @@
 """``hicache bench sglang``: SGLang's own controller page functions over the hicache adapter,
 against SGLang's own storage backends on the same pages, in the same host layout.
 
+``--backend disk`` (hicache's ``disk://``) and ``--backend file`` (``file://``) are compared with
+SGLang's ``HiCacheFile``, ``--backend mooncake`` with SGLang's Mooncake store on the same master.
 Both sides run inside a real ``HiCacheController`` built by SGLang: the adapter through SGLang's
 ``dynamic`` loader (zero-copy ``batch_set_v1`` / ``batch_get_v1``, every page checksummed on
 write and checked on read), SGLang's ``HiCacheFile`` through its generic page functions and its
@@ -30,7 +32,9 @@ from hicache.tools.cli_parsing import int_range
 
 __all__ = ["add_bench_sglang_parser", "run_bench_sglang"]
 
-_BACKENDS = ("file", "mooncake")
+# disk and file: ours over disk:// or file://, against SGLang's HiCacheFile; mooncake: ours
+# and SGLang's Mooncake store on one master.
+_BACKENDS = ("disk", "file", "mooncake")
 _LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 # Each client's share of the Mooncake cluster: room for every round's pages, so no round writes
 # into a full segment (eviction would time that round, not the put path).
@@ -113,9 +117,13 @@ class _Side:
 def _sides(backend: str, root: str, shape: PageShape) -> Iterator[tuple[_Side, _Side]]:
     """(ours, SGLang's) controllers over the same kind of store; detached at the end."""
     with contextlib.ExitStack() as stack:
-        if backend == "file":
-            ours_url = f"file://{os.path.join(root, 'hicache')}"
-            theirs_extra: dict[str, Any] = {"file_storage_path": os.path.join(root, "sglang")}
+        theirs_backend = "file" if backend in ("disk", "file") else backend
+        if theirs_backend == "file":
+            ours_url = f"{backend}://{os.path.join(root, 'hicache-' + backend)}"
+            # A directory per comparison: HiCacheFile skips pages whose file exists.
+            theirs_extra: dict[str, Any] = {
+                "file_storage_path": os.path.join(root, f"sglang-{backend}")
+            }
         else:
             from hicache.tools.services_mooncake import mooncake_master
 
@@ -129,7 +137,7 @@ def _sides(backend: str, root: str, shape: PageShape) -> Iterator[tuple[_Side, _
             theirs_extra = {}
         ours = _side("hicache", shape, "dynamic", _adapter_extra_config(ours_url))
         stack.callback(ours.controller.detach_storage_backend)
-        theirs = _side("sglang", shape, backend, theirs_extra)
+        theirs = _side("sglang", shape, theirs_backend, theirs_extra)
         stack.callback(theirs.controller.detach_storage_backend)
         yield ours, theirs
 

@@ -14,19 +14,21 @@ pytest.importorskip(
 )
 
 
-def test_bench_sglang_reports_both_backends(tmp_path) -> None:
+def test_bench_sglang_reports_every_backend(tmp_path) -> None:
     argv = [sys.executable, "-m", "hicache.tools.cli", "bench", "sglang", "--json",
             "--layers", "2", "--heads", "2", "--head-dim", "16", "--page-size", "4",
             "--pages", "8", "--rounds", "2", "--dir", str(tmp_path)]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [row["backend"] for row in rows] == ["file", "mooncake"]
+    assert [row["backend"] for row in rows] == ["disk", "file", "mooncake"]
     for row in rows:
         assert row["page_bytes"] == 2 * 2 * 2 * 16 * 4 * 2 and row["checksummed"] is True
         for op in ("put", "get"):
             assert row[f"{op}_ratio"] > 0 and row[f"hicache_{op}_gb_s"] > 0
-    assert any(p.name == "hicache" for p in tmp_path.iterdir())
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"hicache-disk", "hicache-file"} <= names
+    assert (tmp_path / "hicache-disk" / "hicache-disk.json").is_file()  # a disk store
 
 
 def test_bench_sglang_without_sglang_says_where_to_run_it(tmp_path) -> None:
