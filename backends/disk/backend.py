@@ -102,7 +102,7 @@ class DiskBackend(StorageBackend):
             slot, lock_fd = (
                 (None, -1) if self.config.read_only else claim_slot(dirs, self.config.max_writers)
             )
-            catalog = Catalog(dirs, slot)
+            catalog = Catalog(dirs, slot, self.config.direct)
             catalog.load()
             if slot is not None:
                 self._appender = Appender(catalog, self.config, slot, lock_fd)
@@ -146,7 +146,8 @@ class DiskBackend(StorageBackend):
         in a worker thread (see :mod:`.reads`); a miss, or a busy index, goes to the thread
         whole, where it may wait for the lock and read the other processes' logs."""
         catalog = self.catalog
-        if NOWAIT == 0 or catalog.stale() or not catalog.lock.acquire(blocking=False):
+        direct = self.config.direct  # O_DIRECT reads wait for the device: never on the loop
+        if not NOWAIT or direct or catalog.stale() or not catalog.lock.acquire(blocking=False):
             return await in_thread(self._read, keys, buffers)
         try:
             entries = [catalog.index.get(k) for k in keys]
@@ -288,7 +289,9 @@ class DiskBackend(StorageBackend):
         """
         appender, reclaimer = self._appender, self._reclaimer
         assert appender is not None and reclaimer is not None
-        if self.config.fsync or time.monotonic() < self._inline_after or self.catalog.stale():
+        if self.config.fsync or self.config.direct or self.catalog.stale():
+            return False
+        if time.monotonic() < self._inline_after:
             return False
         if appender.log.records_since_rotate + len(keys) >= self.config.snapshot_records:
             return False
@@ -341,6 +344,8 @@ class DiskBackend(StorageBackend):
         for part in (self._appender, self._reclaimer):
             if part is not None:
                 out.update(part.counts)
+        writes_staged = self._appender.counts["bytes_staged"] if self._appender else 0
+        out["bytes_staged"] = writes_staged + catalog.files.bytes_staged  # direct=true only
         return out
 
     async def _close(self) -> None:

@@ -43,13 +43,13 @@ _OPEN_TRIES = 5  # a snapshot replaced while this process read the logs it names
 
 
 class Catalog:
-    def __init__(self, dirs: StoreDirs, own_slot: int | None) -> None:
+    def __init__(self, dirs: StoreDirs, own_slot: int | None, direct: bool = False) -> None:
         self.dirs = dirs
         self.own_slot = own_slot
         self.index = KeyIndex()
         self.lock = threading.Lock()  # the index and the tails
         self.tails: dict[int, LogTail] = {}
-        self.files = SegmentFiles(dirs.segments)
+        self.files = SegmentFiles(dirs.segments, direct)
         self.last_refresh = 0.0
         self.counts = {"log_gaps": 0, "snapshot_damaged": 0, "lost_segments": 0}
         self._warned: set[str] = set()

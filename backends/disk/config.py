@@ -23,6 +23,7 @@ class DiskConfig:
     # an error (None: whatever the store has, 256 MiB for a new one).
     segment_bytes: int | None = None
     fsync: bool = False  # acknowledged puts are durable: data, then log, synced before return
+    direct: bool = False  # segments read and written with O_DIRECT, through aligned staging
     read_only: bool = False  # open an existing store and never write to it
     reinsert: bool = True  # objects read since they were written survive their segment's reclaim
     snapshot_records: int = 131072  # log records of this writer between two snapshots

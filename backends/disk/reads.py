@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from xxhash import xxh3_64_intdigest
 
 from hicache.backends.base import MISS
+from hicache.backends.disk.direct import read_span
 from hicache.backends.disk.format import RECORD_HEADER, payload_hash
 from hicache.backends.disk.index import Entry
 from hicache.backends.disk.segments import SegmentFiles
@@ -92,6 +93,10 @@ def _read_run(
     fd = files.fd(code)
     if fd is None:
         return  # the segment is gone (reclaimed): misses
+    direct = files.direct_fd(code)
+    if direct is not None:
+        _read_run_direct(files, direct, items, run, results, bad)
+        return
     heads = []
     overhead = 0
     for i in run:
@@ -147,3 +152,45 @@ def _read_run(
             results[i] = length
         else:
             bad.append(i)
+
+
+def _read_run_direct(
+    files: SegmentFiles,
+    fd: int,
+    items: list[ReadItem],
+    run: list[int],
+    results: list[int],
+    bad: list[int],
+) -> None:
+    """The run through whole blocks into staging (O_DIRECT), each record checked and copied
+    out to its caller's buffer."""
+    first = items[run[0]][1][1]
+    last_key, last = items[run[-1]][0], items[run[-1]][1]
+    end = last[1] + RECORD_HEADER + len(last_key) + last[2]
+    try:
+        data, staged = read_span(fd, first, end)
+    except OSError:
+        return  # misses
+    files.note_staged(staged)
+    for i in run:
+        key, (_, off, length, seq), target = items[i]
+        at = off - first
+        kb = key.encode("ascii")
+        body = at + RECORD_HEADER + len(kb)
+        if body + length > data.nbytes:
+            continue  # past the end of the file: a segment cut short
+        magic, key_len, _, stored_len, stored_seq, digest = _REC.unpack_from(data, at)
+        payload = data[body : body + length]
+        if (
+            magic != _MAGIC
+            or (key_len, stored_len, stored_seq) != (len(kb), length, seq)
+            or data[at + RECORD_HEADER : body] != kb
+            or xxh3_64_intdigest(payload) != digest
+        ):
+            bad.append(i)
+            continue
+        pos = 0
+        for seg in target:
+            seg[:] = payload[pos : pos + seg.nbytes]
+            pos += seg.nbytes
+        results[i] = length

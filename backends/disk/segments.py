@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from hicache.backends.disk.direct import open_direct
 from hicache.backends.disk.format import (
     RECORD_HEADER,
     SEGMENT_HEADER,
@@ -102,12 +103,34 @@ def create_segment(dir_fd: int, slot: int, number: int, created_ns: int, size: i
 
 
 class SegmentFiles:
-    """Read descriptors of segments, opened on first use and kept."""
+    """Read descriptors of segments, opened on first use and kept; with ``direct``, a second,
+    O_DIRECT descriptor each for the reads of records (see :mod:`.direct`)."""
 
-    def __init__(self, dir_fd: int) -> None:
+    def __init__(self, dir_fd: int, direct: bool = False) -> None:
         self.dir_fd = dir_fd
+        self.direct = direct
         self._fds: dict[int, int] = {}
+        self._direct_fds: dict[int, int | None] = {}  # None: the filesystem refused O_DIRECT
         self._lock = threading.Lock()
+        self.bytes_staged = 0  # copied through the O_DIRECT reads' staging buffers
+
+    def note_staged(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_staged += nbytes
+
+    def direct_fd(self, code: int) -> int | None:
+        """The segment's O_DIRECT descriptor, or None (no direct I/O: read buffered)."""
+        if not self.direct or self.fd(code) is None:
+            return None
+        if code not in self._direct_fds:
+            with self._lock:
+                if code not in self._direct_fds:
+                    try:
+                        fd = open_direct(segment_name(code), self.dir_fd, os.O_RDONLY)
+                    except OSError:
+                        fd = None
+                    self._direct_fds[code] = fd
+        return self._direct_fds.get(code)
 
     def fd(self, code: int) -> int | None:
         """The segment's descriptor, or None when it is gone or not a segment of ours."""
@@ -137,15 +160,18 @@ class SegmentFiles:
         """Close the segment's descriptor (it was reclaimed). A read racing this reads a closed
         or reused descriptor, which its record check turns into a miss."""
         with self._lock:
-            fd = self._fds.pop(code, None)
-        if fd is not None:
-            os.close(fd)
+            fds = [self._fds.pop(code, None), self._direct_fds.pop(code, None)]
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
     def close(self) -> None:
         with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
+            fds = [*self._fds.values(), *self._direct_fds.values()]
+            self._fds, self._direct_fds = {}, {}
         for fd in fds:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)

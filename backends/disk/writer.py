@@ -21,6 +21,7 @@ from xxhash import xxh3_64_intdigest
 
 from hicache.backends.disk.catalog import Catalog, snapshot_lock, snapshot_positions, write_snapshot
 from hicache.backends.disk.config import DiskConfig
+from hicache.backends.disk.direct import DirectTail, open_direct
 from hicache.backends.disk.format import (
     LOG_HEADER,
     RECORD_HEADER,
@@ -64,7 +65,12 @@ class Appender:
         self._seg_code = -1
         self._seg_fd = -1
         self._seg_end = 0
-        self.counts = dict.fromkeys(("put_errors", "enospc", "put_too_large", "snapshots"), 0)
+        self.counts = dict.fromkeys(
+            ("put_errors", "enospc", "put_too_large", "snapshots", "bytes_staged",
+             "direct_fallbacks"), 0
+        )  # fmt: skip
+        self._direct_fd = -1  # the open segment's O_DIRECT descriptor (direct=true)
+        self._tail: DirectTail | None = None
         self.room: Callable[[int], bool] = lambda nbytes: True  # set by the reclaimer
 
     @property
@@ -165,6 +171,14 @@ class Appender:
         """One run of ``nbytes`` of records at ``offset`` of the open segment; False (counted)
         on failure, after which the segment is left for a new one."""
         try:
+            if self._direct_fd >= 0:
+                assert self._tail is not None
+                self.counts["bytes_staged"] += self._tail.write(
+                    self._direct_fd, iov, offset, nbytes
+                )
+                if self.config.fsync:
+                    os.fdatasync(self._direct_fd)
+                return True
             if len(iov) <= _IOV_MAX:
                 self._pwrite_all(iov, offset, nbytes)
             else:
@@ -211,9 +225,28 @@ class Appender:
             fd,
             SEGMENT_HEADER,
         )
+        if self.config.direct:
+            self._open_direct(number)
         return True
 
+    def _open_direct(self, number: int) -> None:
+        """The new segment's O_DIRECT descriptor, and the copy of its first block; buffered
+        writes (counted, warned once) where the filesystem has no direct I/O."""
+        code = self._seg_code
+        fd = open_direct(segment_name(code), self.catalog.dirs.segments, os.O_WRONLY)
+        if fd is None:
+            if not self.counts["direct_fallbacks"]:
+                logger.warning("disk store %s: no O_DIRECT on this filesystem; writes buffered",
+                               self.catalog.dirs.root)  # fmt: skip
+            self.counts["direct_fallbacks"] += 1
+            return
+        self._direct_fd = fd
+        self._tail = DirectTail(os.pread(self._seg_fd, SEGMENT_HEADER, 0))
+
     def _seal(self) -> None:
+        if self._direct_fd >= 0:
+            os.close(self._direct_fd)
+        self._direct_fd, self._tail = -1, None
         if self._seg_fd >= 0:
             os.close(self._seg_fd)
         self._seg_fd, self._seg_code = -1, -1
