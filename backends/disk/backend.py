@@ -153,7 +153,10 @@ class DiskBackend(StorageBackend):
             entries = [catalog.index.get(k) for k in keys]
         finally:
             catalog.lock.release()
-        if None in entries:
+        # A miss, or more than a small batch of bytes (a copy of them would hold the loop):
+        # the whole read in a thread.
+        nbytes = sum(e[2] if e is not None else 0 for e in entries)
+        if None in entries or nbytes > self.config.inline_bytes:
             return await in_thread(self._read, keys, buffers)
         results, items, where = _plan(entries, keys, buffers)
         got, bad, later = read_records(catalog.files, items, NOWAIT)
@@ -213,8 +216,12 @@ class DiskBackend(StorageBackend):
                        catalog.dirs.root, len(items))  # fmt: skip
         if self._appender is not None:
             data = encode_log_frame([(LogOp.DELETE, key, e[3], 0, 0, 0) for key, e, _ in items])
-            with self._append_lock:
-                self._appender.log.append(data)
+            try:
+                with self._append_lock:
+                    self._appender.log.append(data)
+            except OSError as exc:  # a full disk: the others find the bad records themselves
+                logger.warning("disk store %s: cannot log the damaged records: %s",
+                               catalog.dirs.root, exc)  # fmt: skip
 
     async def _peek(self, keys: list[str], nbytes: int) -> list[bytes | None]:
         return await in_thread(self._peek_sync, keys, nbytes)

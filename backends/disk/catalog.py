@@ -51,6 +51,7 @@ class Catalog:
         self.tails: dict[int, LogTail] = {}
         self.files = SegmentFiles(dirs.segments, direct)
         self.last_refresh = 0.0
+        self.own_generation = 0  # where the replay of this process's slot ended (see load)
         self.counts = {"log_gaps": 0, "snapshot_damaged": 0, "lost_segments": 0}
         self._warned: set[str] = set()
 
@@ -88,6 +89,7 @@ class Catalog:
             own = self.tails.pop(self.own_slot, None)
             if own is not None:
                 own.close()
+                self.own_generation = own.generation
         self.last_refresh = time.monotonic()
 
     def _read_snapshot(self) -> Snapshot | None:

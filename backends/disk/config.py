@@ -28,7 +28,8 @@ class DiskConfig:
     reinsert: bool = True  # objects read since they were written survive their segment's reclaim
     snapshot_records: int = 131072  # log records of this writer between two snapshots
     # A put batch of at most this many bytes is written on the caller's event loop instead
-    # of a worker thread, while the page cache takes writes without waiting (see backend).
+    # of a worker thread, while the page cache takes writes without waiting; a get batch of
+    # at most this many is first read there from the page cache (see backend).
     inline_bytes: int = 1 << 20
     max_writers: int = 64  # processes that may write to the store at once
 

@@ -9,7 +9,8 @@ replaying several writers' logs order-independent: the same records in any order
 index. A DELETE leaves a tombstone (key -> its sequence) in memory, so an older PUT read after it
 (another slot's log, replayed later) does not bring the key back. Tombstones are not part of
 snapshots: a put that raced a delete in another process may come back after a reopen, with its
-own bytes, which is one of the two orders the race allowed.
+own bytes, which is one of the two orders the race allowed; and at most the last 1,048,576 are
+kept, so a long-lived process that deletes much does not grow without bound.
 
 Not thread-safe by itself: the backend holds its lock around every change.
 """
@@ -33,6 +34,7 @@ __all__ = ["Entry", "KeyIndex"]
 
 Entry = tuple[int, int, int, int]  # segment code, offset, length, sequence
 _GROW_ROWS = 1024
+_TOMBSTONES = 1 << 20  # the most deletes remembered (about 100 MB of keys at most)
 
 
 class KeyIndex:
@@ -135,6 +137,10 @@ class KeyIndex:
             return False
         if seq is not None and self._dead.get(key, -1) < seq:
             self._dead[key] = seq
+            if len(self._dead) > _TOMBSTONES:
+                # The oldest goes first: an older put of its key, still unread in another
+                # slot's log after a million later deletes, would come back (its own bytes).
+                del self._dead[next(iter(self._dead))]
         if row is None:
             return False
         del self._rows[key]

@@ -107,6 +107,10 @@ def _marker(root_fd: int, config: DiskConfig) -> int:
             f"{config.root} is a disk store of format {version}; this hicache reads format "
             f"{FORMAT_VERSION}: upgrade hicache, or use another directory"
         )
+    if not 64 << 10 <= seg < 1 << 32:  # what DiskConfig allows: else every put failed quietly
+        raise BackendUnavailableError(
+            f"{config.root}/{MARKER} is damaged: segment_bytes={seg} is out of range"
+        )
     if config.segment_bytes is not None and config.segment_bytes != seg:
         raise ConfigError(
             f"{config.root} was created with segment_bytes={seg}, not {config.segment_bytes}: "

@@ -128,12 +128,16 @@ class LogWriter:
         self._fd = -1
         self._end = 0  # the size of the open generation: only this process appends to it
 
-    def recover(self) -> None:
+    def recover(self, replayed: int = 0) -> None:
         """Take over the slot's log after whoever held it: its torn tail cut, a new generation
-        started (the old one ended with a ROTATE naming it)."""
+        started (the old one ended with a ROTATE naming it). ``replayed``: the generation the
+        replay of this slot ended in (a snapshot may name one whose file is gone)."""
         gens = list_generations(self.dir_fd).get(self.slot, [])
-        if not gens:
-            self._create(1)
+        if not gens or gens[-1] < replayed:
+            # No log, or none as far as the snapshot names (deleted by hand): start past that
+            # generation, where readers waiting for it step over to (restarting at 1 hid
+            # every later record from them until they reopened).
+            self._create(replayed + 1)
             return
         last = gens[-1]
         fd = _open_append(self.dir_fd, self.slot, last)
@@ -157,8 +161,8 @@ class LogWriter:
         self._create(nxt)
 
     def append(self, data: bytes) -> None:
-        if self._fd < 0:  # a rotate could not create the generation its ROTATE names: again
-            self._create(self.generation)
+        if self._fd < 0 and self._end == -1:  # a rotate could not create the generation its
+            self._create(self.generation)  # ROTATE names (a full disk): try again
         try:
             _write_all(self._fd, data)
         except OSError:
@@ -178,7 +182,7 @@ class LogWriter:
         os.close(self._fd)
         # From here appends go to ``nxt``, which the ROTATE names; when its creation fails
         # (a full disk) the next append creates it, rather than writing to a closed descriptor.
-        self._fd, self.generation = -1, nxt
+        self._fd, self.generation, self._end = -1, nxt, -1  # -1: to be created (see append)
         self._create(nxt)
         return nxt
 

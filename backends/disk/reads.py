@@ -178,7 +178,8 @@ def _read_run_direct(
         kb = key.encode("ascii")
         body = at + RECORD_HEADER + len(kb)
         if body + length > data.nbytes:
-            continue  # past the end of the file: a segment cut short
+            bad.append(i)  # past the end of the file: a segment cut short, forgotten as damaged
+            continue
         magic, key_len, _, stored_len, stored_seq, digest = _REC.unpack_from(data, at)
         payload = data[body : body + length]
         if (

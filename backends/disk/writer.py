@@ -61,7 +61,7 @@ class Appender:
         largest = self.segment_bytes - SEGMENT_HEADER - record_bytes(KEY_MAX_LEN, 0)
         self.max_object_bytes = min(largest, (config.capacity or largest * 2) // 2)
         self.log = LogWriter(catalog.dirs.index, slot, config.fsync)
-        self.log.recover()
+        self.log.recover(catalog.own_generation)
         self._seg_code = -1
         self._seg_fd = -1
         self._seg_end = 0

@@ -268,9 +268,10 @@ class PageBundler:
         Pages after the first incomplete one are not used (their host pages hold unspecified
         bytes: the caller frees them), but the objects that arrived are still checked, so that
         every bad object of the batch is found. Missing and bad objects are counted, never
-        raised; the keys of bad ones are appended to ``corrupt`` when it is given. ``into``: the
-        host page of each page for every pool (pools sharing one page index), instead of each
-        page's ``host_pages``.
+        raised; the keys of bad and missing ones (the caller reads what L3 listed, so a missing
+        one is a copy L3 could not deliver) are appended to ``corrupt`` when it is given.
+        ``into``: the host page of each page for every pool (pools sharing one page index),
+        instead of each page's ``host_pages``.
         """
         keys_of = keys_of or [self.keys(p) for p in pages]
         plan = [(i, name, key) for i, ks in enumerate(keys_of) for name, key in ks.items()]
@@ -287,11 +288,17 @@ class PageBundler:
         bad_page = len(pages)
         for (i, name, key), header, target, n in zip(plan, headers, targets, got, strict=True):
             if i >= bad_page and n < 0:
+                if corrupt is not None:  # listed by L3, not delivered: see below
+                    corrupt.append(key)
                 continue  # a missing object after the hit ended: nobody needs it
             outcome = self._decode(key, header, target, n, self._templates[name])
             if outcome is not ObjectCheck.OK:
                 bad_page = min(bad_page, i)
-                if outcome is ObjectCheck.DAMAGED and corrupt is not None:
+                # Missing too: the caller reads only pages L3 listed, so a miss here is a
+                # copy it could not deliver (a store that checks its own records, disk://,
+                # reports a damaged one so), to be rewritten as a repair.
+                unusable = outcome in (ObjectCheck.DAMAGED, ObjectCheck.MISSING)
+                if unusable and corrupt is not None:
                     corrupt.append(key)
                 continue
             if i >= bad_page:

@@ -34,8 +34,8 @@ COUNTERS: dict[str, str] = {
     "dropped_writes": "L3 writes dropped because the write queue was full",
     "corrupt_pages": "L3 pages that failed their checks and were treated as misses",
     "corrupt_removed": "L3 objects deleted after failing their checks (rewritten when recomputed)",
-    "l3_repaired_pages": "L3 pages found bad (by a read, or checked before a write was skipped) "
-    "and written again",
+    "l3_repaired_pages": "L3 pages found bad or listed but not delivered (by a read, or checked "
+    "before a write was skipped) and written again",
     "pages_checked_l3": "pages the engine computed while L3 held them, read back and checked "
     "before their write was skipped",
     "missing_pages": "L3 pages that were gone when read",

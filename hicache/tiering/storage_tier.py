@@ -284,7 +284,10 @@ class StorageTier:
         if held and self.config.check_present:
             self.metrics.add("pages_checked_l3", len(held))
             damaged, gone = await self.copies.unusable(backend, held)
-            self.suspects.add(damaged)
+            # Gone: listed by exists, then not delivered, which is how a store that checks its
+            # own records (disk://) reports a damaged one. Either way L3 held a copy it could
+            # not give back, and the write that replaces it is a repair.
+            self.suspects.add([*damaged, *gone])
             found.update(dict.fromkeys([*damaged, *gone], False))
         return [all(found[k] for k in ks.values()) for ks in keys]
 

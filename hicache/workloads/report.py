@@ -45,8 +45,9 @@ def summarize(
     - ``l3_unavailable``: 1 when an L3 was configured but could not be opened, so the run went
       on with L3 off;
     - ``corrupt_pages``: L3 pages that failed their checks and were treated as misses;
-    - ``l3_repaired_pages``: L3 pages found bad (by a read, or checked before a write skipped
-      them) and written again;
+    - ``l3_repaired_pages``: L3 pages found bad, or listed but not delivered (a store that checks
+      its own records, ``disk://``, reports a damaged one as a miss), by a read or a check
+      before a write skipped them, and written again;
     - ``pages_checked_l3``: pages computed while L3 held them, whose copies were read back and
       checked before their write was skipped;
     - ``l3_lookup_pages`` of ``l3_lookup_candidates``: pages prefetches asked L3 about, of

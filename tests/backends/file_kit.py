@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -114,3 +115,22 @@ def keys_in_distinct_tops(n: int, prefix: str = "key") -> list[str]:
         out.setdefault(xxhash.xxh3_64_hexdigest(key.encode())[:2], key)
         i += 1
     return list(out.values())
+
+
+def tiny_tmpfs(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """Fixture body: a 1 MiB tmpfs (real ENOSPC); skipped where mounting is not allowed."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount_point)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

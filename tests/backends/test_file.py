@@ -7,11 +7,8 @@ import errno
 import logging
 import os
 import pathlib
-import shutil
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +23,7 @@ from file_kit import (
     snapshot,
     write_temp,
 )
+from file_kit import tiny_tmpfs as mount_tiny_tmpfs
 
 from hicache.backends.base import StorageBackend
 from hicache.backends.file import FileBackend, FileConfig
@@ -186,24 +184,7 @@ async def test_enospc_mid_write_is_false_and_leaves_nothing(
     assert files_under(root) == [str(object_path(root, "k").relative_to(root))]
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
-    """A 1 MiB tmpfs: real ENOSPC. Skipped where mounting is not allowed (non-root, containers)."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount_point)],
-        capture_output=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+tiny_tmpfs = pytest.fixture(mount_tiny_tmpfs, name="tiny_tmpfs")
 
 
 async def test_real_enospc_on_a_full_filesystem(tiny_tmpfs: pathlib.Path) -> None:

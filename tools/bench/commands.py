@@ -33,6 +33,7 @@ __all__ = [
     "add_bench_controller",
     "add_bench_hisparse",
     "add_bench_layouts",
+    "add_bench_lmcache",
     "add_bench_radix",
     "add_bench_sglang",
     "add_bench_tools",
@@ -73,6 +74,10 @@ BENCHMARKS: dict[str, Command] = {
     "sglang": Command(
         "SGLang's page functions over the adapter vs SGLang's own backends",
         f"{_HERE}:add_bench_sglang",
+    ),
+    "lmcache": Command(
+        "LMCache's storage manager over the plugin vs LMCache's local disk",
+        f"{_HERE}:add_bench_lmcache",
     ),
 }
 
@@ -276,4 +281,13 @@ def add_bench_sglang(bench_sub: Any) -> argparse.ArgumentParser:
 
     p = add_bench_sglang_parser(bench_sub)
     p.set_defaults(bench_run=run_bench_sglang)
+    return p
+
+
+def add_bench_lmcache(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add ``bench lmcache`` from :mod:`hicache.tools.bench.lmcache` (needs LMCache installed)."""
+    from hicache.tools.bench.lmcache import add_bench_lmcache_parser, run_bench_lmcache
+
+    p = add_bench_lmcache_parser(bench_sub)
+    p.set_defaults(bench_run=run_bench_lmcache)
     return p

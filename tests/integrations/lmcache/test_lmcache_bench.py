@@ -1,0 +1,53 @@
+"""``hicache bench lmcache`` runs LMCache's own StorageManager on both sides and reports ratios
+(tiny chunks here: the figures themselves are recorded in docs/BENCHMARKS.md, not tested)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "lmcache", reason="LMCache is installed only in the LMCache venv (.venv-lmcache)"
+)
+
+
+def test_bench_lmcache_reports_both_sides(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "hicache.tools.cli", "bench", "lmcache", "--json",
+            "--layers", "2", "--heads", "2", "--head-dim", "16", "--chunk-tokens", "16",
+            "--chunks", "4", "--rounds", "2", "--dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert row["chunk_bytes"] == 2 * 2 * 16 * 2 * 16 * 2 and row["chunks"] == 4
+    assert row["rounds"] == 2 and row["checked"] is True
+    for op in ("put", "get"):
+        for field in (f"hicache_{op}_gb_s", f"lmcache_{op}_gb_s", f"{op}_ratio"):
+            assert row[field] > 0, field
+    # Both stores were written, each in its own format: a disk:// store and one file a chunk.
+    assert (tmp_path / "hicache" / "hicache-disk.json").is_file()
+    assert any((tmp_path / "hicache" / "segments").iterdir())
+    assert len(list((tmp_path / "lmcache").glob("*.pt"))) == 2 * 4  # 2 rounds of 4 chunks
+
+
+def test_bench_lmcache_refuses_a_directory_with_stores_in_it(tmp_path: Path) -> None:
+    (tmp_path / "lmcache").mkdir()
+    argv = [sys.executable, "-m", "hicache.tools.cli", "bench", "lmcache", "--chunks", "1",
+            "--rounds", "1", "--dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode != 0
+    assert "exists" in done.stderr
+
+
+def test_bench_lmcache_without_lmcache_says_where_to_run_it() -> None:
+    code = (
+        "import sys; sys.modules['lmcache'] = None; "
+        "from hicache.tools.cli import main; sys.exit(main())"
+    )
+    argv = [sys.executable, "-c", code, "bench", "lmcache", "--chunks", "1"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode != 0
+    assert ".venv-lmcache/bin/hicache bench lmcache" in done.stderr

@@ -1,0 +1,321 @@
+"""``hicache bench lmcache``: LMCache's own storage code writing and reading the same chunks
+through the hicache plugin over ``disk://`` and through LMCache's own ``LocalDiskBackend``.
+
+Both sides are a ``StorageManager`` that LMCache 0.5.6 builds from an ``LMCacheEngineConfig``,
+the same configuration but for the storage tier: ours loads the hicache remote-storage plugin
+(the README's settings) with ``disk://DIR/hicache``; theirs sets ``local_disk: DIR/lmcache``
+and a ``max_local_disk_size`` with room for every round's chunks (no put evicts), so that
+LMCache's ``CreateStorageBackends`` builds its ``LocalDiskBackend`` as in service (its default
+4 I/O threads). The ``StorageManager`` is what ``LMCacheEngine`` calls (``store`` ->
+``batched_put``, ``retrieve`` -> ``batched_get`` at the tier its lookup found) and the lowest
+layer over both tiers: the timed calls run LMCache's dispatch and CPU allocator on both sides,
+its ``RemoteBackend`` and plugin connector on ours, its disk backend's thread pools on theirs.
+LMCache's CPU hot cache is off on both (``local_cpu: false``; chunks are still allocated from
+its CPU buffer), so every get reads the store rather than a copy LMCache kept.
+
+Each round puts fresh chunks (new keys) with each side, in alternating order, then gets them
+all back. ``batched_put`` returns at once on both sides (LMCache writes in the background: on
+its storage loop for ours, on the disk backend's I/O threads for theirs), so the put is timed
+until LMCache's own lookup (``batched_contains`` on that tier, polled every 0.5 ms) finds
+every chunk: theirs once every chunk's file is written and in its index, ours once the disk
+store's put returned. Neither syncs (LMCache never fsyncs; ``disk://`` does only with
+``fsync=true``), so both write to the page cache, and gets read what the page cache holds. The
+get is ``batched_get(keys, location=tier)`` until every chunk is in an LMCache memory object.
+The bytes read are compared with the bytes written once per side (the first round, whose
+reads land in memory no chunk was written from), outside the timing.
+Throughputs are medians over rounds; ``put_ratio`` and ``get_ratio`` are the median over
+rounds of ours / LMCache's throughput in that round (above 1: ours is faster), with their
+range. Runs only where LMCache is installed (the LMCache venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.errors import ConfigError
+from hicache.tools.bench.rounds import paired_ratio, rotated
+from hicache.tools.cli_parsing import check_memory, input_dir, int_range
+
+__all__ = ["ChunkShape", "add_bench_lmcache_parser", "run_bench_lmcache"]
+
+_OURS, _THEIRS = "hicache", "lmcache"
+_TIERS = {_OURS: "RemoteBackend-hicache", _THEIRS: "LocalDiskBackend"}  # LMCache's names
+_MODEL = "bench/model"
+_POLL_S = 0.0005
+_STORED_TIMEOUT_S = 300.0
+# Room in LMCache's CPU buffer beyond the chunks a round holds at once (its allocator rounds
+# each chunk up to its alignment; tiny test chunks would not fit otherwise).
+_ALLOC_ALIGN = 64 << 10
+_SEGMENT_SLACK = 2 * (256 << 20)  # disk:// preallocates its open segments
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkShape:
+    """One LMCache chunk of bf16 KV (LMCache's KV_2LTD: K and V, layers, tokens, hidden)."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    tokens: int
+    chunks: int  # chunks per round, put in one call and got in one call
+
+    @property
+    def chunk_bytes(self) -> int:
+        return 2 * self.layers * self.tokens * self.heads * self.head_dim * 2
+
+    @property
+    def round_bytes(self) -> int:
+        return self.chunks * self.chunk_bytes
+
+
+def add_bench_lmcache_parser(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add ``bench lmcache``; its defaults are a Llama-3.2-1B-sized KV (16 layers, 8 KV
+    heads of 64) in LMCache's default 256-token chunks, 64 chunks (a 16k-token prompt)."""
+    p: argparse.ArgumentParser = bench_sub.add_parser(
+        "lmcache", help="LMCache's storage manager over the plugin vs LMCache's local disk"
+    )
+    p.add_argument("--chunks", type=int_range(1, 4096), default=64, help="chunks per round")
+    p.add_argument("--chunk-tokens", type=int_range(1, 4096), default=256)
+    p.add_argument("--layers", type=int_range(1, 256), default=16)
+    p.add_argument("--heads", type=int_range(1, 256), default=8, help="KV heads")
+    p.add_argument("--head-dim", type=int_range(1, 1024), default=64)
+    p.add_argument(
+        "--rounds",
+        type=int_range(1, 100),
+        default=6,
+        help="rounds (an even number puts each side first equally often)",
+    )
+    p.add_argument(
+        "--dir", type=input_dir, help="where the two stores go (default: a temporary directory)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    return p
+
+
+def run_bench_lmcache(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row: both sides over ``args.rounds`` rounds of ``args.chunks`` chunks."""
+    shape = ChunkShape(args.layers, args.heads, args.head_dim, args.chunk_tokens, args.chunks)
+    # Two CPU buffers of two rounds' chunks each, and the chunks' source bytes.
+    check_memory(5 * shape.round_bytes, "--chunks x the chunk's size x 5")
+    _require_lmcache()
+    with contextlib.ExitStack() as stack:
+        root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-lmc-"))
+        _check_room(root, shape, args.rounds)
+        sides = stack.enter_context(_sides(root, shape, args.rounds))
+        return [_compare(sides, shape, args.rounds)]
+
+
+def _require_lmcache() -> None:
+    # LMCache logs each backend's setup and shutdown at INFO; its level is read at import.
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+    try:
+        import lmcache.v1.storage_backend.storage_manager  # noqa: F401
+
+        import hicache.integrations.lmcache  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            f"bench lmcache needs LMCache ({exc}); run it from the LMCache venv: "
+            "make .venv-lmcache/.built && .venv-lmcache/bin/hicache bench lmcache"
+        ) from None
+
+
+def _check_room(root: str, shape: ChunkShape, rounds: int) -> None:
+    """Refuse stores left by an earlier run (their keys could collide), or too little disk."""
+    for name in (_OURS, _THEIRS):
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            raise ConfigError(f"{path} exists; give --dir a directory without it")
+    need = 2 * rounds * shape.round_bytes + _SEGMENT_SLACK
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise ConfigError(
+            f"the two stores need {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} "
+            "GiB free there; lower --chunks, --rounds or the chunk's shape"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Side:
+    name: str
+    manager: Any  # LMCache's StorageManager
+    tier: str  # the name LMCache gives the backend under test
+
+
+@contextlib.contextmanager
+def _sides(root: str, shape: ChunkShape, rounds: int) -> Iterator[tuple[_Side, _Side]]:
+    """(ours, LMCache's) storage managers, built by LMCache from their configs; closed after."""
+    from lmcache.v1.event_manager import EventManager
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+    configs = {
+        _OURS: _config(shape, _plugin_fields(f"disk://{os.path.join(root, _OURS)}")),
+        _THEIRS: _config(shape, _local_disk_fields(os.path.join(root, _THEIRS), shape, rounds)),
+    }
+    with contextlib.ExitStack() as stack:
+        sides = []
+        for name, config in configs.items():
+            manager = StorageManager(config, _metadata(shape), EventManager())
+            stack.callback(manager.close)
+            if _TIERS[name] not in manager.storage_backends:
+                raise RuntimeError(f"LMCache did not build {_TIERS[name]} (see its log above)")
+            sides.append(_Side(name, manager, _TIERS[name]))
+        yield sides[0], sides[1]
+
+
+def _config(shape: ChunkShape, tier_fields: dict[str, Any]) -> Any:
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    # Room for the chunks being put and the chunks being got (a put's memory objects may be
+    # released just after LMCache's lookup finds them).
+    slot = -(-shape.chunk_bytes // _ALLOC_ALIGN) * _ALLOC_ALIGN
+    cpu_gib = (2 * shape.chunks + 4) * slot / 2**30
+    fields = {"chunk_size": shape.tokens, "local_cpu": False, "max_local_cpu_size": cpu_gib}
+    return LMCacheEngineConfig.from_defaults(**fields, **tier_fields)
+
+
+def _plugin_fields(url: str) -> dict[str, Any]:
+    """The hicache plugin as the README configures it."""
+    return {
+        "remote_serde": "naive",
+        "remote_storage_plugins": ["hicache"],
+        "extra_config": {
+            "remote_storage_plugin.hicache.module_path": "hicache.integrations.lmcache",
+            "remote_storage_plugin.hicache.class_name": "LMCacheConnectorAdapter",
+            "remote_storage_plugin.hicache.url": url,
+        },
+    }
+
+
+def _local_disk_fields(path: str, shape: ChunkShape, rounds: int) -> dict[str, Any]:
+    """LMCache's local disk tier with room for every round's chunks: no put evicts."""
+    return {"local_disk": path, "max_local_disk_size": 1.1 * rounds * shape.round_bytes / 2**30}
+
+
+def _metadata(shape: ChunkShape) -> Any:
+    import torch
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    return LMCacheMetadata(
+        model_name=_MODEL,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(shape.layers, 2, shape.tokens, shape.heads, shape.head_dim),
+        chunk_size=shape.tokens,
+    )
+
+
+def _compare(sides: tuple[_Side, _Side], shape: ChunkShape, rounds: int) -> dict[str, Any]:
+    import torch
+
+    # Random bytes (as bf16 they include NaNs: compared as bytes); each chunk its own.
+    source = torch.randint(0, 256, (shape.chunks, shape.chunk_bytes), dtype=torch.uint8)
+    by_name = {side.name: side for side in sides}
+    timings: dict[str, dict[str, list[float]]] = {s.name: {"put": [], "get": []} for s in sides}
+    for round_no in range(rounds):
+        for name in rotated([_OURS, _THEIRS], round_no):
+            keys = _keys(round_no, name == _THEIRS, shape.chunks)
+            put_s, get_s = _round_trip(by_name[name], keys, source, check=round_no == 0)
+            timings[name]["put"].append(put_s)
+            timings[name]["get"].append(get_s)
+    row: dict[str, Any] = {
+        "chunks": shape.chunks, "chunk_tokens": shape.tokens, "layers": shape.layers,
+        "heads": shape.heads, "head_dim": shape.head_dim, "dtype": "bfloat16",
+        "chunk_bytes": shape.chunk_bytes, "rounds": rounds,
+    }  # fmt: skip
+    ours, theirs = timings[_OURS], timings[_THEIRS]
+    for op in ("put", "get"):
+        row[f"hicache_{op}_gb_s"] = _gb_s(shape.round_bytes, ours[op])
+        row[f"lmcache_{op}_gb_s"] = _gb_s(shape.round_bytes, theirs[op])
+        row.update(paired_ratio(f"{op}_ratio", ours[op], theirs[op]))
+    row["checked"] = True
+    return row
+
+
+def _gb_s(nbytes: int, seconds: Sequence[float]) -> float:
+    return round(nbytes / statistics.median(seconds) / 1e9, 3)
+
+
+def _keys(round_no: int, theirs: bool, chunks: int) -> list[Any]:
+    """Keys no earlier round (of either side) used, as LMCache's token database makes them."""
+    import torch
+    from lmcache.utils import CacheEngineKey
+
+    base = (2 * round_no + int(theirs)) << 32
+    return [CacheEngineKey(_MODEL, 1, 0, base + i, torch.bfloat16) for i in range(chunks)]
+
+
+def _round_trip(side: _Side, keys: list[Any], source: Any, check: bool) -> tuple[float, float]:
+    """Put every chunk, wait until stored, get them all back: (put, get) seconds."""
+    manager, n = side.manager, len(keys)
+    objs = [_filled(manager, row) for row in source]  # untimed, as the engine's copy from GPU
+    for obj in objs:
+        # Kept until the get is over: LMCache releases the objects a put was given, and the
+        # get's would then take their memory, which already holds the bytes to be checked.
+        obj.ref_count_up()
+    started = time.perf_counter()
+    manager.batched_put(keys, objs)
+    _wait_stored(side, keys)
+    put_s = time.perf_counter() - started
+    started = time.perf_counter()
+    got = manager.batched_get(keys, location=side.tier)
+    get_s = time.perf_counter() - started
+    for obj in objs:
+        obj.ref_count_down()
+    try:
+        found = sum(obj is not None for obj in got)
+        if found != n:
+            raise RuntimeError(f"{side.name}: got {found} of {n} chunks back")
+        if check:
+            _check(side.name, got, source)
+    finally:
+        for obj in got:
+            if obj is not None:
+                obj.ref_count_down()
+    return put_s, get_s
+
+
+def _filled(manager: Any, data: Any) -> Any:
+    """A memory object from LMCache's allocator holding ``data`` (one chunk's bytes)."""
+    metadata = manager.metadata
+    obj = manager.allocate(metadata.get_shapes(), metadata.get_dtypes())
+    if obj is None:
+        raise RuntimeError("LMCache's CPU buffer has no room for a chunk")
+    _as_bytes(obj).copy_(data)
+    return obj
+
+
+def _as_bytes(obj: Any) -> Any:
+    import torch
+
+    return obj.tensor.view(torch.uint8).reshape(-1)
+
+
+def _wait_stored(side: _Side, keys: list[Any]) -> None:
+    """Until LMCache's lookup on the side's tier finds every key (its writes are async)."""
+    deadline = time.monotonic() + _STORED_TIMEOUT_S
+    while side.manager.batched_contains(keys, search_range=[side.tier])[0] != len(keys):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{side.name}: the chunks were not stored within {_STORED_TIMEOUT_S:g} s"
+            )
+        time.sleep(_POLL_S)
+
+
+def _check(name: str, got: list[Any], source: Any) -> None:
+    import torch
+
+    for index, obj in enumerate(got):
+        if not torch.equal(_as_bytes(obj), source[index]):
+            raise RuntimeError(f"{name}: chunk {index} read back differs from the one written")
