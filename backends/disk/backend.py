@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from hicache.backends._io_threads import in_thread
+from hicache.backends._io_threads import IOThreads, in_thread
 from hicache.backends._urls import local_root
 from hicache.backends.base import MISS, Capabilities, ObjectInfo, StorageBackend
 from hicache.backends.disk.audit import DamagedRegion, audit_segments
@@ -47,7 +47,7 @@ from hicache.backends.disk.format import (
 )
 from hicache.backends.disk.index import Entry
 from hicache.backends.disk.layout import StoreDirs, claim_slot, open_store_dirs
-from hicache.backends.disk.reads import NOWAIT, ReadItem, read_records, trim
+from hicache.backends.disk.reads import NOWAIT, ReadItem, read_records, read_spread, trim
 from hicache.backends.disk.reclaim import Reclaimer
 from hicache.backends.disk.segments import list_segments
 from hicache.backends.disk.writer import Appender
@@ -80,6 +80,8 @@ class DiskBackend(StorageBackend):
         self._append_lock = threading.Lock()  # appends, deletes, reclaims of this process
         self._n = dict.fromkeys(("bad_records", "refreshes", "inline_stalls"), 0)
         self._inline_after = 0.0  # puts stay off the loop until then (see _put)
+        # Large batches are read and written by several threads (writer.PARALLEL_BYTES).
+        self._io = IOThreads(config.io_threads, "hicache-disk") if config.io_threads > 1 else None
         self.open_s = 0.0
 
     # ----- construction -------------------------------------------------------------------
@@ -106,11 +108,14 @@ class DiskBackend(StorageBackend):
             catalog.load()
             if slot is not None:
                 self._appender = Appender(catalog, self.config, slot, lock_fd)
+                self._appender.io = self._io
                 self._reclaimer = Reclaimer(
                     catalog, self._appender, self.config.capacity, self.config.reinsert
                 )
         except BaseException:
             dirs.close()
+            if self._io is not None:
+                self._io.shutdown()
             raise
         self._dirs, self._catalog = dirs, catalog
         if self._appender is not None:
@@ -161,8 +166,8 @@ class DiskBackend(StorageBackend):
         results, items, where = _plan(entries, keys, buffers)
         got, bad, later = read_records(catalog.files, items, NOWAIT)
         if later:
-            again, bad_again, _ = await in_thread(
-                read_records, catalog.files, [items[j] for j in later]
+            again, bad_again = await in_thread(
+                read_spread, catalog.files, [items[j] for j in later], self._io
             )
             for j, n in zip(later, again, strict=True):
                 got[j] = n
@@ -182,7 +187,7 @@ class DiskBackend(StorageBackend):
             with catalog.lock:
                 entries = [catalog.index.get(k) for k in keys]
         results, items, where = _plan(entries, keys, buffers)
-        got, bad, _ = read_records(catalog.files, items)
+        got, bad = read_spread(catalog.files, items, self._io)
         if bad:
             self._forget_bad([items[j] for j in bad])
         self._settle(items, where, got, results)
@@ -371,6 +376,8 @@ class DiskBackend(StorageBackend):
                         )
                     self._appender.close()
         finally:
+            if self._io is not None:
+                self._io.shutdown()
             if self._catalog is not None:
                 self._catalog.close()
             if self._dirs is not None:

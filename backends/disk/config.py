@@ -24,6 +24,7 @@ class DiskConfig:
     segment_bytes: int | None = None
     fsync: bool = False  # acknowledged puts are durable: data, then log, synced before return
     direct: bool = False  # segments read and written with O_DIRECT, through aligned staging
+    io_threads: int = 4  # threads that share a large batch's reads or writes (1: none)
     read_only: bool = False  # open an existing store and never write to it
     reinsert: bool = True  # objects read since they were written survive their segment's reclaim
     snapshot_records: int = 131072  # log records of this writer between two snapshots
@@ -44,6 +45,8 @@ class DiskConfig:
             )
         if self.capacity is not None and self.capacity <= 0:
             raise ConfigError(f"DiskConfig.capacity must be positive, got {self.capacity}")
+        if not 1 <= self.io_threads <= 64:
+            raise ConfigError(f"DiskConfig.io_threads must be 1 to 64, got {self.io_threads}")
         if self.inline_bytes < 0:
             raise ConfigError(f"DiskConfig.inline_bytes must be >= 0, got {self.inline_bytes}")
         if self.snapshot_records <= 0:

@@ -21,13 +21,15 @@ from collections.abc import Sequence
 
 from xxhash import xxh3_64_intdigest
 
+from hicache.backends._io_threads import IOThreads
 from hicache.backends.base import MISS
 from hicache.backends.disk.direct import read_span
 from hicache.backends.disk.format import RECORD_HEADER, payload_hash
 from hicache.backends.disk.index import Entry
 from hicache.backends.disk.segments import SegmentFiles
+from hicache.backends.disk.writer import PARALLEL_BYTES
 
-__all__ = ["NOWAIT", "ReadItem", "read_records", "trim"]
+__all__ = ["NOWAIT", "ReadItem", "read_records", "read_spread", "trim"]
 
 _IOV_MAX = 1024
 _REC = struct.Struct("<4sHHQQQ")  # format.py's record header, without its CRC
@@ -52,6 +54,30 @@ def trim(segs: Sequence[memoryview], n: int) -> list[memoryview]:
         out.append(s[:take] if take < s.nbytes else s)
         n -= take
     return out
+
+
+def read_spread(
+    files: SegmentFiles, items: list[ReadItem], io: IOThreads | None
+) -> tuple[list[int], list[int]]:
+    """:func:`read_records` (blocking), by several threads when the batch is large (see
+    ``writer.PARALLEL_BYTES``: page faults on a VM): each reads a stretch of the batch in
+    segment order. Each item's length or MISS, and the positions of bad records."""
+    if io is None or len(items) < 2 or sum(it[1][2] for it in items) < PARALLEL_BYTES:
+        got, bad, _ = read_records(files, items)
+        return got, bad
+    order = sorted(range(len(items)), key=lambda i: (items[i][1][0], items[i][1][1]))
+    step = -(-len(order) // io.threads)
+    groups = [order[lo : lo + step] for lo in range(0, len(order), step)]
+
+    def read_group(chunk: list[list[int]]) -> list[tuple[list[int], list[int], list[int]]]:
+        return [read_records(files, [items[i] for i in g]) for g in chunk]
+
+    results, bad = [MISS] * len(items), []
+    for group, (got, bad_here, _) in zip(groups, io.spread(read_group, groups), strict=True):
+        for i, n in zip(group, got, strict=True):
+            results[i] = n
+        bad.extend(group[j] for j in bad_here)
+    return results, bad
 
 
 def read_records(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from xxhash import xxh3_64_intdigest
 
+from hicache.backends._io_threads import IOThreads
 from hicache.backends.disk.catalog import Catalog, snapshot_lock, snapshot_positions, write_snapshot
 from hicache.backends.disk.config import DiskConfig
 from hicache.backends.disk.direct import DirectTail, open_direct
@@ -44,6 +45,11 @@ __all__ = ["Appender"]
 logger = logging.getLogger(__name__)
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+# A run at least this large is written by several threads, each a stretch of it: new pages of
+# the page cache cost a fault each on a VM, and two cores take them twice as fast as one
+# (128 pages of 1 MiB: 0.42 GB/s from one thread here, where a file per page over four
+# threads wrote 0.70).
+PARALLEL_BYTES = 8 << 20
 _PAD = bytes(8)
 
 
@@ -72,6 +78,7 @@ class Appender:
         self._direct_fd = -1  # the open segment's O_DIRECT descriptor (direct=true)
         self._tail: DirectTail | None = None
         self.room: Callable[[int], bool] = lambda nbytes: True  # set by the reclaimer
+        self.io: IOThreads | None = None  # threads for large runs, set by the backend
 
     @property
     def current_segment(self) -> int:
@@ -179,14 +186,15 @@ class Appender:
                 if self.config.fsync:
                     os.fdatasync(self._direct_fd)
                 return True
-            if len(iov) <= _IOV_MAX:
+            if len(iov) <= _IOV_MAX and (nbytes < PARALLEL_BYTES or self.io is None):
                 self._pwrite_all(iov, offset, nbytes)
             else:
-                for start in range(0, len(iov), _IOV_MAX):
-                    part = iov[start : start + _IOV_MAX]
-                    want = sum(memoryview(p).nbytes for p in part)
-                    self._pwrite_all(part, offset, want)
-                    offset += want
+                parts = _split(iov, offset, self.io.threads if self.io else 1)
+                if self.io is None:
+                    for part, at, want in parts:
+                        self._pwrite_all(part, at, want)
+                else:
+                    self.io.spread(self._pwrite_parts, parts)
             if self.config.fsync:
                 os.fdatasync(self._seg_fd)
             return True
@@ -195,7 +203,14 @@ class Appender:
             self._seal()
             return False
 
+    def _pwrite_parts(self, parts: list[tuple[list[memoryview | bytes], int, int]]) -> list[int]:
+        """Each ``(iov, offset, size)`` of ``parts`` written whole (an IOThreads group)."""
+        for iov, offset, want in parts:
+            self._pwrite_all(iov, offset, want)
+        return [want for _, _, want in parts]
+
     def _pwrite_all(self, iov: list[memoryview | bytes], offset: int, want: int) -> None:
+        """``iov`` at ``offset``, whole (a call may take threads: see ``PARALLEL_BYTES``)."""
         done = os.pwritev(self._seg_fd, iov, offset)
         if done < want:  # rare (a signal, a filesystem's limit): finish through a joined copy
             rest = b"".join(bytes(memoryview(p).cast("B")) for p in iov)[done:]
@@ -338,3 +353,21 @@ class Appender:
         self._seal()
         self.log.close()
         os.close(self.lock_fd)
+
+
+def _split(
+    iov: list[memoryview | bytes], offset: int, parts: int
+) -> list[tuple[list[memoryview | bytes], int, int]]:
+    """``iov`` at ``offset`` cut into about ``parts`` stretches of similar size (and at most
+    ``_IOV_MAX`` pieces each): each stretch's pieces, its offset and its size."""
+    sizes = [memoryview(p).nbytes for p in iov]
+    target = max(1, sum(sizes) // max(1, parts))
+    out: list[tuple[list[memoryview | bytes], int, int]] = []
+    start = size = 0
+    for i, n in enumerate(sizes):
+        size += n
+        if size >= target or i + 1 - start >= _IOV_MAX or i == len(sizes) - 1:
+            out.append((iov[start : i + 1], offset, size))
+            offset += size
+            start, size = i + 1, 0
+    return out

@@ -7,6 +7,7 @@ import pathlib
 import pytest
 
 from hicache.backends.disk import DiskBackend, DiskConfig
+from hicache.backends.disk.writer import PARALLEL_BYTES
 from hicache.backends.testing import BackendConformanceTests, random_bytes
 
 
@@ -45,3 +46,24 @@ async def test_direct_io_goes_around_the_page_cache_through_staging(
     assert (await buffered.stats())["bytes_staged"] == 0
     await buffered.close()
     await direct.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("threads", [1, 3])
+async def test_large_batches_are_shared_by_threads_byte_exact(
+    tmp_path: pathlib.Path, threads: int
+) -> None:
+    """A batch past PARALLEL_BYTES is written and read in stretches by several threads (or
+    one, io_threads=1): every object lands whole, at its place, across a segment boundary."""
+    config = DiskConfig(root=str(tmp_path), segment_bytes=12 << 20, io_threads=threads)
+    store = await DiskBackend.open(config)
+    values = [random_bytes((1 << 20) + 13 * i, seed=i) for i in range(20)]
+    keys = [f"big-{i}" for i in range(20)]
+    assert sum(map(len, values)) >= 2 * PARALLEL_BYTES
+    assert await store.put(keys, values) == [True] * 20
+    assert await store.get(keys, size_hint=2 << 20) == values
+    await store.close()
+    reopened = await DiskBackend.open(DiskConfig(root=str(tmp_path), io_threads=threads))
+    assert await reopened.get(keys, size_hint=2 << 20) == values
+    assert (await reopened.stats())["segments"] >= 2
+    await reopened.close()
