@@ -17,7 +17,7 @@ define ENSURE_IBVERBS
 	  echo "warning: libibverbs1 missing; Mooncake tests will be skipped"
 endef
 
-.PHONY: setup run test lint typecheck pytest clean test-engines test-sglang test-lmcache
+.PHONY: setup run test lint typecheck pytest clean test-engines test-sglang test-lmcache test-vllm
 
 $(STAMP): pyproject.toml
 	$(ENSURE_IBVERBS)
@@ -61,6 +61,9 @@ pytest: setup
 # --no-compile: the tests import a small part of each engine, compiled when first imported.
 ENGINE_sglang := sglang==0.5.23
 ENGINE_lmcache := lmcache==0.5.6
+# vLLM's wheel is a CUDA build; its offloading and scheduler modules import on the CPU torch
+# with the list in engines/, and vLLM is told it runs on a CPU (VLLM_TARGET_DEVICE).
+ENGINE_vllm := vllm==0.33.0
 
 .venv-%/.built: engines/%-requirements.txt pyproject.toml Makefile
 	rm -rf .venv-$*
@@ -74,16 +77,16 @@ ENGINE_lmcache := lmcache==0.5.6
 	  "$$(.venv-$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hicache-engine-stubs.pth"
 	touch $@
 
-test-engines: test-sglang test-lmcache
+test-engines: test-sglang test-lmcache test-vllm
 
 # An engine whose venv cannot be built (no package index, say) is skipped with the reason printed;
 # once built, its tests must pass.
-test-sglang test-lmcache: test-%:
+test-sglang test-lmcache test-vllm: test-%:
 	@if $(MAKE) --no-print-directory .venv-$*/.built; then \
-	  .venv-$*/bin/python -m pytest -p no:cacheprovider -q tests/integrations/$*; \
+	  VLLM_TARGET_DEVICE=cpu .venv-$*/bin/python -m pytest -p no:cacheprovider -q tests/integrations/$*; \
 	else \
 	  echo "SKIPPED tests/integrations/$*: the $* venv could not be built (see above)"; \
 	fi
 
 clean:
-	rm -rf $(VENV) .venv-sglang .venv-lmcache .mypy_src .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-sglang .venv-lmcache .venv-vllm .mypy_src .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,55 @@
+"""Storage names for vLLM offload keys.
+
+A name is ``vllm-<format digest>-<offload key hex>``. The format digest covers everything that
+makes a chunk's bytes differ (model, dtype, chunking, chunk size, layout, parallelism, rank), so
+an engine with another format never reads a chunk it would misread.
+
+No vLLM import here: the config is read by attribute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from hicache.keys import KEY_MAX_LEN, ValidKey, validate_key
+
+__all__ = ["StorageNames", "format_fields"]
+
+_DIGEST_CHARS = 16  # 64 bits: formats of one deployment, not an adversary's choice
+
+
+def format_fields(config: Any, chunk_bytes: int) -> dict[str, object]:
+    """The fields of a vLLM ``OffloadingConfig`` that change a chunk's stored bytes."""
+    parallel = config.parallel
+    return {
+        "model": str(config.model.name),
+        "dtype": str(config.model.dtype),
+        "tokens_per_hash": int(config.cache.tokens_per_hash),
+        "blocks_per_chunk": int(config.cache.blocks_per_chunk),
+        "chunk_bytes": int(chunk_bytes),
+        "replicated_layout": bool(config.replicated_layout),
+        "tp_size": int(parallel.tp_size),
+        "pp_size": int(parallel.pp_size),
+        "pcp_size": int(parallel.pcp_size),
+        "dcp_size": int(parallel.dcp_size),
+        "rank": int(parallel.rank),
+    }
+
+
+class StorageNames:
+    """Maps offload keys (bytes) to validated hicache keys of one format."""
+
+    def __init__(self, fields: dict[str, object]) -> None:
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        self.digest = hashlib.sha256(b"hicache-vllm-format-v1\0" + blob).hexdigest()[:_DIGEST_CHARS]
+        self.prefix = f"vllm-{self.digest}-"
+
+    def name(self, key: bytes) -> ValidKey:
+        """The storage key of one offload key."""
+        tail = key.hex()
+        if len(self.prefix) + len(tail) > KEY_MAX_LEN:
+            # An unusually long key: its hash stands in (the 'h' keeps it apart from raw hex).
+            tail = "h" + hashlib.sha256(key).hexdigest()
+        return validate_key(self.prefix + tail)

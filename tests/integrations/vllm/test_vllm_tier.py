@@ -1,0 +1,274 @@
+"""HiCacheTier built through vLLM's own SecondaryTierFactory, over real hicache backends.
+
+Runs in the vLLM venv (``.venv-vllm``); skips where vLLM is not installed. One module because
+importing vLLM costs ~14 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from hicache.integrations.vllm import HiCacheTier
+
+CHUNK = 4096
+NUM_CHUNKS = 8
+CTX = ReqContext(req_id="r1")
+Primary = tuple[HiCacheTier, np.ndarray]
+
+
+def make_spec(url: str, *, rank: int = 0, tp: int = 1, dtype: str = "float16") -> Any:
+    tier_config = {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm", "url": url}
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer",), group_id=0),),
+        worker_kv_bytes_per_block=CHUNK,
+        enable_kv_cache_events=False,
+        extra_config={
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": NUM_CHUNKS * CHUNK,
+            "secondary_tiers": [tier_config],
+        },
+        engine_id="hicache-test",
+        model=OffloadingModelConfig(name="test-model", dtype=dtype, max_model_len=4096),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank, tp, tp, 1, 1, 1, 0, 1, None, False),
+    )
+    return TieringOffloadingSpec(config)
+
+
+@pytest.fixture(params=["disk", "file", "memory"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "memory":
+        return "memory://"
+    return f"{request.param}://{tmp_path / 'store'}"
+
+
+@pytest.fixture
+def shared_url(request: pytest.FixtureRequest, url: str) -> str:
+    if url.startswith("memory:"):
+        pytest.skip("each memory:// backend is private to its tier")
+    return url
+
+
+@pytest.fixture
+def make_tier() -> Iterator[Callable[..., Primary]]:
+    tiers: list[HiCacheTier] = []
+
+    def build(url: str, **spec_kw: Any) -> Primary:
+        spec = make_spec(url, **spec_kw)
+        buf = mmap.mmap(-1, NUM_CHUNKS * CHUNK)
+        primary = np.frombuffer(buf, dtype=np.uint8).reshape(NUM_CHUNKS, CHUNK)
+        (tier_config,) = spec.extra_config["secondary_tiers"]
+        tier = SecondaryTierFactory.create_secondary_tier(
+            dict(tier_config), memoryview(primary), spec
+        )
+        assert isinstance(tier, HiCacheTier)
+        tiers.append(tier)
+        return tier, primary
+
+    yield build
+    for tier in tiers:
+        tier.shutdown()
+
+
+def key(n: int) -> bytes:
+    return make_offload_key(n.to_bytes(32, "big"), 0)
+
+
+def job(job_id: int, keys: list[bytes], chunks: list[int], load: bool) -> TransferJob:
+    ids = np.array(chunks, dtype=np.int32)
+    return TransferJob(job_id=job_id, keys=keys, chunk_ids=ids, is_promotion=load, req_context=CTX)
+
+
+def done(tier: HiCacheTier) -> list[JobResult]:
+    tier.drain_jobs()
+    return list(tier.get_finished_jobs())
+
+
+def fill(primary: np.ndarray, chunks: list[int], seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    primary[chunks] = rng.integers(0, 256, (len(chunks), CHUNK), dtype=np.uint8)
+    return primary[chunks].copy()
+
+
+def store(tier: HiCacheTier, primary: np.ndarray, keys: list[bytes], job_id: int = 1) -> None:
+    tier.submit_store(job(job_id, keys, list(range(len(keys))), load=False))
+    (result,) = done(tier)
+    assert result.success and result.transfer_bytes == len(keys) * CHUNK
+
+
+def settle(tier: HiCacheTier, keys: list[bytes], timeout_s: float = 5.0) -> list[LookupResult]:
+    """Look up until no key says RETRY (the background probes have answered)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        results = [tier.lookup(k, CTX) for k in keys]
+        if LookupResult.RETRY not in results or time.monotonic() > deadline:
+            return results
+        time.sleep(0.01)
+
+
+def test_round_trip_into_other_chunks(url: str, make_tier: Callable[..., Primary]) -> None:
+    tier, primary = make_tier(url)
+    keys = [key(1), key(2), key(3)]
+    expected = fill(primary, [0, 1, 2])
+    store(tier, primary, keys)
+    primary[:] = 0
+    tier.submit_load(job(2, keys, [5, 6, 7], load=True))
+    (result,) = done(tier)
+    assert result == JobResult(2, True, None, result.transfer_time, 3 * CHUNK)
+    assert np.array_equal(primary[5:8], expected)
+    assert not primary[:5].any()
+
+
+def test_miss_and_lookup_states(url: str, make_tier: Callable[..., Primary]) -> None:
+    tier, primary = make_tier(url)
+    fill(primary, [0])
+    page_key = key(9)  # stored behind the tier's back: only a probe can find it
+    name = tier._names.name(page_key)
+    from hicache.codec import encode_page
+
+    page = encode_page(name, memoryview(primary[0]), tier._meta)
+    assert tier._loop.run(tier._backend.put([name], [page]))[0]
+    assert tier.lookup(page_key, CTX) is LookupResult.RETRY
+    assert tier.lookup(key(10), CTX) is LookupResult.RETRY
+    assert settle(tier, [page_key, key(10)]) == [LookupResult.HIT, LookupResult.MISS]
+    tier.submit_load(job(1, [key(11)], [3], load=True))
+    (result,) = done(tier)
+    assert not result.success and not result.successful_keys
+
+
+def test_several_jobs_and_empty_batch(url: str, make_tier: Callable[..., Primary]) -> None:
+    tier, primary = make_tier(url)
+    expected = fill(primary, [0, 1, 2, 3])
+    for j in range(4):
+        tier.submit_store(job(j, [key(j)], [j], load=False))
+    tier.submit_store(job(10, [], [], load=False))
+    tier.submit_load(job(11, [], [], load=True))
+    results = done(tier)
+    assert sorted(r.job_id for r in results) == [0, 1, 2, 3, 10, 11]
+    assert all(r.success for r in results)
+    primary[:] = 0
+    for j in range(4):
+        tier.submit_load(job(20 + j, [key(j)], [7 - j], load=True))
+    assert all(r.success for r in done(tier))
+    assert np.array_equal(primary[[7, 6, 5, 4]], expected)
+    assert tier.get_finished_jobs() == []
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_partial_load(url: str, make_tier: Callable[..., Primary], damage: str) -> None:
+    tier, primary = make_tier(url)
+    keys = [key(1), key(2), key(3)]
+    expected = fill(primary, [0, 1, 2])
+    store(tier, primary, keys)
+    name = tier._names.name(keys[1])
+    if damage == "missing":
+        assert tier._loop.run(tier._backend.delete([name]))[0]
+    else:
+        stored = tier._loop.run(tier._backend.get([name]))[0]
+        bad = bytearray(stored)
+        bad[-1] ^= 0xFF
+        assert tier._loop.run(tier._backend.put([name], [[bytes(bad)]]))[0]
+    tier.submit_load(job(2, keys, [5, 6, 7], load=True))
+    (result,) = done(tier)
+    assert not result.success
+    assert list(result.successful_keys or []) == [keys[0], keys[2]]
+    assert np.array_equal(primary[[5, 7]], expected[[0, 2]])
+    assert tier._loop.run(tier._backend.exists([name])) == [False]  # the bad page is gone
+    assert tier.lookup(keys[1], CTX) is LookupResult.MISS
+
+
+def test_drain_and_shutdown(url: str, make_tier: Callable[..., Primary]) -> None:
+    tier, primary = make_tier(url)
+    fill(primary, list(range(NUM_CHUNKS)))
+    for j in range(NUM_CHUNKS):
+        tier.submit_store(job(j, [key(100 + j)], [j], load=False))
+    tier.drain_jobs()  # every job has ended: all results are there, nothing is pending
+    assert sorted(r.job_id for r in tier.get_finished_jobs()) == list(range(NUM_CHUNKS))
+    assert not tier.has_pending_work()
+    tier.submit_store(job(99, [key(200)], [0], load=False))
+    tier.shutdown()  # waits for the queued store
+    assert tier._loop.closed
+    assert [r.job_id for r in tier.get_finished_jobs()] == [99]
+    assert tier.lookup(key(300), CTX) is LookupResult.MISS  # closed: nothing to find
+    tier.shutdown()  # idempotent
+
+
+def test_second_tier_sees_first(shared_url: str, make_tier: Callable[..., Primary]) -> None:
+    first, primary = make_tier(shared_url)
+    keys = [key(1), key(2)]
+    expected = fill(primary, [0, 1])
+    store(first, primary, keys)
+    second, other = make_tier(shared_url)
+    assert second.lookup(keys[0], CTX) is LookupResult.RETRY
+    assert settle(second, keys) == [LookupResult.HIT, LookupResult.HIT]
+    second.submit_load(job(1, keys, [3, 4], load=True))
+    assert done(second)[0].success
+    assert np.array_equal(other[3:5], expected)
+
+
+@pytest.mark.parametrize("spec_kw", [{"rank": 1, "tp": 2}, {"tp": 2}, {"dtype": "bfloat16"}])
+def test_other_format_never_hits(
+    shared_url: str, make_tier: Callable[..., Primary], spec_kw: dict[str, Any]
+) -> None:
+    first, primary = make_tier(shared_url)
+    fill(primary, [0])
+    store(first, primary, [key(1)])
+    other, _ = make_tier(shared_url, **spec_kw)
+    assert settle(other, [key(1)]) == [LookupResult.MISS]
+    other.submit_load(job(1, [key(1)], [0], load=True))
+    assert not done(other)[0].success
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("url", ""),
+        ("url", "nosuchbackend://x"),
+        ("url", "memory://?capacty=1"),
+        ("n_read_threads", 0),
+        ("n_write_threads", True),
+        ("io_timeout_s", float("nan")),
+        ("locality", "nearby"),
+        ("enable_kv_events", "yes"),
+    ],
+)
+def test_bad_option_names_it(option: str, value: object) -> None:
+    spec = make_spec("memory://")
+    view = memoryview(np.zeros((NUM_CHUNKS, CHUNK), dtype=np.uint8))
+    config: dict[str, object] = {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm"}
+    config["url"] = "memory://"
+    config[option] = value  # the url last: a bad url replaces the good one
+    with pytest.raises(ValueError, match=option):
+        SecondaryTierFactory.create_secondary_tier(config, view, spec)
+
+
+def test_import_is_lazy() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, hicache.integrations.vllm; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    assert asyncio.iscoroutinefunction(HiCacheTier._probe)
