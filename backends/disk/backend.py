@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -35,7 +36,13 @@ from typing import Any, TypeVar
 
 from hicache.backends._io_threads import IOThreads, in_thread
 from hicache.backends._urls import local_root
-from hicache.backends.base import MISS, Capabilities, ObjectInfo, StorageBackend
+from hicache.backends.base import (
+    MISS,
+    Capabilities,
+    ObjectInfo,
+    StorageBackend,
+    segments_nbytes,
+)
 from hicache.backends.disk.audit import DamagedRegion, audit_segments
 from hicache.backends.disk.catalog import Catalog
 from hicache.backends.disk.config import DiskConfig
@@ -100,6 +107,7 @@ class DiskBackend(StorageBackend):
     def _prepare(self) -> None:
         start = time.perf_counter()
         dirs = open_store_dirs(self.config)
+        lock_fd = -1
         try:
             slot, lock_fd = (
                 (None, -1) if self.config.read_only else claim_slot(dirs, self.config.max_writers)
@@ -113,6 +121,8 @@ class DiskBackend(StorageBackend):
                     catalog, self._appender, self.config.capacity, self.config.reinsert
                 )
         except BaseException:
+            if lock_fd >= 0 and self._appender is None:  # the slot, claimed but not taken on
+                os.close(lock_fd)
             dirs.close()
             if self._io is not None:
                 self._io.shutdown()
@@ -232,8 +242,6 @@ class DiskBackend(StorageBackend):
         return await in_thread(self._peek_sync, keys, nbytes)
 
     def _peek_sync(self, keys: list[str], nbytes: int) -> list[bytes | None]:
-        import os
-
         catalog = self.catalog
         out: list[bytes | None] = []
         for key in keys:
@@ -396,8 +404,7 @@ def _plan(
         if entry is None:
             continue
         segs = buffers[i]
-        room = segs[0].nbytes if len(segs) == 1 else sum(s.nbytes for s in segs)
-        if entry[2] > room:
+        if entry[2] > segments_nbytes(segs):
             results[i] = entry[2]  # too small: the size, nothing read
             continue
         items.append((keys[i], entry, trim(segs, entry[2])))

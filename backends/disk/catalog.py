@@ -16,6 +16,7 @@ import fcntl
 import logging
 import os
 import random
+import stat
 import threading
 import time
 
@@ -52,6 +53,12 @@ class Catalog:
         self.files = SegmentFiles(dirs.segments, direct)
         self.last_refresh = 0.0
         self.own_generation = 0  # where the replay of this process's slot ended (see load)
+        # The snapshot file last read or written here (its identity) and the log points it
+        # covers: a writer about to snapshot decodes the file again only if it was replaced.
+        self.known_snapshot: tuple[SnapshotId | None, dict[int, tuple[int, int]] | None] = (
+            None,
+            None,
+        )
         self.counts = {"log_gaps": 0, "snapshot_damaged": 0, "lost_segments": 0}
         self._warned: set[str] = set()
 
@@ -78,7 +85,7 @@ class Catalog:
                 self._apply(tail.read(gaps.append))
             # A generation removed between reading the snapshot and opening it was covered by
             # a newer snapshot: read again. Gaps that stay are damage (counted, misses).
-            newer = snapshot_positions(self.dirs.index) != (snap.logs if snap else None)
+            newer = snapshot_identity(self.dirs.index) != self.known_snapshot[0]
             if not gaps or last or not newer:
                 for message in gaps:
                     self._gap(message)
@@ -93,9 +100,11 @@ class Catalog:
         self.last_refresh = time.monotonic()
 
     def _read_snapshot(self) -> Snapshot | None:
+        identity = snapshot_identity(self.dirs.index)
         try:
             fd = os.open(SNAPSHOT, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirs.index)
         except FileNotFoundError:
+            self.known_snapshot = (identity, None)
             return None
         except OSError:  # a link (O_NOFOLLOW: ELOOP), no permission: as damaged, not a crash
             fd = -1
@@ -107,6 +116,7 @@ class Catalog:
             except OSError:  # a directory named snapshot, an I/O error
                 data = b""
         snap = decode_snapshot(data)
+        self.known_snapshot = (identity, None if snap is None else snap.logs)
         if snap is None:
             self.counts["snapshot_damaged"] += 1
             self._warn("snapshot", "the index snapshot is damaged: the logs are read instead")
@@ -176,10 +186,26 @@ class Catalog:
         self.files.close()
 
 
-def snapshot_positions(index_fd: int) -> dict[int, tuple[int, int]] | None:
-    """The log points the current snapshot covers, or None when there is none to read."""
+SnapshotId = tuple[int, int, int]  # inode, mtime (ns), size: a rename changes it
+
+
+def snapshot_identity(index_fd: int) -> SnapshotId | None:
+    """Which file the snapshot is now (None: there is none, or it is no regular file)."""
     try:
-        fd = os.open(SNAPSHOT, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC, dir_fd=index_fd)
+        st = os.stat(SNAPSHOT, dir_fd=index_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size) if stat.S_ISREG(st.st_mode) else None
+
+
+def snapshot_positions(catalog: Catalog) -> dict[int, tuple[int, int]] | None:
+    """The log points the current snapshot covers, or None when there is none to read. Decoded
+    again only when another process replaced the snapshot this process last read or wrote."""
+    identity = snapshot_identity(catalog.dirs.index)
+    if identity is not None and identity == catalog.known_snapshot[0]:
+        return catalog.known_snapshot[1]
+    try:
+        fd = os.open(SNAPSHOT, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC, dir_fd=catalog.dirs.index)
         with os.fdopen(fd, "rb") as f:
             snap = decode_snapshot(f.read())
     except OSError:  # none, or a link or directory planted there: replaced by the next one
@@ -203,8 +229,9 @@ def snapshot_lock(index_fd: int):  # type: ignore[no-untyped-def]
         os.close(fd)
 
 
-def write_snapshot(index_fd: int, snap: Snapshot, fsync: bool) -> None:
+def write_snapshot(catalog: Catalog, snap: Snapshot, fsync: bool) -> None:
     """Replace the store's snapshot with ``snap`` atomically (a temporary file, then rename)."""
+    index_fd = catalog.dirs.index
     tmp = f".{SNAPSHOT}.{os.getpid()}.{random.getrandbits(32):08x}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=index_fd)
@@ -222,3 +249,4 @@ def write_snapshot(index_fd: int, snap: Snapshot, fsync: bool) -> None:
         raise
     if fsync:
         os.fsync(index_fd)
+    catalog.known_snapshot = (snapshot_identity(index_fd), dict(snap.logs))

@@ -38,6 +38,7 @@ from hicache.backends.disk.format import (
 )
 from hicache.backends.disk.logs import LogWriter
 from hicache.backends.disk.segments import create_segment, next_number, segment_name
+from hicache.backends.segments import segments_after, segments_nbytes
 from hicache.keys import KEY_MAX_LEN
 
 __all__ = ["Appender"]
@@ -88,8 +89,7 @@ class Appender:
     def put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
         """Append the batch; True where the object is stored and indexed. Call under the
         catalog's append lock."""
-        sizes = [segs[0].nbytes if len(segs) == 1 else sum(s.nbytes for s in segs)
-                 for segs in values]  # fmt: skip
+        sizes = [segments_nbytes(segs) for segs in values]
         fits = [n <= self.max_object_bytes for n in sizes]
         todo: Sequence[int]
         if all(fits):  # the usual case: no copies of the batch's lists
@@ -212,11 +212,12 @@ class Appender:
     def _pwrite_all(self, iov: list[memoryview | bytes], offset: int, want: int) -> None:
         """``iov`` at ``offset``, whole (a call may take threads: see ``PARALLEL_BYTES``)."""
         done = os.pwritev(self._seg_fd, iov, offset)
-        if done < want:  # rare (a signal, a filesystem's limit): finish through a joined copy
-            rest = b"".join(bytes(memoryview(p).cast("B")) for p in iov)[done:]
-            while rest:
-                n = os.pwrite(self._seg_fd, rest, offset + done)
-                rest, done = rest[n:], done + n
+        while done < want:  # rare (a signal, a filesystem's limit): go on from where it stopped
+            rest = segments_after([memoryview(p) for p in iov], done)
+            n = os.pwritev(self._seg_fd, rest, offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "segment write made no progress")
+            done += n
 
     def _count_error(self, exc: OSError, what: str) -> None:
         self.counts["put_errors"] += 1
@@ -329,7 +330,7 @@ class Appender:
             if not locked:
                 return False
             catalog.refresh()
-            theirs = snapshot_positions(catalog.dirs.index) or {}
+            theirs = snapshot_positions(catalog) or {}
             generation = self.log.rotate()
             with catalog.lock:
                 mine = catalog.positions()
@@ -337,7 +338,7 @@ class Appender:
                 if any(mine.get(s, (0, 0)) < pos for s, pos in theirs.items() if s != self.slot):
                     return False
                 snap = catalog.index.capture(mine)
-            write_snapshot(catalog.dirs.index, snap, self.config.fsync)
+            write_snapshot(catalog, snap, self.config.fsync)
             self.log.remove_before(generation)
             self.counts["snapshots"] += 1
             return True
