@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from xxhash import xxh3_64_intdigest
 
 from hicache.backends._io_threads import IOThreads
-from hicache.backends.base import MISS
+from hicache.backends.base import MISS, copy_into_segments
 from hicache.backends.disk.direct import read_span
 from hicache.backends.disk.format import RECORD_HEADER, payload_hash
 from hicache.backends.disk.index import Entry
@@ -162,19 +162,8 @@ def _read_run(
                 bad.append(i)
             continue
         key, (_, _, length, seq), target = items[i]
-        magic, key_len, _, stored_len, stored_seq, digest = _REC.unpack_from(scratch, at)
-        kb = key.encode("ascii")
-        ok = (
-            magic == _MAGIC
-            and key_len == len(kb)
-            and stored_len == length
-            and stored_seq == seq
-            and scratch[at + RECORD_HEADER : at + RECORD_HEADER + key_len] == kb
-        )
-        if ok:
-            actual = xxh3_64_intdigest(target[0]) if len(target) == 1 else payload_hash(target)
-            ok = actual == digest
-        if ok:
+        digest = _header_digest(scratch, at, key.encode("ascii"), length, seq)
+        if digest is not None and payload_hash(target) == digest:
             results[i] = length
         else:
             bad.append(i)
@@ -206,18 +195,20 @@ def _read_run_direct(
         if body + length > data.nbytes:
             bad.append(i)  # past the end of the file: a segment cut short, forgotten as damaged
             continue
-        magic, key_len, _, stored_len, stored_seq, digest = _REC.unpack_from(data, at)
         payload = data[body : body + length]
-        if (
-            magic != _MAGIC
-            or (key_len, stored_len, stored_seq) != (len(kb), length, seq)
-            or data[at + RECORD_HEADER : body] != kb
-            or xxh3_64_intdigest(payload) != digest
-        ):
+        digest = _header_digest(data, at, kb, length, seq)
+        if digest is None or xxh3_64_intdigest(payload) != digest:
             bad.append(i)
             continue
-        pos = 0
-        for seg in target:
-            seg[:] = payload[pos : pos + seg.nbytes]
-            pos += seg.nbytes
+        copy_into_segments(payload, target)
         results[i] = length
+
+
+def _header_digest(buf: memoryview, at: int, key: bytes, length: int, seq: int) -> int | None:
+    """The payload xxh3 of the record header at ``at`` of ``buf`` (its key following it), when
+    the header is the index entry's (magic, key, length, sequence); None otherwise."""
+    magic, key_len, _, stored_len, stored_seq, digest = _REC.unpack_from(buf, at)
+    ok = magic == _MAGIC and (key_len, stored_len, stored_seq) == (len(key), length, seq)
+    if not ok or buf[at + RECORD_HEADER : at + RECORD_HEADER + key_len] != key:
+        return None
+    return int(digest)
