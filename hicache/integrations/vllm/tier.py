@@ -3,8 +3,9 @@
 vLLM calls every tier method from its scheduler thread and wants none of them to block. The
 backend (coroutines) runs on a private event loop in one thread that the tier owns
 (:class:`~hicache.integrations.sync_loop.SyncLoop`): lookups answer from what the tier already
-knows and start a background ``exists`` otherwise (RETRY meanwhile), and jobs only enqueue a
-coroutine whose :class:`JobResult` lands in a thread-safe queue for ``get_finished_jobs``.
+knows and queue the key for a batched background ``exists`` otherwise (RETRY meanwhile), and
+jobs only enqueue a coroutine whose :class:`JobResult` lands in a thread-safe queue for
+``get_finished_jobs`` (:class:`~hicache.integrations.vllm.jobs.JobBoard`).
 
 Each chunk (one row of the primary view) is one hicache page: the codec's header with a
 checksum, then the row's bytes, written straight from and read straight into the primary view.
@@ -17,15 +18,16 @@ import collections
 import contextlib
 import logging
 import math
-import threading
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadingSpec,
     OffloadKey,
     ReqContext,
@@ -34,7 +36,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from hicache.backends.base import MISS
+from hicache.backends.base import MISS, StorageBackend
 from hicache.backends.registry import open_backend
 from hicache.codec import HEADER_SIZE, PageMeta, check_into, encode_page
 from hicache.dtypes import DType
@@ -46,14 +48,19 @@ from hicache.errors import (
     InvalidArgumentError,
 )
 from hicache.integrations.sync_loop import SyncLoop
+from hicache.integrations.vllm.jobs import JobBoard
 from hicache.integrations.vllm.names import StorageNames, format_fields
-from hicache.integrations.vllm.verdicts import Verdict, Verdicts
+from hicache.integrations.vllm.verdicts import ProbeQueue, Verdict, Verdicts
 from hicache.urls import redact_url, scrub
 
 __all__ = ["HiCacheTier"]
 
 log = logging.getLogger("hicache.integrations.vllm")
 _MISS_TTL_S = 1.0  # how long an absent verdict stands before another writer's chunk is probed
+_PROBE_GATHER_S = 0.001  # the lookups of one scheduler step gather into one exists call
+_PROBE_BATCH = 1024  # keys per exists call
+# Labels of vLLM's kv_offload_config_info metric (merged with other tiers': hence the prefix).
+_INFO_KEYS = ("hicache_scheme", "hicache_n_read_threads", "hicache_n_write_threads")
 
 
 def _check_options(
@@ -85,6 +92,22 @@ def _check_options(
         ) from None
 
 
+def _event_queue(
+    spec: OffloadingSpec, enabled: bool, tier_type: str
+) -> collections.deque[OffloadingEvent] | None:
+    """Where events go, or None: they need the tier's option and vLLM's KV events both on."""
+    if not enabled:
+        return None
+    if not spec.kv_events_config.enable_kv_cache_events:
+        log.warning(
+            "hicache vLLM tier %r: enable_kv_events is set but vLLM's KV cache events are off; "
+            "the tier emits none",
+            tier_type,
+        )
+        return None
+    return collections.deque()
+
+
 class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped here
     """A vLLM secondary tier storing chunks as hicache pages in the backend at ``url``."""
 
@@ -109,23 +132,26 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         )
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = checked
-        self._enable_kv_events = enable_kv_events  # part 1 emits no events
+        self._events = _event_queue(offloading_spec, enable_kv_events, tier_type)
         self._io_timeout_s = float(io_timeout_s)
+        self._info = (urlsplit(url).scheme, n_read_threads, n_write_threads)
         chunk = self._block_size_bytes
         self._bytes = primary_kv_view.cast("B")  # chunk c = bytes [c*chunk, (c+1)*chunk)
         self._num_chunks = self._bytes.nbytes // chunk if chunk else 0
         self._names = StorageNames(format_fields(offloading_spec.config, chunk))
         self._meta = PageMeta("vllm", DType.UINT8, (chunk,))
         self._verdicts = Verdicts(_MISS_TTL_S)
-        self._finished: collections.deque[JobResult] = collections.deque()
-        self._idle = threading.Condition()
-        self._in_flight = 0
-        # Throttles: each job holds one slot for its whole batch.
+        self._probes = ProbeQueue()
+        self._board: JobBoard[JobResult] = JobBoard()
+        # Throttles: each job (and each probe batch) holds one slot for its whole batch.
         self._reads = asyncio.Semaphore(n_read_threads)
         self._writes = asyncio.Semaphore(n_write_threads)
         self._loop = SyncLoop(f"hicache-vllm-{tier_type}")
+        self._backend = self._open(url)
+
+    def _open(self, url: str) -> StorageBackend:
         try:
-            self._backend = self._loop.run(open_backend(url), self._io_timeout_s)
+            backend = self._loop.run(open_backend(url), self._io_timeout_s)
         except (ValueError, BackendNotFoundError, BackendLoadError) as exc:
             self._loop.close(self._io_timeout_s)
             self._bytes.release()
@@ -137,76 +163,105 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
             self._loop.close(self._io_timeout_s)
             self._bytes.release()
             raise
-        self._loop.on_close(self._backend.close)
+        self._loop.on_close(backend.close)
+        return backend
 
     # --- lookups ---------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT or MISS from what is known; else start a background ``exists`` and say RETRY."""
+        """HIT or MISS from what is known; else queue the key for a batched background
+        ``exists`` and say RETRY (vLLM asks again next step)."""
         verdict = self._verdicts.get(key)
         if verdict is Verdict.STORED:
             return LookupResult.HIT
-        if verdict is Verdict.ABSENT:
+        if verdict is Verdict.ABSENT or self._loop.closed:
             return LookupResult.MISS
-        if verdict is Verdict.UNKNOWN and self._verdicts.start_probe(key):
+        if (
+            verdict is Verdict.UNKNOWN
+            and self._verdicts.start_probe(key)
+            and self._probes.add(key)  # the first of a batch: one flush for all that follow
+        ):
             try:
-                self._loop.submit(self._probe(key))
-            except HiCacheError:
-                self._verdicts.end_probe(key, False)  # closed: nothing to find any more
+                self._loop.submit(self._probe_queued())
+            except HiCacheError:  # closed meanwhile: nothing to find any more
+                for queued in self._probes.take():
+                    self._verdicts.end_probe(queued, False)
                 return LookupResult.MISS
         return LookupResult.RETRY
 
-    async def _probe(self, key: bytes) -> None:
-        found = False
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Keep the keys' verdicts fresh (a store's own recency follows its reads)."""
+        for key in keys:
+            self._verdicts.get(key)
+
+    async def _probe_queued(self) -> None:
+        await asyncio.sleep(_PROBE_GATHER_S)  # let the rest of this step's lookups queue up
+        keys = self._probes.take()
+        for start in range(0, len(keys), _PROBE_BATCH):
+            await self._probe(keys[start : start + _PROBE_BATCH])
+
+    async def _probe(self, keys: list[bytes]) -> None:
+        found = [False] * len(keys)
         try:
             async with self._reads:
-                found = (
-                    await asyncio.wait_for(
-                        self._backend.exists([self._names.name(key)]), self._io_timeout_s
-                    )
-                )[0]
+                names = [self._names.name(k) for k in keys]
+                found = await asyncio.wait_for(self._backend.exists(names), self._io_timeout_s)
         except Exception as exc:  # a failed probe is a miss, as vLLM's fs tier counts it
             log.warning("hicache vLLM tier: exists failed: %s", exc)
         finally:
-            self._verdicts.end_probe(key, found)
+            for key, present in zip(keys, found):
+                self._verdicts.end_probe(key, present)
 
     # --- jobs ------------------------------------------------------------------------------
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Enqueue a store of the job's chunks; its result comes from get_finished_jobs."""
-        self._submit(job_metadata, self._store(job_metadata))
+        self._submit(job_metadata, self._store)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Enqueue a load into the job's chunks; its result comes from get_finished_jobs."""
-        self._submit(job_metadata, self._load(job_metadata))
+        self._submit(job_metadata, self._load)
 
-    def _submit(self, job: TransferJob, work: Awaitable[JobResult]) -> None:
-        with self._idle:
-            self._in_flight += 1
+    def _submit(
+        self, job: TransferJob, work: Callable[[TransferJob], Awaitable[JobResult]]
+    ) -> None:
+        self._board.begin()
         try:
             self._loop.submit(self._run(job, work))
-        except BaseException:
-            self._finish(JobResult(job_id=job.job_id, success=False))
-            raise
+        except HiCacheError as exc:  # closed: the job fails, vLLM goes on
+            log.warning("hicache vLLM tier: job %d refused: %s", job.job_id, exc)
+            self._board.finish(JobResult(job_id=job.job_id, success=False))
 
-    async def _run(self, job: TransferJob, work: Awaitable[JobResult]) -> None:
-        """Run one job; every job reports exactly one result, whatever happens."""
+    async def _run(
+        self, job: TransferJob, work: Callable[[TransferJob], Awaitable[JobResult]]
+    ) -> None:
+        """Run one job; every job reports exactly one result, whatever happens.
+
+        ``io_timeout_s`` bounds a job's wait for a free slot, and a store's transfer. A load
+        that has started is never cut short: vLLM frees the slots of a failed load for reuse,
+        and a read still running in a backend's thread would write into them. (A store cut
+        short may still be reading its slot; what it writes late is refused by the page's
+        checksum, never served.)
+        """
+        self._board.track()
         start = time.monotonic()
         result = JobResult(job_id=job.job_id, success=False)
+        slots = self._reads if job.is_promotion else self._writes
+        kind = "load" if job.is_promotion else "store"
         try:
-            result = await asyncio.wait_for(work, self._io_timeout_s)
+            await asyncio.wait_for(slots.acquire(), self._io_timeout_s)
+            try:
+                if job.is_promotion:
+                    result = await work(job)
+                else:
+                    result = await asyncio.wait_for(work(job), self._io_timeout_s)
+            finally:
+                slots.release()
         except Exception as exc:
-            kind = "load" if job.is_promotion else "store"
             log.warning("hicache vLLM tier: %s job %d failed: %r", kind, job.job_id, exc)
         finally:
             result.transfer_time = time.monotonic() - start
-            self._finish(result)
-
-    def _finish(self, result: JobResult) -> None:
-        self._finished.append(result)  # deque append/popleft are thread-safe
-        with self._idle:
-            self._in_flight -= 1
-            self._idle.notify_all()
+            self._board.finish(result)
 
     def _chunk(self, chunk_id: Any) -> memoryview:
         c = int(chunk_id)
@@ -216,20 +271,18 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         return self._bytes[c * size : (c + 1) * size]
 
     async def _store(self, job: TransferJob) -> JobResult:
-        keys = list(job.keys)
-        todo = [
-            (k, c)
-            for k, c in zip(keys, job.chunk_ids, strict=True)
-            if self._verdicts.get(k) is not Verdict.STORED
-        ]
-        names = [self._names.name(k) for k, _ in todo]
-        pages = [encode_page(n, self._chunk(c), self._meta) for n, (_, c) in zip(names, todo)]
-        async with self._writes:
-            stored = await self._backend.put_missing(names, pages) if names else []
-        self._verdicts.mark([k for (k, _), ok in zip(todo, stored) if ok], True)
-        ok = all(stored)
-        nbytes = sum(stored) * self._block_size_bytes
-        return JobResult(job_id=job.job_id, success=ok, transfer_bytes=nbytes)
+        todo: dict[bytes, Any] = {}  # key -> chunk id; a key twice in a job is stored once
+        for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True):
+            if key not in todo and self._verdicts.get(key) is not Verdict.STORED:
+                todo[key] = chunk_id
+        names = [self._names.name(k) for k in todo]
+        pages = [encode_page(n, self._chunk(c), self._meta) for n, c in zip(names, todo.values())]
+        stored = await self._backend.put_missing(names, pages) if names else []
+        landed = [k for k, ok in zip(todo, stored) if ok]
+        self._verdicts.mark(landed, True)
+        self._announce(landed, removed=False)
+        nbytes = len(landed) * self._block_size_bytes
+        return JobResult(job_id=job.job_id, success=all(stored), transfer_bytes=nbytes)
 
     async def _load(self, job: TransferJob) -> JobResult:
         keys = list(job.keys)
@@ -238,8 +291,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         if len(dests) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys for {len(dests)} chunk ids")
         headers = [bytearray(HEADER_SIZE) for _ in keys]
-        async with self._reads:
-            sizes = await self._backend.get_into(names, [[h, d] for h, d in zip(headers, dests)])
+        sizes = await self._backend.get_into(names, [[h, d] for h, d in zip(headers, dests)])
         good = [
             self._accept(name, header, dest, size)
             for name, header, dest, size in zip(names, headers, dests, sizes)
@@ -270,6 +322,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         """Mark failed keys absent (so vLLM stops promoting them) and delete bad pages."""
         bad = [k for k, ok in zip(keys, good) if not ok]
         self._verdicts.mark(bad, False)
+        self._announce(bad, removed=True)  # vLLM had them as hits here
         self._verdicts.mark([k for k, ok in zip(keys, good) if ok], True)
         corrupt = [n for n, ok, s in zip(names, good, sizes) if not ok and s != MISS]
         if corrupt:
@@ -280,31 +333,56 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
                     "hicache vLLM tier: deleting %d bad pages failed: %s", len(corrupt), exc
                 )
 
+    def _announce(self, keys: list[bytes], removed: bool) -> None:
+        if self._events is not None and keys:
+            self._events.append(
+                OffloadingEvent(
+                    keys=[OffloadKey(k) for k in keys],
+                    medium=self.medium,
+                    removed=removed,
+                    locality=self.locality,
+                )
+            )
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Chunks stored here, and chunks found gone or damaged, since the last call."""
+        events: list[OffloadingEvent] = []
+        while self._events:
+            events.append(self._events.popleft())
+        return events
+
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """The results of the jobs that ended since the last call."""
-        done: list[JobResult] = []
-        while self._finished:
-            done.append(self._finished.popleft())
-        return done
+        return self._board.take()
 
     def has_pending_work(self) -> bool:
-        return self._in_flight > 0 or bool(self._finished)
+        return self._board.pending()
 
     def drain_jobs(self) -> None:
-        """Block until every submitted job has ended (each is bounded by io_timeout_s)."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._in_flight == 0)
+        """Block until every submitted job has ended: its result is queued and no I/O of it
+        touches the primary any more (a queued job waits at most io_timeout_s for a slot)."""
+        self._board.wait_idle()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return _INFO_KEYS
+
+    def config_info(self) -> Mapping[str, str | int | float | bool]:
+        return dict(zip(_INFO_KEYS, self._info, strict=True))
+
     def shutdown(self) -> None:
-        """Wait up to io_timeout_s for running jobs, then close the backend and the loop."""
+        """Let running jobs end within io_timeout_s; jobs still running then are cancelled and
+        reported failed; then close the backend and the loop."""
         if self._loop.closed:
             return
-        with self._idle:
-            if not self._idle.wait_for(lambda: self._in_flight == 0, self._io_timeout_s):
-                log.warning("hicache vLLM tier: closing with %d jobs running", self._in_flight)
+        if not self._board.wait_idle(self._io_timeout_s):
+            late = self._board.in_flight
+            log.warning("hicache vLLM tier: %d jobs still running at shutdown: cancelled", late)
+            with contextlib.suppress(HiCacheError):
+                self._loop.run(self._board.cancel_all(), self._io_timeout_s)
         self._loop.close(self._io_timeout_s)
         # vLLM unmaps the primary only when no buffer export of it is left.
         with contextlib.suppress(BufferError):

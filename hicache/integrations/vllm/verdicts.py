@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict
 from enum import Enum
 
-__all__ = ["Verdict", "Verdicts"]
+__all__ = ["ProbeQueue", "Verdict", "Verdicts"]
 
 
 class Verdict(Enum):
@@ -78,3 +78,24 @@ class Verdicts:
             self._absent.move_to_end(key)
             if len(self._absent) > self._max_keys:
                 self._absent.popitem(last=False)
+
+
+class ProbeQueue:
+    """Keys whose existence is to be checked, gathered on the scheduler thread so that the
+    lookups of one step cost one batched ``exists`` on the loop thread, not one each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: list[bytes] = []
+
+    def add(self, key: bytes) -> bool:
+        """Queue ``key``; True when the queue was empty (the caller schedules a flush)."""
+        with self._lock:
+            self._keys.append(key)
+            return len(self._keys) == 1
+
+    def take(self) -> list[bytes]:
+        """Every queued key, emptying the queue (the next :meth:`add` schedules again)."""
+        with self._lock:
+            keys, self._keys = self._keys, []
+            return keys

@@ -1,16 +1,13 @@
 """HiCacheTier built through vLLM's own SecondaryTierFactory, over real hicache backends.
 
-Runs in the vLLM venv (``.venv-vllm``); skips where vLLM is not installed. One module because
-importing vLLM costs ~14 s.
+Runs in the vLLM venv (``.venv-vllm``); skips where vLLM is not installed. Helpers in vllm_kit.py,
+fixtures in conftest.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import mmap
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,118 +20,28 @@ pytest.importorskip(
     reason="vLLM is installed only in the vLLM venv (make test-vllm)",
 )
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
+from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm_kit import (
+    CHUNK,
+    CTX,
+    NUM_CHUNKS,
+    Primary,
+    done,
+    fill,
+    job,
+    key,
+    make_spec,
+    settle,
+    store,
+)
 
 from hicache.integrations.vllm import HiCacheTier
 
-CHUNK = 4096
-NUM_CHUNKS = 8
-CTX = ReqContext(req_id="r1")
-Primary = tuple[HiCacheTier, np.ndarray]
 
-
-def make_spec(url: str, *, rank: int = 0, tp: int = 1, dtype: str = "float16") -> Any:
-    tier_config = {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm", "url": url}
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer",), group_id=0),),
-        worker_kv_bytes_per_block=CHUNK,
-        enable_kv_cache_events=False,
-        extra_config={
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": NUM_CHUNKS * CHUNK,
-            "secondary_tiers": [tier_config],
-        },
-        engine_id="hicache-test",
-        model=OffloadingModelConfig(name="test-model", dtype=dtype, max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank, tp, tp, 1, 1, 1, 0, 1, None, False),
-    )
-    return TieringOffloadingSpec(config)
-
-
-@pytest.fixture(params=["disk", "file", "memory"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "memory":
-        return "memory://"
-    return f"{request.param}://{tmp_path / 'store'}"
-
-
-@pytest.fixture
-def shared_url(request: pytest.FixtureRequest, url: str) -> str:
-    if url.startswith("memory:"):
-        pytest.skip("each memory:// backend is private to its tier")
-    return url
-
-
-@pytest.fixture
-def make_tier() -> Iterator[Callable[..., Primary]]:
-    tiers: list[HiCacheTier] = []
-
-    def build(url: str, **spec_kw: Any) -> Primary:
-        spec = make_spec(url, **spec_kw)
-        buf = mmap.mmap(-1, NUM_CHUNKS * CHUNK)
-        primary = np.frombuffer(buf, dtype=np.uint8).reshape(NUM_CHUNKS, CHUNK)
-        (tier_config,) = spec.extra_config["secondary_tiers"]
-        tier = SecondaryTierFactory.create_secondary_tier(
-            dict(tier_config), memoryview(primary), spec
-        )
-        assert isinstance(tier, HiCacheTier)
-        tiers.append(tier)
-        return tier, primary
-
-    yield build
-    for tier in tiers:
-        tier.shutdown()
-
-
-def key(n: int) -> bytes:
-    return make_offload_key(n.to_bytes(32, "big"), 0)
-
-
-def job(job_id: int, keys: list[bytes], chunks: list[int], load: bool) -> TransferJob:
-    ids = np.array(chunks, dtype=np.int32)
-    return TransferJob(job_id=job_id, keys=keys, chunk_ids=ids, is_promotion=load, req_context=CTX)
-
-
-def done(tier: HiCacheTier) -> list[JobResult]:
-    tier.drain_jobs()
-    return list(tier.get_finished_jobs())
-
-
-def fill(primary: np.ndarray, chunks: list[int], seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    primary[chunks] = rng.integers(0, 256, (len(chunks), CHUNK), dtype=np.uint8)
-    return primary[chunks].copy()
-
-
-def store(tier: HiCacheTier, primary: np.ndarray, keys: list[bytes], job_id: int = 1) -> None:
-    tier.submit_store(job(job_id, keys, list(range(len(keys))), load=False))
-    (result,) = done(tier)
-    assert result.success and result.transfer_bytes == len(keys) * CHUNK
-
-
-def settle(tier: HiCacheTier, keys: list[bytes], timeout_s: float = 5.0) -> list[LookupResult]:
-    """Look up until no key says RETRY (the background probes have answered)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        results = [tier.lookup(k, CTX) for k in keys]
-        if LookupResult.RETRY not in results or time.monotonic() > deadline:
-            return results
-        time.sleep(0.01)
-
-
-def test_round_trip_into_other_chunks(url: str, make_tier: Callable[..., Primary]) -> None:
-    tier, primary = make_tier(url)
+def test_round_trip_into_other_chunks(contract_url: str, make_tier: Callable[..., Primary]) -> None:
+    tier, primary = make_tier(contract_url)
     keys = [key(1), key(2), key(3)]
     expected = fill(primary, [0, 1, 2])
     store(tier, primary, keys)
@@ -146,8 +53,8 @@ def test_round_trip_into_other_chunks(url: str, make_tier: Callable[..., Primary
     assert not primary[:5].any()
 
 
-def test_miss_and_lookup_states(url: str, make_tier: Callable[..., Primary]) -> None:
-    tier, primary = make_tier(url)
+def test_miss_and_lookup_states(contract_url: str, make_tier: Callable[..., Primary]) -> None:
+    tier, primary = make_tier(contract_url)
     fill(primary, [0])
     page_key = key(9)  # stored behind the tier's back: only a probe can find it
     name = tier._names.name(page_key)
@@ -163,8 +70,8 @@ def test_miss_and_lookup_states(url: str, make_tier: Callable[..., Primary]) -> 
     assert not result.success and not result.successful_keys
 
 
-def test_several_jobs_and_empty_batch(url: str, make_tier: Callable[..., Primary]) -> None:
-    tier, primary = make_tier(url)
+def test_several_jobs_and_empty_batch(contract_url: str, make_tier: Callable[..., Primary]) -> None:
+    tier, primary = make_tier(contract_url)
     expected = fill(primary, [0, 1, 2, 3])
     for j in range(4):
         tier.submit_store(job(j, [key(j)], [j], load=False))
@@ -182,8 +89,8 @@ def test_several_jobs_and_empty_batch(url: str, make_tier: Callable[..., Primary
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
-def test_partial_load(url: str, make_tier: Callable[..., Primary], damage: str) -> None:
-    tier, primary = make_tier(url)
+def test_partial_load(contract_url: str, make_tier: Callable[..., Primary], damage: str) -> None:
+    tier, primary = make_tier(contract_url)
     keys = [key(1), key(2), key(3)]
     expected = fill(primary, [0, 1, 2])
     store(tier, primary, keys)
@@ -204,8 +111,8 @@ def test_partial_load(url: str, make_tier: Callable[..., Primary], damage: str) 
     assert tier.lookup(keys[1], CTX) is LookupResult.MISS
 
 
-def test_drain_and_shutdown(url: str, make_tier: Callable[..., Primary]) -> None:
-    tier, primary = make_tier(url)
+def test_drain_and_shutdown(contract_url: str, make_tier: Callable[..., Primary]) -> None:
+    tier, primary = make_tier(contract_url)
     fill(primary, list(range(NUM_CHUNKS)))
     for j in range(NUM_CHUNKS):
         tier.submit_store(job(j, [key(100 + j)], [j], load=False))
