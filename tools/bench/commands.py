@@ -37,6 +37,7 @@ __all__ = [
     "add_bench_radix",
     "add_bench_sglang",
     "add_bench_tools",
+    "add_bench_vllm",
 ]
 
 _HERE = "hicache.tools.bench.commands"
@@ -78,6 +79,9 @@ BENCHMARKS: dict[str, Command] = {
     "lmcache": Command(
         "LMCache's storage manager over the plugin vs LMCache's local disk",
         f"{_HERE}:add_bench_lmcache",
+    ),
+    "vllm": Command(
+        "vLLM's tier API over HiCacheTier vs vLLM's own fs tier", f"{_HERE}:add_bench_vllm"
     ),
 }
 
@@ -290,4 +294,13 @@ def add_bench_lmcache(bench_sub: Any) -> argparse.ArgumentParser:
 
     p = add_bench_lmcache_parser(bench_sub)
     p.set_defaults(bench_run=run_bench_lmcache)
+    return p
+
+
+def add_bench_vllm(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add ``bench vllm`` from :mod:`hicache.tools.bench.vllm_tier` (needs vLLM installed)."""
+    from hicache.tools.bench.vllm_tier import add_bench_vllm_parser, run_bench_vllm
+
+    p = add_bench_vllm_parser(bench_sub)
+    p.set_defaults(bench_run=run_bench_vllm)
     return p

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from hicache.keys import KEY_MAX_LEN, ValidKey, validate_key
+from hicache.keys import KEY_MAX_LEN, ValidKey, validate_key_prefix
 
 __all__ = ["StorageNames", "format_fields"]
 
@@ -44,12 +44,14 @@ class StorageNames:
     def __init__(self, fields: dict[str, object]) -> None:
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         self.digest = hashlib.sha256(b"hicache-vllm-format-v1\0" + blob).hexdigest()[:_DIGEST_CHARS]
-        self.prefix = f"vllm-{self.digest}-"
+        self.prefix = validate_key_prefix(f"vllm-{self.digest}-")
+        self._room = KEY_MAX_LEN - len(self.prefix)
 
     def name(self, key: bytes) -> ValidKey:
-        """The storage key of one offload key."""
+        """The storage key of one offload key (on every lookup's probe: kept cheap)."""
         tail = key.hex()
-        if len(self.prefix) + len(tail) > KEY_MAX_LEN:
+        if len(tail) > self._room:
             # An unusually long key: its hash stands in (the 'h' keeps it apart from raw hex).
             tail = "h" + hashlib.sha256(key).hexdigest()
-        return validate_key(self.prefix + tail)
+        # A checked prefix and lowercase hex: a valid key by construction, not checked again.
+        return ValidKey(self.prefix + tail)

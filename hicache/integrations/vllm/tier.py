@@ -3,7 +3,8 @@
 vLLM calls every tier method from its scheduler thread and wants none of them to block. The
 backend (coroutines) runs on a private event loop in one thread that the tier owns
 (:class:`~hicache.integrations.sync_loop.SyncLoop`): lookups answer from what the tier already
-knows and queue the key for a batched background ``exists`` otherwise (RETRY meanwhile), and
+knows and queue the key for a batched background ``exists`` otherwise (RETRY meanwhile: sent
+when vLLM ends the scheduler step), and
 jobs only enqueue a coroutine whose :class:`JobResult` lands in a thread-safe queue for
 ``get_finished_jobs`` (:class:`~hicache.integrations.vllm.jobs.JobBoard`).
 
@@ -32,6 +33,7 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
@@ -50,15 +52,17 @@ from hicache.errors import (
 from hicache.integrations.sync_loop import SyncLoop
 from hicache.integrations.vllm.jobs import JobBoard
 from hicache.integrations.vllm.names import StorageNames, format_fields
-from hicache.integrations.vllm.verdicts import ProbeQueue, Verdict, Verdicts
+from hicache.integrations.vllm.verdicts import Verdict, Verdicts
 from hicache.urls import redact_url, scrub
 
 __all__ = ["HiCacheTier"]
 
 log = logging.getLogger("hicache.integrations.vllm")
 _MISS_TTL_S = 1.0  # how long an absent verdict stands before another writer's chunk is probed
-_PROBE_GATHER_S = 0.001  # the lookups of one scheduler step gather into one exists call
-_PROBE_BATCH = 1024  # keys per exists call
+# The lookups of one scheduler step gather into one exists call, sent when vLLM ends the step
+# (on_schedule_end), or after this long for a caller that never ends one.
+_PROBE_GATHER_S = 0.02
+_PROBE_BATCH = 8192  # keys per exists call
 # Labels of vLLM's kv_offload_config_info metric (merged with other tiers': hence the prefix).
 _INFO_KEYS = ("hicache_scheme", "hicache_n_read_threads", "hicache_n_write_threads")
 
@@ -141,7 +145,6 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         self._names = StorageNames(format_fields(offloading_spec.config, chunk))
         self._meta = PageMeta("vllm", DType.UINT8, (chunk,))
         self._verdicts = Verdicts(_MISS_TTL_S)
-        self._probes = ProbeQueue()
         self._board: JobBoard[JobResult] = JobBoard()
         # Throttles: each job (and each probe batch) holds one slot for its whole batch.
         self._reads = asyncio.Semaphore(n_read_threads)
@@ -171,21 +174,17 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT or MISS from what is known; else queue the key for a batched background
         ``exists`` and say RETRY (vLLM asks again next step)."""
-        verdict = self._verdicts.get(key)
+        verdict, first = self._verdicts.check(key)
         if verdict is Verdict.STORED:
             return LookupResult.HIT
         if verdict is Verdict.ABSENT or self._loop.closed:
             return LookupResult.MISS
-        if (
-            verdict is Verdict.UNKNOWN
-            and self._verdicts.start_probe(key)
-            and self._probes.add(key)  # the first of a batch: one flush for all that follow
-        ):
+        if first:  # the first key of a batch: one flush for all that follow
             try:
-                self._loop.submit(self._probe_queued())
+                self._loop.submit(self._probe_queued(_PROBE_GATHER_S))
             except HiCacheError:  # closed meanwhile: nothing to find any more
-                for queued in self._probes.take():
-                    self._verdicts.end_probe(queued, False)
+                queued = self._verdicts.take_queued()
+                self._verdicts.end_probes(queued, [False] * len(queued))
                 return LookupResult.MISS
         return LookupResult.RETRY
 
@@ -194,9 +193,16 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         for key in keys:
             self._verdicts.get(key)
 
-    async def _probe_queued(self) -> None:
-        await asyncio.sleep(_PROBE_GATHER_S)  # let the rest of this step's lookups queue up
-        keys = self._probes.take()
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """The step's lookups are all in: probe the keys they queued now."""
+        if self._verdicts.queued():
+            with contextlib.suppress(HiCacheError):  # closed: lookup answers MISS from now on
+                self._loop.submit(self._probe_queued(0.0))
+
+    async def _probe_queued(self, delay_s: float) -> None:
+        if delay_s:
+            await asyncio.sleep(delay_s)  # let the rest of this step's lookups queue up
+        keys = self._verdicts.take_queued()
         for start in range(0, len(keys), _PROBE_BATCH):
             await self._probe(keys[start : start + _PROBE_BATCH])
 
@@ -209,8 +215,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         except Exception as exc:  # a failed probe is a miss, as vLLM's fs tier counts it
             log.warning("hicache vLLM tier: exists failed: %s", exc)
         finally:
-            for key, present in zip(keys, found):
-                self._verdicts.end_probe(key, present)
+            self._verdicts.end_probes(keys, found)
 
     # --- jobs ------------------------------------------------------------------------------
 

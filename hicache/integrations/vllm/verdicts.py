@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict
 from enum import Enum
 
-__all__ = ["ProbeQueue", "Verdict", "Verdicts"]
+__all__ = ["Verdict", "Verdicts"]
 
 
 class Verdict(Enum):
@@ -19,7 +19,8 @@ class Verdict(Enum):
 
 
 class Verdicts:
-    """Keys known stored, keys known absent (for ``miss_ttl_s``), and keys being probed.
+    """Keys known stored, keys known absent (for ``miss_ttl_s``), and keys being probed (queued
+    for a batched probe, then sent).
 
     Bounded: past ``max_keys`` the oldest verdicts are forgotten, which only costs a new probe.
     """
@@ -29,6 +30,7 @@ class Verdicts:
         self._stored: OrderedDict[bytes, None] = OrderedDict()
         self._absent: OrderedDict[bytes, float] = OrderedDict()
         self._probing: set[bytes] = set()
+        self._queued: list[bytes] = []  # probing, not yet sent
         self._miss_ttl_s = miss_ttl_s
         self._max_keys = max_keys
 
@@ -47,18 +49,40 @@ class Verdicts:
                 del self._absent[key]  # stale: another writer may have stored it since
             return Verdict.UNKNOWN
 
-    def start_probe(self, key: bytes) -> bool:
-        """Mark ``key`` as being probed; False when a probe is already running."""
+    def check(self, key: bytes) -> tuple[Verdict, bool]:
+        """:meth:`get` for a lookup: an UNKNOWN key is queued for a probe and is PROBING from
+        then on; the flag says it is the first queued since the last :meth:`take_queued` (the
+        caller schedules the probe). One lock for it all: it runs on every lookup."""
         with self._lock:
+            if key in self._stored:
+                self._stored.move_to_end(key)
+                return Verdict.STORED, False
             if key in self._probing:
-                return False
+                return Verdict.PROBING, False
+            since = self._absent.get(key)
+            if since is not None:
+                if time.monotonic() - since < self._miss_ttl_s:
+                    return Verdict.ABSENT, False
+                del self._absent[key]
             self._probing.add(key)
-            return True
+            self._queued.append(key)
+            return Verdict.PROBING, len(self._queued) == 1
 
-    def end_probe(self, key: bytes, found: bool) -> None:
+    def queued(self) -> bool:
+        return bool(self._queued)  # a racy read is fine: a key queued later schedules its own
+
+    def take_queued(self) -> list[bytes]:
+        """The keys queued for a probe, emptying the queue."""
         with self._lock:
-            self._probing.discard(key)
-            self._set(key, found)
+            keys, self._queued = self._queued, []
+            return keys
+
+    def end_probes(self, keys: list[bytes], found: list[bool]) -> None:
+        """The answers of one probe batch."""
+        with self._lock:
+            for key, present in zip(keys, found, strict=True):
+                self._probing.discard(key)
+                self._set(key, present)
 
     def mark(self, keys: list[bytes], found: bool) -> None:
         with self._lock:
@@ -78,24 +102,3 @@ class Verdicts:
             self._absent.move_to_end(key)
             if len(self._absent) > self._max_keys:
                 self._absent.popitem(last=False)
-
-
-class ProbeQueue:
-    """Keys whose existence is to be checked, gathered on the scheduler thread so that the
-    lookups of one step cost one batched ``exists`` on the loop thread, not one each."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._keys: list[bytes] = []
-
-    def add(self, key: bytes) -> bool:
-        """Queue ``key``; True when the queue was empty (the caller schedules a flush)."""
-        with self._lock:
-            self._keys.append(key)
-            return len(self._keys) == 1
-
-    def take(self) -> list[bytes]:
-        """Every queued key, emptying the queue (the next :meth:`add` schedules again)."""
-        with self._lock:
-            keys, self._keys = self._keys, []
-            return keys

@@ -1,0 +1,127 @@
+"""The two tiers that ``hicache bench vllm`` drives: each built by vLLM's own
+``SecondaryTierFactory`` from a real ``TieringOffloadingSpec``, over a primary view of its own
+(an anonymous mmap with the shape vLLM hands a tier: one row of bytes per chunk).
+
+Ours is ``HiCacheTier`` over ``disk://``; theirs vLLM's ``fs`` tier (``FileSystemTierManager``)
+with its defaults but for the thread counts, which both sides share. Runs only where vLLM is
+installed (the vLLM venv).
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["OURS", "THEIRS", "Side", "TierShape", "offload_keys", "tier_config"]
+
+OURS, THEIRS = "hicache", "fs"
+_ENGINE_IDS = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class TierShape:
+    """What one bench side moves: chunks of ``chunk_bytes``, ``job_chunks`` to a job."""
+
+    chunk_bytes: int
+    chunks: int  # chunks per round
+    job_chunks: int
+    threads: int  # read threads and write threads, each side
+
+
+def tier_config(name: str, root: str, threads: int) -> dict[str, Any]:
+    """The ``secondary_tiers`` entry of one side, as a vLLM user writes it."""
+    path = os.path.join(root, name)
+    common = {"n_read_threads": threads, "n_write_threads": threads}
+    if name == OURS:
+        url = f"disk://{path}"
+        module = "hicache.integrations.vllm"
+        return {"type": "HiCacheTier", "module_path": module, "url": url, **common}
+    return {"type": "fs", "root_dir": path, **common}
+
+
+def _spec(config: dict[str, Any], chunk_bytes: int, num_chunks: int) -> Any:
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    offloading = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer",), group_id=0),),
+        worker_kv_bytes_per_block=chunk_bytes,
+        enable_kv_cache_events=False,
+        extra_config={
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": num_chunks * chunk_bytes,
+            "secondary_tiers": [config],
+        },
+        engine_id=f"hicache-bench-{os.getpid()}-{next(_ENGINE_IDS)}",
+        model=OffloadingModelConfig(name="bench-model", dtype="bfloat16", max_model_len=1 << 20),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+    )
+    return TieringOffloadingSpec(offloading)
+
+
+def offload_keys(tag: int, count: int) -> list[bytes]:
+    """``count`` distinct offload keys (32-byte block hashes, group 0) of batch ``tag``."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return [make_offload_key((tag << 32 | i).to_bytes(32, "big"), 0) for i in range(count)]
+
+
+class Side:
+    """One tier and its primary view of ``num_chunks`` rows."""
+
+    def __init__(self, name: str, config: dict[str, Any], chunk_bytes: int, num_chunks: int):
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+        self.name = name
+        spec = _spec(config, chunk_bytes, num_chunks)
+        self._buf = mmap.mmap(-1, num_chunks * chunk_bytes)
+        self.primary = np.frombuffer(self._buf, dtype=np.uint8).reshape(num_chunks, chunk_bytes)
+        self.tier = SecondaryTierFactory.create_secondary_tier(
+            dict(config), memoryview(self.primary), spec
+        )
+        self._job_ids = itertools.count()
+
+    def transfer(
+        self, keys: Sequence[bytes], first_chunk: int, job_chunks: int, load: bool
+    ) -> tuple[float, list[float]]:
+        """Submit ``keys`` (chunks from ``first_chunk`` on) as jobs of ``job_chunks``, wait for
+        every result; (seconds until all ended, each submit call's microseconds per chunk)."""
+        from vllm.v1.kv_offload.base import ReqContext
+        from vllm.v1.kv_offload.tiering.base import TransferJob
+
+        ctx = ReqContext(req_id=f"bench-{self.name}")
+        submit = self.tier.submit_load if load else self.tier.submit_store
+        submitting: list[float] = []
+        start = time.perf_counter()
+        for at in range(0, len(keys), job_chunks):
+            batch = list(keys[at : at + job_chunks])
+            ids = np.arange(first_chunk + at, first_chunk + at + len(batch), dtype=np.int32)
+            job = TransferJob(next(self._job_ids), batch, ids, load, ctx)
+            t0 = time.perf_counter()
+            submit(job)
+            submitting.append((time.perf_counter() - t0) / len(batch) * 1e6)
+        self.tier.drain_jobs()
+        results = list(self.tier.get_finished_jobs())
+        elapsed = time.perf_counter() - start
+        failed = [r.job_id for r in results if not r.success]
+        if failed or len(results) != -(-len(keys) // job_chunks):
+            kind = "load" if load else "store"
+            raise RuntimeError(f"{self.name}: {kind} jobs failed or missing: {failed}")
+        return elapsed, submitting
+
+    def close(self) -> None:
+        self.tier.shutdown()  # the mmap goes with the last view of it (a tier may keep one)
