@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["OURS", "THEIRS", "Side", "TierShape", "offload_keys", "tier_config"]
+__all__ = ["OURS", "THEIRS", "Side", "TierShape", "Transfer", "offload_keys", "tier_config"]
 
 OURS, THEIRS = "hicache", "fs"
 _ENGINE_IDS = itertools.count()
@@ -33,6 +33,16 @@ class TierShape:
     chunks: int  # chunks per round
     job_chunks: int
     threads: int  # read threads and write threads, each side
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One side's jobs of one round, one way: wall and process CPU seconds from the first
+    submit until every result was collected, and each submit call's microseconds per chunk."""
+
+    seconds: float
+    cpu_seconds: float
+    submit_us: list[float]
 
 
 def tier_config(name: str, root: str, threads: int) -> dict[str, Any]:
@@ -90,23 +100,24 @@ class Side:
         spec = _spec(config, chunk_bytes, num_chunks)
         self._buf = mmap.mmap(-1, num_chunks * chunk_bytes)
         self.primary = np.frombuffer(self._buf, dtype=np.uint8).reshape(num_chunks, chunk_bytes)
-        self.tier = SecondaryTierFactory.create_secondary_tier(
-            dict(config), memoryview(self.primary), spec
-        )
+        # The view vLLM hands a tier: a row of bytes per chunk (strides[0] is the chunk's size).
+        view = memoryview(self._buf).cast("B", [num_chunks, chunk_bytes])
+        self.tier = SecondaryTierFactory.create_secondary_tier(dict(config), view, spec)
         self._job_ids = itertools.count()
 
     def transfer(
         self, keys: Sequence[bytes], first_chunk: int, job_chunks: int, load: bool
-    ) -> tuple[float, list[float]]:
-        """Submit ``keys`` (chunks from ``first_chunk`` on) as jobs of ``job_chunks``, wait for
-        every result; (seconds until all ended, each submit call's microseconds per chunk)."""
+    ) -> Transfer:
+        """Submit ``keys`` (chunks from ``first_chunk`` on) as jobs of ``job_chunks`` and wait
+        for every result. The process's CPU time counts the tier's own threads too (the other
+        side's tier is idle meanwhile)."""
         from vllm.v1.kv_offload.base import ReqContext
         from vllm.v1.kv_offload.tiering.base import TransferJob
 
         ctx = ReqContext(req_id=f"bench-{self.name}")
         submit = self.tier.submit_load if load else self.tier.submit_store
         submitting: list[float] = []
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         for at in range(0, len(keys), job_chunks):
             batch = list(keys[at : at + job_chunks])
             ids = np.arange(first_chunk + at, first_chunk + at + len(batch), dtype=np.int32)
@@ -116,12 +127,12 @@ class Side:
             submitting.append((time.perf_counter() - t0) / len(batch) * 1e6)
         self.tier.drain_jobs()
         results = list(self.tier.get_finished_jobs())
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         failed = [r.job_id for r in results if not r.success]
         if failed or len(results) != -(-len(keys) // job_chunks):
             kind = "load" if load else "store"
             raise RuntimeError(f"{self.name}: {kind} jobs failed or missing: {failed}")
-        return elapsed, submitting
+        return Transfer(elapsed, cpu, submitting)
 
     def close(self) -> None:
         self.tier.shutdown()  # the mmap goes with the last view of it (a tier may keep one)

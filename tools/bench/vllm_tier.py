@@ -12,9 +12,10 @@ compared with the bytes stored on the first round, outside the timing. The fs ti
 ``disk://`` writes through the page cache, as it does in service.
 
 ``store_ratio`` and ``load_ratio`` are ours over theirs in throughput (the median of the rounds'
-ratios, with their range). ``submit_us_per_chunk`` is the scheduler thread's time in one
-``submit_store`` / ``submit_load`` call over its job's chunks: the median and the 90th
-percentile of all calls. The lookup figures come from a fresh process (one for both sides,
+ratios, with their range); ``*_cpu_us`` the process's CPU microseconds per chunk (the tier's
+threads included), the median over rounds. ``submit_us_per_chunk`` is the scheduler thread's
+time in one ``submit_store`` / ``submit_load`` call over its job's chunks: the median and the
+90th percentile of all calls. The lookup figures come from a fresh process (one for both sides,
 theirs first) over ``--lookup-keys`` keys stored beforehand (:mod:`.vllm_lookup`):
 ``lookup_time_ratio`` is ours over theirs in time (below 1: ours is faster) from building the
 tier until every key is known; ``known_lookup_us`` the scheduler thread's time per lookup once
@@ -52,12 +53,12 @@ def add_bench_vllm_parser(bench_sub: Any) -> argparse.ArgumentParser:
         "vllm", help="vLLM's tier API over HiCacheTier vs vLLM's own fs tier"
     )
     p.add_argument("--chunk-bytes", type=size_range(4096, 64 << 20), default=64 << 10)
-    p.add_argument("--chunks", type=int_range(1, 1 << 16), default=256, help="chunks per round")
-    p.add_argument("--job-chunks", type=int_range(1, 1 << 16), default=8, help="chunks per job")
+    p.add_argument("--chunks", type=int_range(1, 1 << 16), default=250, help="chunks per round")
+    p.add_argument("--job-chunks", type=int_range(1, 1 << 16), default=4, help="chunks per job")
     p.add_argument(
         "--threads", type=int_range(1, 256), default=8, help="each side's read and write threads"
     )
-    p.add_argument("--rounds", type=int_range(1, 100), default=6)
+    p.add_argument("--rounds", type=int_range(1, 1000), default=8)
     p.add_argument(
         "--lookup-keys", type=int_range(0, 1 << 20), default=10_000, help="0 skips the lookups"
     )
@@ -108,7 +109,8 @@ def _sides(root: str, threads: int, chunk_bytes: int, rows: int) -> Iterator[dic
 
 def _rounds(root: str, shape: TierShape, rounds: int) -> dict[str, Any]:
     times: dict[str, dict[str, list[float]]] = {
-        n: {"store": [], "load": [], "submit": []} for n in (OURS, THEIRS)
+        n: {"store": [], "load": [], "store_cpu": [], "load_cpu": [], "submit": []}
+        for n in (OURS, THEIRS)
     }
     with _sides(root, shape.threads, shape.chunk_bytes, 2 * shape.chunks) as sides:
         rng = np.random.default_rng(0)
@@ -126,13 +128,14 @@ def _one_round(
     side: Side, keys: list[bytes], shape: TierShape, times: dict[str, list[float]], check: bool
 ) -> None:
     side.primary[shape.chunks :] = 0
-    stored, submit_store = side.transfer(keys, 0, shape.job_chunks, load=False)
-    loaded, submit_load = side.transfer(keys, shape.chunks, shape.job_chunks, load=True)
+    stored = side.transfer(keys, 0, shape.job_chunks, load=False)
+    loaded = side.transfer(keys, shape.chunks, shape.job_chunks, load=True)
     if check and not np.array_equal(side.primary[shape.chunks :], side.primary[: shape.chunks]):
         raise RuntimeError(f"{side.name}: the chunks loaded differ from the chunks stored")
-    times["store"].append(stored)
-    times["load"].append(loaded)
-    times["submit"].extend(submit_store + submit_load)
+    for op, done in (("store", stored), ("load", loaded)):
+        times[op].append(done.seconds)
+        times[f"{op}_cpu"].append(done.cpu_seconds / len(keys) * 1e6)
+        times["submit"].extend(done.submit_us)
 
 
 def _round_figures(
@@ -148,9 +151,11 @@ def _round_figures(
     for name in (OURS, THEIRS):
         for op in ("store", "load"):
             row[f"{name}_{op}_gbps"] = round(nbytes / statistics.median(times[name][op]) / 1e9, 3)
+            row[f"{name}_{op}_cpu_us"] = round(statistics.median(times[name][f"{op}_cpu"]), 1)
         calls = sorted(times[name]["submit"])
         row[f"{name}_submit_us_per_chunk"] = round(statistics.median(calls), 2)
         row[f"{name}_submit_us_per_chunk_p90"] = round(calls[int(0.9 * (len(calls) - 1))], 2)
+        row[f"{name}_submit_calls"] = len(calls)
     for op in ("store", "load"):
         row.update(paired_ratio(f"{op}_ratio", times[OURS][op], times[THEIRS][op]))
     return row

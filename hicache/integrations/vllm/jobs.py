@@ -6,7 +6,6 @@ No vLLM import here: results are whatever object the tier makes of a job's outco
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import threading
 from typing import Generic, TypeVar
@@ -17,7 +16,7 @@ R = TypeVar("R")
 
 
 class JobBoard(Generic[R]):
-    """Counts jobs from submit to result, queues their results, and tracks their tasks.
+    """Counts jobs from submit to result and queues their results.
 
     Every job that :meth:`begin` counted must :meth:`finish` exactly once, whatever happens to
     it; :meth:`wait_idle` returns when none is left, so a drained tier has every result queued.
@@ -27,7 +26,6 @@ class JobBoard(Generic[R]):
         self._results: collections.deque[R] = collections.deque()  # append/popleft: thread-safe
         self._idle = threading.Condition()
         self._in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()  # touched on the loop thread only
 
     @property
     def in_flight(self) -> int:
@@ -57,25 +55,3 @@ class JobBoard(Generic[R]):
         """Block until no job is in flight; False if ``timeout_s`` passed first."""
         with self._idle:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout_s)
-
-    # --- loop thread ------------------------------------------------------------------------
-
-    def track(self) -> None:
-        """Record the running task (called first thing in a job's coroutine)."""
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def cancel_all(self) -> int:
-        """Cancel every job still running and wait until each has finished (reported failed).
-
-        Returns how many there were. Used by shutdown after its grace period, so that jobs that
-        cannot end in time still report, rather than vanish with the loop.
-        """
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        return len(tasks)

@@ -248,7 +248,6 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         short may still be reading its slot; what it writes late is refused by the page's
         checksum, never served.)
         """
-        self._board.track()
         start = time.monotonic()
         result = JobResult(job_id=job.job_id, success=False)
         slots = self._reads if job.is_promotion else self._writes
@@ -380,15 +379,24 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
 
     def shutdown(self) -> None:
         """Let running jobs end within io_timeout_s; jobs still running then are cancelled and
-        reported failed; then close the backend and the loop."""
+        reported failed, as are probes not sent yet; then close the backend and the loop."""
         if self._loop.closed:
             return
         if not self._board.wait_idle(self._io_timeout_s):
             late = self._board.in_flight
             log.warning("hicache vLLM tier: %d jobs still running at shutdown: cancelled", late)
-            with contextlib.suppress(HiCacheError):
-                self._loop.run(self._board.cancel_all(), self._io_timeout_s)
+        with contextlib.suppress(HiCacheError):
+            self._loop.run(_cancel_others(), self._io_timeout_s)
         self._loop.close(self._io_timeout_s)
         # vLLM unmaps the primary only when no buffer export of it is left.
         with contextlib.suppress(BufferError):
             self._bytes.release()
+
+
+async def _cancel_others() -> None:
+    """Cancel every task of the running loop but this one, and wait until each has ended (a
+    job reports its failure, a probe marks its keys absent)."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)

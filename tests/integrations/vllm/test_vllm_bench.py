@@ -25,9 +25,11 @@ def test_bench_vllm_reports_both_sides(capsys: pytest.CaptureFixture[str], tmp_p
     (row,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert (row["chunk_bytes"], row["chunks"], row["job_chunks"]) == (8192, 8, 3)
     for side in ("hicache", "fs"):
-        for field in ("store_gbps", "load_gbps", "submit_us_per_chunk", "known_lookup_us"):
+        fields = ("store_gbps", "load_gbps", "store_cpu_us", "load_cpu_us")
+        for field in (*fields, "submit_us_per_chunk", "known_lookup_us"):
             assert row[f"{side}_{field}"] > 0, (side, field)
         assert row[f"{side}_lookup_steps"] >= 1
+        assert row[f"{side}_submit_calls"] == 2 * 2 * 3  # 2 rounds, store and load, 3 jobs
     for ratio in ("store_ratio", "load_ratio", "lookup_time_ratio"):
         assert row[ratio] > 0, ratio
     assert row["store_ratio_min"] <= row["store_ratio"] <= row["store_ratio_max"]

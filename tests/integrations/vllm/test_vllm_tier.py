@@ -140,7 +140,9 @@ def test_second_tier_sees_first(shared_url: str, make_tier: Callable[..., Primar
     assert np.array_equal(other[3:5], expected)
 
 
-@pytest.mark.parametrize("spec_kw", [{"rank": 1, "tp": 2}, {"tp": 2}, {"dtype": "bfloat16"}])
+@pytest.mark.parametrize(
+    "spec_kw", [{"rank": 1, "tp": 2}, {"tp": 2}, {"dtype": "bfloat16"}, {"model": "other-model"}]
+)
 def test_other_format_never_hits(
     shared_url: str, make_tier: Callable[..., Primary], spec_kw: dict[str, Any]
 ) -> None:

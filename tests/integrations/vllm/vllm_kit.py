@@ -37,6 +37,7 @@ def make_spec(
     rank: int = 0,
     tp: int = 1,
     dtype: str = "float16",
+    model: str = "test-model",
     events: bool = False,
     **tier_options: Any,
 ) -> Any:
@@ -54,7 +55,7 @@ def make_spec(
             "secondary_tiers": [tier_config],
         },
         engine_id=f"hicache-test-{os.getpid()}-{next(_ENGINES)}",
-        model=OffloadingModelConfig(name="test-model", dtype=dtype, max_model_len=4096),
+        model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(rank, tp, tp, 1, 1, 1, 0, 1, None, False),
     )
