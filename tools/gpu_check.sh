@@ -112,6 +112,16 @@ for r in d["configs"]: print("  ", r["name"], r["hit_rate"], r["pool_bytes"])' "
 print("dsa --hisparse outputs_identical", d["outputs_identical"])' || echo "dsa --hisparse: FAILED"
     (cd "$src" && timeout 240 "$py" -m hicache.tools.cli bench hisparse --json --context 8192 \
         --high 16) || echo "bench hisparse: FAILED"
+    echo "== HiSparse copies on a side stream (issue 36): same tokens as synchronous copies"
+    # The fused step's result drives the copies (masked index_select through the pinned host
+    # pool's device alias, on a side stream; the layer's stream waits on an event). The test
+    # compares tokens and logits with the synchronous path; the bench's summary gives
+    # overlap_vs_sync (decode tok/s) and each run's copy_s (waits are stream waits: null).
+    (cd "$src" && timeout 90 "$py" -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" \
+        --rootdir "$repo" "$repo/tests/sparse/test_hot_copies.py") || echo "hisparse copies: FAILED"
+    (cd "$src" && timeout 150 "$py" -m hicache.tools.cli bench hisparse --json --context 2048 \
+        --output-tokens 64 --low 4 --high 8) | grep -E '"copies": "|"summary"' \
+        || echo "bench hisparse copies: FAILED"
     echo "== a Hugging Face checkpoint on CUDA: serve --model --compare (bf16, issue 16)"
     # A random Qwen3 checkpoint made by transformers where it is installed (nothing downloads).
     local ckpt="$src/ckpt"

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from hicache.errors import MissingSlotError
 from hicache.models.attention import HeadSizes, attend, qkv
 from hicache.models.config import DSV4_RATIOS, LayerKind, layer_group
 from hicache.models.sparse import index_keys
@@ -36,9 +37,11 @@ def compressed_layer(
     (4 tokens for CSA, 128 for HCA) whose last token is in the chunk is compressed: its K/V as
     stored in the window pool (the window is at least 128 tokens, so the whole group is still
     there, and the entry does not depend on how the prompt was chunked), flattened K then V,
-    through ``compress_proj``, rounded to the pool's dtype and spread over the group's anchor
-    slots in ``c4`` / ``c128``. For CSA the entry's index key (``indexer.k_proj`` of the entry
-    as fp8 with an fp32 scale) goes to the ``indexer`` pool, spread likewise.
+    through ``compress_proj``, rounded to the pool's dtype and spread over the group's slots
+    in ``c4`` (the anchor's, ``ChunkInput.slots``) or ``c128`` (its own,
+    ``ChunkInput.pool_slots``: a pool of its own lifecycle). For CSA the entry's index key
+    (``indexer.k_proj`` of the entry as fp8 with an fp32 scale) goes to the ``indexer`` pool,
+    on ``c4``'s slots, spread likewise.
 
     A query at ``q`` attends in one softmax to the window ``(q - window, q]`` and to the entries
     of the groups complete at ``q`` (last token ``<= q``), projected to K (rotated at the group's
@@ -71,7 +74,8 @@ def _chunk(
     _compress_groups(ctx, w, pools, layers, chunk, kind, window.slots)
     count = chunk.end // ratio  # groups complete by the chunk's end
     k_b = w["self_attn.k_b_proj.weight"]
-    entries = pools[name].buffer[0, layers[name], chunk.slots[: count * ratio]].to(ctx.dtype)
+    slots = _entry_slots(chunk, name, count * ratio)
+    entries = pools[name].buffer[0, layers[name], slots].to(ctx.dtype)
     entries = entries.reshape(count, k_b.shape[1])
     entry_pos = torch.arange(1, count + 1, device=h.device) * ratio - 1  # last tokens
     shape = (count, c.kv_heads, c.head_dim)
@@ -85,6 +89,18 @@ def _chunk(
     mask = torch.cat([window.mask, allowed], dim=1)
     mixed = attend(q[None], keys[None], values[None], mask[None, None])[0]
     return F.linear(mixed, w["self_attn.o_proj.weight"])
+
+
+def _entry_slots(chunk: ChunkInput, name: str, stop: int) -> torch.Tensor:
+    """The slots of compressed pool ``name`` for positions ``0 .. stop - 1``: its own where the
+    chunk carries them (``c128``; MissingSlotError for a -1 there), else the anchor's (``c4``)."""
+    own = chunk.pool_slots.get(name)
+    if own is None:
+        return chunk.slots[:stop]
+    slots = own[:stop]
+    if len(slots) < stop or bool((slots < 0).any()):
+        raise MissingSlotError(f"pool {name!r} holds no slot for a position below {stop}")
+    return slots
 
 
 def _compress_groups(
@@ -111,7 +127,8 @@ def _compress_groups(
     flat = kv.reshape(2, groups, -1).transpose(0, 1).reshape(groups, -1)  # per group: K then V
     pool = pools[name]
     entry = F.linear(flat, w["self_attn.compress_proj.weight"]).to(pool.buffer.dtype)
-    pool.buffer[0, layers[name], chunk.slots[span]] = entry.reshape(groups * ratio, -1)
+    slots = _entry_slots(chunk, name, span.stop)[span]
+    pool.buffer[0, layers[name], slots] = entry.reshape(groups * ratio, -1)
     if kind is not LayerKind.COMPRESSED_SPARSE:
         return
     packed = index_keys(F.linear(entry.to(ctx.dtype), w["indexer.k_proj.weight"]))

@@ -8,12 +8,19 @@ the pages before a cached prefix's end that its window covers); the recurrent la
 (``conv``, with ``ssm`` on the same slots) is kept as snapshots taken every ``state_interval``
 tokens and at request ends, not after every token.
 
-The ``dsv4`` preset (DeepSeek-V4-style hybrid attention) has no per-token KV of its own: its anchor
-is ``c4``, the 4:1 compressed entries, each spread over the slots of its group's 4 tokens (a
-quarter per token); the indexer keys of those entries (``indexer``) and the 128:1 compressed
-entries (``c128``, 1/128 per token) share the anchor's slots, and every layer's raw K/V lives in
-the ``swa`` window pool. A group never straddles a page (the page size is a multiple of 128), so a
-page's entries move with it.
+The ``dsv4`` preset (DeepSeek-V4-style hybrid attention) has no per-token KV of its own, and three
+lifecycles, as the seed's ShadowRadix has: its anchor is ``c4``, the 4:1 compressed entries, each
+spread over the slots of its group's 4 tokens (a quarter per token), with the indexer keys of
+those entries (``indexer``) on the same slots; the 128:1 compressed entries (``c128``, 1/128 per
+token) have slots of their own, and so has every layer's raw K/V in the ``swa`` window pool. Each
+of the three allocates, evicts and backs up on its own; the tree's token positions are the one
+axis they share. A group never straddles a page (the page size is a multiple of 128), so a page's
+entries move with it.
+
+``index_topk_pages`` defaults per preset (:func:`default_index_topk`): 4 pages for ``dsa``; for
+``dsv4`` the seed's top-512 C4 entries scaled by the window: the seed's DeepSeek-V4 picks 512
+entries (2048 tokens) beside a 128-token window, so the preset picks ``4 * window`` entries, 512
+at its default window of 128. A context with fewer complete entries attends to all of them.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ __all__ = [
     "ModelPreset",
     "check_dsv4_page_size",
     "check_whole_pages",
+    "default_index_topk",
     "dsv4_defaults",
     "layer_group",
     "pool_of",
@@ -111,6 +119,19 @@ def check_whole_pages(name: str, value: int, page_size: int) -> None:
         )
 
 
+DSV4_TOPK_PER_WINDOW_TOKEN = 4  # the seed's top-512 C4 entries beside its 128-token window
+DSA_TOPK_PAGES = 4  # DSA: pages each query attends to, where none are given
+
+
+def default_index_topk(preset: ModelPreset, window: int) -> int:
+    """``index_topk_pages`` where none is given: for ``dsv4`` the seed's 512 C4 entries per
+    128-token window, scaled to ``window`` (``4 * window``, at most the model limit); else
+    :data:`DSA_TOPK_PAGES`. A bad window is left to the window's own check."""
+    if preset is ModelPreset.DSV4 and type(window) is int and window > 0:
+        return min(DSV4_TOPK_PER_WINDOW_TOKEN * window, MODEL_LIMITS["index_topk_pages"])
+    return DSA_TOPK_PAGES
+
+
 class LayerKind(enum.Enum):
     ATTENTION = "attention"  # pool "kv"
     LATENT = "latent"  # pool "latent"
@@ -135,8 +156,9 @@ class ModelConfig:
     page_size: int = 16
     latent_dim: int = 32  # MLA
     index_dim: int = 16  # DSA indexer key width (fp8 bytes)
-    # DSA: pages each query attends to (its own page included); dsv4: C4 entries per query
-    index_topk_pages: int = 4
+    # DSA: pages each query attends to (its own page included); dsv4: C4 entries per query.
+    # 0: the preset's default (default_index_topk: dsa 4 pages, dsv4 4 * window entries)
+    index_topk_pages: int = 0
     # SWA window in tokens (a multiple of page_size for the swa and dsv4 presets; dsv4: >= 128)
     window: int = 64
     state_dim: int = 16  # hybrid: the SSM state's width per channel (B and C projections)
@@ -156,6 +178,9 @@ class ModelConfig:
     attention_offset: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.index_topk_pages) is int and self.index_topk_pages == 0:
+            topk = default_index_topk(self.preset, self.window)
+            object.__setattr__(self, "index_topk_pages", topk)  # frozen: resolved once, here
         for name, limit in MODEL_LIMITS.items():
             value = getattr(self, name)
             if type(value) is not int or not 1 <= value <= limit:
@@ -298,9 +323,10 @@ class ModelConfig:
         return ModelPools(self.preset.value, ps, tuple(specs))
 
     def _dsv4_pools(self) -> tuple[PoolSpec, ...]:
-        """``c4`` (the anchor: a quarter of a C4 entry per token slot, CSA layers), ``indexer``
-        (a quarter of the entry's fp8 index key and fp32 scale, CSA layers) and ``c128`` (1/128
-        of a C128 entry, HCA layers) on its slots; ``swa`` (every layer's raw K/V, a window)."""
+        """``c4`` (the anchor: a quarter of a C4 entry per token slot, CSA layers) with
+        ``indexer`` (a quarter of the entry's fp8 index key and fp32 scale, CSA layers) on its
+        slots; ``c128`` (1/128 of a C128 entry, HCA layers) and ``swa`` (every layer's raw K/V,
+        a window) on slots of their own."""
         kinds = self.layer_kinds()
         csa = sum(1 for k in kinds if k is LayerKind.COMPRESSED_SPARSE)
         hca = len(kinds) - csa
@@ -309,7 +335,7 @@ class ModelConfig:
         return (
             compressed_pool("c4", csa, self.c4_dim, r4, ps, kv),
             indexer_pool(csa, self.index_dim, ps, "c4", ratio=r4),
-            compressed_pool("c128", hca, self.c128_dim, r128, ps, kv, "c4"),
+            compressed_pool("c128", hca, self.c128_dim, r128, ps, kv),
             window_pool(len(kinds), self.kv_heads, self.head_dim, self.window, ps, kv),
         )
 

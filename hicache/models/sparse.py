@@ -8,13 +8,15 @@ their indexer scores, top-k pages, latent gather and attention are single tensor
 the batch. Where a decode row's latent comes from is a :class:`DecodePages`: the anchor pool
 through the request's slots (:class:`AnchorPages`), or a HiSparse hot buffer over host memory
 (:class:`hicache.sparse.hot_buffer.HotBuffer`). Both hand the same bytes to the same arithmetic,
-so given the same pages the outputs are the same.
+so given the same pages the outputs are the same. A decode layer starts the gather
+(``start_gather``: the hot buffer's fused step and its copies) before it computes its queries
+and takes the pages after, so the hot buffer's copies overlap that work.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +50,12 @@ class AnchorPages:
     @property
     def index(self) -> torch.Tensor:
         return self._index
+
+    def start_gather(
+        self, layer: int, rows: DecodeRows, top: torch.Tensor, latent_new: torch.Tensor
+    ) -> Callable[[], torch.Tensor]:
+        gathered = self.gather(layer, rows, top, latent_new)  # nothing to copy: at once
+        return lambda: gathered
 
     def gather(
         self, layer: int, rows: DecodeRows, top: torch.Tensor, latent_new: torch.Tensor
@@ -206,10 +214,12 @@ def _sparse_decode(
     scores = _index_scores(take_rows(index, rows.slots), iq)  # (B, T)
     top = top_pages(scores, pos, ps, c.index_topk_pages)
     new_latent = F.linear(h, w["self_attn.kv_a_proj.weight"])
-    latent = pages.gather(layer, rows, top, new_latent).to(ctx.dtype)
+    # The pages' copies run (HiSparse) while the queries are computed; waited for after.
+    latent_of = pages.start_gather(layer, rows, top, new_latent)
     key_pos, valid = _page_positions(top, pos, ps)
     absorbed, q_rope = _queries(ctx, w, h, pos)
     queries = (absorbed[:, None], q_rope[:, None])
+    latent = latent_of().to(ctx.dtype)
     return _attend_latent(ctx, w, queries, latent, key_pos, valid[:, None])[:, 0]
 
 

@@ -107,6 +107,13 @@ class DecodePages(Protocol):
         page_size, latent_dim) in the pool dtype (anything where ``top`` is -1)."""
         ...
 
+    def start_gather(
+        self, layer: int, rows: DecodeRows, top: torch.Tensor, latent_new: torch.Tensor
+    ) -> Callable[[], torch.Tensor]:
+        """:meth:`gather` begun: the returned callable gives its result once the copies it
+        needs have landed (the caller computes meanwhile)."""
+        ...
+
 
 class ServingModel(Protocol):
     """What the serving engine runs: the seeded model (:mod:`hicache.models.tiny`) or a

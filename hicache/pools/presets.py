@@ -199,10 +199,14 @@ def _hybrid(s: ModelShape) -> tuple[PoolSpec, ...]:
 
 
 def _dsv4(s: ModelShape) -> tuple[PoolSpec, ...]:
-    """A compressed entry is spread over the slots of its group's tokens (a quarter of a C4
-    entry per token, 1/128 of a C128 entry), so a page of P tokens holds P/4 and P/128
-    entries and the pools keep the tree's token slots; a group never straddles pages (the
-    page size is a multiple of 128)."""
+    """Three lifecycles, as the seed's ShadowRadix gives DeepSeek-V4: ``c4`` (with the
+    ``indexer`` that picks its top-k entries, on its slots), ``c128`` and ``swa`` each own their
+    slots. A compressed entry is spread over the slots of its group's tokens (a quarter of a C4
+    entry per token, 1/128 of a C128 entry), so a page of P tokens holds P/4 and P/128 entries
+    and every pool's slots follow the tree's token positions; a group never straddles pages
+    (the page size is a multiple of 128). Hit rules: ``c4``/``indexer`` and ``c128`` every page
+    of a prefix (a query may pick any C4 entry, and attends to every C128 one), ``swa`` the
+    pages of its window before the prefix end."""
     r4, r128 = DSV4_RATIOS
     if s.page_size % r128 or s.c4_dim % r4 or s.c128_dim % r128:
         raise InvalidArgumentError(
@@ -217,7 +221,7 @@ def _dsv4(s: ModelShape) -> tuple[PoolSpec, ...]:
     return (
         compressed_pool("c4", layers, s.c4_dim, r4, ps, dt, replicated=True),
         indexer_pool(layers, s.index_dim, ps, "c4", replicated=True, ratio=r4),
-        compressed_pool("c128", layers, s.c128_dim, r128, ps, dt, "c4", replicated=True),
+        compressed_pool("c128", layers, s.c128_dim, r128, ps, dt, replicated=True),
         window_pool(layers, 1, s.head_dim, s.window, ps, dt, replicated=True),
     )
 

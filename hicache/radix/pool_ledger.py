@@ -98,6 +98,12 @@ class PoolLedger:
         return sum(_locks(node, self.roles.extra_owner(pool)).values())
 
     @staticmethod
+    def holds_any(node: TreeNode) -> bool:
+        """Whether ``node`` holds data of any extra pool (on the tree's device)."""
+        values = node.pool_values
+        return values is not None and any(v is not None for v in values.values())
+
+    @staticmethod
     def is_locked(node: TreeNode) -> bool:
         """Whether any pool lock holds ``node`` (then the tree must not remove it)."""
         locks = node.pool_locks
@@ -168,8 +174,9 @@ class PoolLedger:
     # ----- locks ----------------------------------------------------------------------------
     def lock(self, node: TreeNode, pool: str, pages: int | None = None) -> None:
         """Keep ``pool``'s data on the nodes of ``node``'s path that it needs from
-        ``evict_pool`` and ``evict``: the last ``pages`` pages (default: an SWA pool's window,
-        a state pool's end node, every page otherwise)."""
+        ``evict_pool``, and those nodes in the tree: the last ``pages`` pages (default: an SWA
+        pool's window, a state pool's end node, every page otherwise). Other pools' data,
+        the anchor's included, is not held by it."""
         name, start, targets = self._lock_targets(node, pool, pages)
         for n in targets:
             locks = _locks(n, name, create=True)

@@ -10,7 +10,9 @@ A request keeps, beside its anchor row (the req-to-token table), a :class:`PoolR
   page-aligned length computed so far and ``W`` the pool's window, so the next query's window
   and the window of the key a commit inserts are always held); slots it shares from the tree
   (the window of its cached prefix) are held by a pool lock on its last node
-  (``tree.ledger.lock(node, pool)``) and never freed by the request;
+  (``tree.ledger.lock(node, pool)``) and never freed by the request. A token pool under an
+  ALL_PAGES rule (dsv4's ``c128``) has no window (``None``): its row keeps every position, a
+  commit gives the tree all of its own slots, and its lock holds the whole path;
 * the positions at which it snapshots its recurrent state, with the slot of each, until a
   commit hands them to the tree at a node end; and the *keep points* where it leaves a token
   pool's window in the tree (every ``window_interval`` tokens, its reusable prompt's end): the
@@ -59,9 +61,10 @@ class PoolRequest:
 
     rows: dict[str, torch.Tensor] = field(default_factory=dict)  # token pool -> slot a position
     owned: dict[str, torch.Tensor] = field(default_factory=dict)  # token pool -> bool a position
-    windows: dict[str, int] = field(default_factory=dict)  # token pool -> W, in tokens
+    # token pool -> W, in tokens; None: no window (an ALL_PAGES pool keeps every position)
+    windows: dict[str, int | None] = field(default_factory=dict)
     filled: int = 0  # positions 0 .. filled - 1 have token-pool slots (or -1) in the rows
-    trimmed: int = 0  # positions before this were let go (-1 in every row)
+    trimmed: int = 0  # positions before this were let go (-1 in every windowed row)
     snapshots: dict[int, int] = field(default_factory=dict)  # position -> state slot, not yet given
     keep_points: list[int] = field(default_factory=list)  # where a window goes to the tree, not yet
     state_pool: str | None = None  # the per-sequence owner pool the snapshots are slots of
@@ -80,8 +83,10 @@ class PoolRequest:
 def trim_windows(req: PoolRequest, kv_len: int, page_size: int, allocators: Any) -> None:
     """Let go of every position no query and no commit needs once ``kv_len`` tokens are
     computed: before ``K - W`` (``K`` = ``kv_len`` rounded down to a page). Own slots there are
-    freed to ``allocators[pool]``; shared ones are only forgotten (-1)."""
-    for name, window in req.windows.items():
+    freed to ``allocators[pool]``; shared ones are only forgotten (-1). A pool without a window
+    keeps everything."""
+    windowed = {name: w for name, w in req.windows.items() if w is not None}
+    for name, window in windowed.items():
         keep_from = kv_len // page_size * page_size - window
         if keep_from <= req.trimmed:
             continue
@@ -92,7 +97,7 @@ def trim_windows(req: PoolRequest, kv_len: int, page_size: int, allocators: Any)
             allocators[name].free(mine.clone())
         row[span] = -1
         owned[span] = False
-    keep = min((kv_len // page_size * page_size - w for w in req.windows.values()), default=0)
+    keep = min((kv_len // page_size * page_size - w for w in windowed.values()), default=0)
     req.trimmed = max(req.trimmed, keep)
 
 
@@ -209,11 +214,15 @@ def _commit(
     return key, row, given
 
 
-def _kept_windows(pools: PoolRequest, window: int, key_len: int, finished: bool) -> torch.Tensor:
+def _kept_windows(
+    pools: PoolRequest, window: int | None, key_len: int, finished: bool
+) -> torch.Tensor:
     """Which positions of a ``key_len`` key a commit gives the tree of a ``window`` pool: the
     window before each keep point the key reaches and, once the request finished, before the
     key's end. A running request's commit (a prefill chunk) keeps the window at its end: the
-    keep points are where windows are worth their bytes."""
+    keep points are where windows are worth their bytes. No window: every position."""
+    if window is None:
+        return torch.ones(key_len, dtype=torch.bool)
     mask = torch.zeros(key_len, dtype=torch.bool)
     ends = [p for p in pools.keep_points if p <= key_len] + ([key_len] if finished else [])
     for end in ends:
@@ -221,9 +230,11 @@ def _kept_windows(pools: PoolRequest, window: int, key_len: int, finished: bool)
     return mask
 
 
-def _window_start(pools: PoolRequest, window: int, key_len: int) -> int:
+def _window_start(pools: PoolRequest, window: int | None, key_len: int) -> int:
     """Where the windows a commit of a ``key_len`` key gave begin (the earliest keep point's
-    the key reaches, or the key end's)."""
+    the key reaches, or the key end's; 0 without a window)."""
+    if window is None:
+        return 0
     reached = [p for p in pools.keep_points if p <= key_len]
     return max(0, min([*reached, key_len]) - window)
 

@@ -2,21 +2,29 @@
 
 The tree indexes full token positions once. Each node maps onto every pool:
 
-* the **anchor** pool (the model's first per-token ALL_PAGES owner pool: ``kv``, ``latent``) is
-  the tree's ``value``, exactly as in :class:`~hicache.radix.tree.RadixCache`. Node existence
-  follows it: ``evict`` removes leaves and frees the other pools' data on them with it.
-* every other owner pool keeps its data in ``node.pool_values[name]``: a per-token pool (SWA) the
-  slots of the node's span, a per-sequence pool (conv/SSM state) the slot of a snapshot taken at
-  the node's end; ``None`` once that pool dropped it. A pool drops data a **whole node** at a time
-  (``evict_pool``), so a tree-wide span shared by many requests is kept or dropped as one; an
-  insert cuts a new span where held-ness changes, so a caller's window lands on its own nodes.
+* the **anchor** pool (the model's first per-token ALL_PAGES owner pool: ``kv``, ``latent``,
+  dsv4's ``c4``) is the tree's ``value``, as in :class:`~hicache.radix.tree.RadixCache`.
+  ``evict`` frees the anchor's slots of leaves, and of nodes whose children's anchor went
+  before; such a node stays in the tree, anchor-less (``value`` None), while another pool holds
+  data on it or a child hangs under it, and leaves once neither is true. Eviction in one pool
+  never frees another's slots. The anchor's nodes stay the top of the tree: a recomputed prefix
+  gives its anchor-less nodes the caller's slots again (:meth:`insert_bundle`).
+* every other owner pool keeps its data in ``node.pool_values[name]``: a per-token pool (SWA,
+  dsv4's ``c128``) the slots of the node's span, a per-sequence pool (conv/SSM state) the slot
+  of a snapshot taken at the node's end; ``None`` once that pool dropped it. A pool drops data
+  a **whole node** at a time (``evict_pool``), so a tree-wide span shared by many requests is
+  kept or dropped as one; an insert cuts a new span where held-ness changes, so a caller's
+  window lands on its own nodes.
 * sidecars (``shares_slots_with``: the DSA indexer, the SSM state) hold nothing: their owner's
   slots address them, so they are kept, matched and freed with their owner.
 
 A match is usable up to the longest prefix for which every pool's hit rule holds
 (:func:`~hicache.pools.pool_spec.common_usable_prefix`): an SWA prefix needs its window's pages, a
-hybrid prefix ends at a node end with a snapshot. The match splits a node when that end falls
-inside it, counts hits only on the usable part, and returns each pool's slots.
+hybrid prefix ends at a node end with a snapshot, a dsv4 prefix needs ``c4`` (with its indexer)
+and ``c128`` on every page and ``swa`` on its window's (the seed's ShadowRadix: SWA keeps the
+last 128 raw tokens, C4 is searched top-k over every entry, C128 attended densely). The match
+splits a node when that end falls inside it, counts hits only on the usable part, and returns
+each pool's slots.
 
 The tree keeps the structure (match, insert, split, evict); the extra pools' data, their locks
 and every pool's sizes are kept by its :class:`~hicache.radix.pool_ledger.PoolLedger`
@@ -24,9 +32,10 @@ and every pool's sizes are kept by its :class:`~hicache.radix.pool_ledger.PoolLe
 
 Two counters lock: the tree lock (``inc_lock_ref``) keeps nodes and anchor data; a pool lock
 (``tree.ledger.lock``) keeps one pool's data on the nodes of a path that the pool needs (an SWA
-window's nodes, a state's end node, the whole path otherwise). ``evict_pool`` frees a pool's
-data on nodes that pool has not locked, whatever the tree lock says; ``evict`` never removes a
-node that any pool has locked.
+window's nodes, a state's end node, the whole path otherwise). Neither reaches into another
+pool: ``evict_pool`` frees a pool's data on nodes that pool has not locked, whatever the tree
+lock says; ``evict`` frees the anchor of nodes the tree lock does not hold, whatever the pool
+locks say (a pool-locked node stays in the tree with its data).
 
 Sizes per pool (``tree.ledger.size``, ``evictable``, ``protected``) count slots (tokens for a
 per-token pool, snapshots for a per-sequence one) and are kept exact; "protected" means a lock
@@ -51,12 +60,14 @@ from hicache.radix.packing import unit_bytes
 from hicache.radix.pool_ledger import PoolLedger
 from hicache.radix.shadow_rules import (
     check_pool_values,
+    holds_nothing,
     path_presence,
     peek_path,
     pool_indices,
     pool_roles,
 )
 from hicache.radix.slots import SlotAllocator, concat_slots
+from hicache.radix.tier_peek import TierPeek
 from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
 
 if TYPE_CHECKING:
@@ -108,7 +119,7 @@ class ShadowRadixCache(RadixCache):
         self.pools = pools
         self.roles = roles
         self.allocators = dict(allocators)
-        self.ledger = PoolLedger(roles, allocators, self.page_size, self, self.requeue)
+        self.ledger = PoolLedger(roles, allocators, self.page_size, self, self._prune)
 
     # ----- matching -------------------------------------------------------------------------
     def match_prefix(self, key: RadixKey, count_hits: bool = True) -> ShadowMatchResult:
@@ -145,6 +156,12 @@ class ShadowRadixCache(RadixCache):
             if usable and depth >= usable:
                 return usable, node
         return 0, None
+
+    def peek_tiers(self, key: RadixKey) -> TierPeek:
+        """:meth:`peek_prefix` as a :class:`TierPeek`: this tree holds the device tier only
+        (the tiered cache adds its host hit)."""
+        usable, node = self.peek_prefix(key)
+        return TierPeek(usable, 0, node, node)
 
     def _usable(self, key: RadixKey) -> tuple[int, list[TreeNode], int]:
         """(bytes a unit, the nodes ``key`` reaches without touching the tree, usable units)."""
@@ -216,8 +233,23 @@ class ShadowRadixCache(RadixCache):
         )
 
     def _insert_anchor(self, key: RadixKey, value: torch.Tensor | None, priority: int) -> int:
-        """Insert the anchor's slots (the tiered cache adds its tiers here)."""
-        return RadixCache.insert(self, key, value, priority)
+        """Insert the anchor's slots; returns the units whose anchor the tree held already.
+        Anchor-less nodes on the path (their anchor was evicted) take the caller's slots: the
+        caller computed them again. The tiered cache adds its tiers here."""
+        matched = RadixCache.insert(self, key, value, priority)
+        if not matched or value is None:
+            return matched
+        data, unit = self._pack(key)
+        root = self._roots[(key.extra_key, key.is_bigram)]
+        path, _ = peek_path(root, data[: matched * unit], self.page_size * unit)
+        held, offset = matched, 0
+        for node in path:  # the insert's walk split the last one at the key's end
+            if node.value is None:
+                held = min(held, offset)
+                self.restore_device_slots(node, value[offset : offset + node.length])
+                self.requeue(node)
+            offset += node.length
+        return held
 
     def _inserted(self, path: list[TreeNode]) -> None:
         """Called with the nodes of an inserted key once every pool's data is on them."""
@@ -336,9 +368,22 @@ class ShadowRadixCache(RadixCache):
         return freed
 
     def _drop_pool(self, node: TreeNode, name: str) -> int:
-        """Free ``name``'s data on ``node`` for :meth:`evict_pool` (the tiered cache backs it
-        up first)."""
-        return self.ledger.drop(node, name)
+        """Free ``name``'s data on ``node`` for :meth:`evict_pool`; an anchor-less node left
+        holding nothing leaves the tree (the tiered cache backs the data up first instead)."""
+        freed = self.ledger.drop(node, name)
+        self._prune(node)
+        return freed
+
+    def _prune(self, node: TreeNode) -> None:
+        """Remove ``node`` and then its ancestors while each is an unlocked leaf that holds
+        nothing on any tier; queue the last node looked at for eviction (it may have become an
+        evictable leaf: a pool lock let go of it, or its last child left)."""
+        while node.parent is not None and node.key and holds_nothing(node):
+            parent = node.parent
+            self.detach_leaf(node)
+            node = parent
+        if node.parent is not None:
+            self.requeue(node)
 
     # ----- hooks into RadixCache ------------------------------------------------------------
     def _split(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
@@ -348,11 +393,29 @@ class ShadowRadixCache(RadixCache):
         return upper
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
-        return super()._is_evictable_leaf(node) and not self.ledger.is_locked(node)
+        """Whether ``evict`` may free ``node``'s anchor: it holds it, the tree lock does not
+        (pool locks keep their own pool's data only), and no child holds it (the anchor's nodes
+        stay the top of the tree)."""
+        if node.lock_ref > 0 or node.value is None or node.parent is None or not node.key:
+            return False
+        return all(child.value is None for child in node.children.values())
 
     def _evict_leaf(self, node: TreeNode) -> int:
+        """Free ``node``'s anchor slots; the node stays, anchor-less, while another pool holds
+        data or a lock on it or a child hangs under it (see the module docstring)."""
+        ledger = self.ledger
+        if not node.children and not ledger.holds_any(node) and not ledger.is_locked(node):
+            return self._remove_leaf(node)
+        self.release_device_slots(node)
+        parent = node.parent
+        assert parent is not None  # an evictable node hangs under a parent
+        self.requeue(parent)
+        return node.length
+
+    def _remove_leaf(self, node: TreeNode) -> int:
+        """Free every pool's data on the leaf ``node`` and take it out of the tree."""
         self.ledger.drop_all(node)
-        return super()._evict_leaf(node)
+        return RadixCache._evict_leaf(self, node)
 
     def reset(self) -> None:
         nodes = self.all_nodes()

@@ -4,8 +4,9 @@ a path, and the token range a pool lock covers.
 
 Representations (shared with the tree and its ledger):
 
-* a *token pool* (an extra per-token owner pool: SWA K/V) holds, per node, a 1-D int64 tensor of
-  the span's slots, or ``None`` once dropped. A caller passes (and a match returns) one tensor of
+* a *token pool* (an extra per-token owner pool: SWA K/V under a window rule, dsv4's ``c128``
+  under ALL_PAGES) holds, per node, a 1-D int64 tensor of the span's slots, or ``None`` once
+  dropped. A caller passes (and a match returns) one tensor of
   ``len(key)`` slots where ``-1`` marks a token the pool does not hold; held-ness is per page.
 * a *state pool* (an extra per-sequence owner pool: conv state) holds, per node, a 1-element int64
   tensor with the slot of the snapshot taken at the node's end, or ``None``.
@@ -28,6 +29,7 @@ __all__ = [
     "PoolRoles",
     "check_pool_values",
     "device_held",
+    "holds_nothing",
     "lock_start",
     "path_presence",
     "peek_path",
@@ -49,6 +51,12 @@ class PoolRoles:
     @property
     def extra(self) -> tuple[str, ...]:
         return self.token_pools + self.state_pools
+
+    @property
+    def windows(self) -> tuple[str, ...]:
+        """The token pools under a trailing-window rule (SWA); the others need every page."""
+        trailing = HitRuleKind.TRAILING_PAGES
+        return tuple(n for n in self.token_pools if self.rules[n].kind is trailing)
 
     def owner(self, name: object) -> str:
         """The owner of pool ``name``; a typed error for a name the model does not have."""
@@ -147,6 +155,17 @@ def device_held(node: TreeNode, pool: str) -> bool:
     """Whether ``node`` holds ``pool``'s data in the tree's own memory (the device)."""
     values = node.pool_values
     return values is not None and values.get(pool) is not None
+
+
+def holds_nothing(node: TreeNode) -> bool:
+    """Whether ``node`` is a leaf that no lock holds and no pool has data on, on any tier (the
+    tree lets it go)."""
+    if node.value is not None or node.host_value is not None or node.children or node.lock_ref:
+        return False
+    for per_pool in (node.pool_values, node.pool_host):
+        if any(data is not None for data in (per_pool or {}).values()):
+            return False
+    return not any((node.pool_locks or {}).values())
 
 
 HeldTest = Callable[[TreeNode, str], bool]

@@ -29,11 +29,12 @@ from hicache.radix.lifecycle import CachedRequest, cache_finished_req, cache_unf
 from hicache.radix.node import TreeNode
 from hicache.radix.packing import common_prefix_bytes, pack_key, unit_bytes
 from hicache.radix.slots import SlotAllocator, concat_slots
+from hicache.radix.tier_peek import TierPeek
 
 if TYPE_CHECKING:
     from hicache.pools.req_to_token import ReqToTokenPool
 
-__all__ = ["MatchResult", "RadixCache", "RadixCacheConfig"]
+__all__ = ["MatchResult", "RadixCache", "RadixCacheConfig", "TierPeek"]
 
 # The slots of every simulated match: one shared empty tensor, so a simulated match (the radix
 # benchmark's hot loop) allocates nothing. Never written to: an empty tensor has no elements.
@@ -140,6 +141,37 @@ class RadixCache:
             pos += len(child.key)
             node = child
         return pos // unit, deepest
+
+    def peek_tiers(self, key: RadixKey) -> TierPeek:
+        """How much of ``key`` is cached on the device, and on host after that, without
+        touching the tree (as :meth:`peek_prefix`).
+
+        A node is on host when it holds host pages and no device slots, as a tiered tree leaves
+        a node it evicted after backing it up; the device part ends at the first such node and
+        the rest of the match is the host part (device nodes form the top of such a tree). A
+        simulated tree holds no slots on any tier: all it matches counts as device.
+        """
+        data, unit = self._pack(key)
+        node = self._roots.get((key.extra_key, key.is_bigram))
+        page_bytes = self.page_size * unit
+        pos, device_end = 0, -1
+        deepest: TreeNode | None = None
+        last_device: TreeNode | None = None
+        while node is not None and pos < len(data):
+            child = node.children.get(data[pos : pos + page_bytes])
+            if child is None:
+                break
+            if device_end < 0 and child.value is None and child.host_value is not None:
+                device_end = pos
+            deepest = child
+            last_device = child if device_end < 0 else last_device
+            if not data.startswith(child.key, pos):
+                pos += common_prefix_bytes(child.key, data, pos, page_bytes)
+                break
+            pos += len(child.key)
+            node = child
+        device_end = pos if device_end < 0 else device_end
+        return TierPeek(device_end // unit, (pos - device_end) // unit, last_device, deepest)
 
     def insert(self, key: RadixKey, value: torch.Tensor | None = None, priority: int = 0) -> int:
         """Cache ``key`` (truncated to whole pages) with its device slots ``value``.

@@ -82,8 +82,8 @@ class PrefixHold:
         coming, _ = self._sim.peek_prefix(key)
         if coming < self._threshold:
             return False
-        if cached is None:
-            cached, _ = self._tree.peek_prefix(key)
+        if cached is None:  # device + host: neither is computed again
+            cached = self._tree.peek_tiers(key).total
         if coming - cached < self._threshold:
             return False
         self.held.add(request.rid)

@@ -2,9 +2,13 @@
 
 The router keeps, for each worker, an approximate simulated prefix tree of what that worker
 has cached: the keys the router sent it (and, on :meth:`CacheAwareRouter.complete`, the
-finished sequences), pruned least-recently-used first to ``max_tree_tokens``. A request goes to
-the worker whose tree matches the longest prefix of its key, so requests that share a prefix
-land where that prefix's KV already is, unless that worker is overloaded.
+finished sequences), pruned least-recently-used first to ``max_tree_tokens``. With
+``device_tree_tokens`` set it keeps a second tree of the same keys pruned to that size: what
+the worker's device holds, its least recently used pages having moved to host as a tiered
+worker moves them. A worker's match is worth its device tokens plus ``host_hit_weight`` times
+the rest of its match (on host: loaded, not recomputed; :mod:`hicache.scheduling.host_weight`).
+A request goes to the worker whose match is worth most, so requests that share a prefix land
+where that prefix's KV already is, on device or host, unless that worker is overloaded.
 
 Load is in whatever unit the caller uses consistently; by default tokens: :meth:`route` adds a
 request's ``cost`` (its key length unless given) to the chosen worker, :meth:`complete`
@@ -15,7 +19,7 @@ a least-loaded worker. An absolute margin and not a ratio: a ratio is unstable n
 (1 token against 0 is "infinitely" imbalanced) and says nothing about queueing delay, which
 grows with the absolute backlog.
 
-Ties in match length go to the lower load, then the smaller tree (spreading new prefixes over
+Ties in match worth go to the lower load, then the smaller tree (spreading new prefixes over
 workers with room), then the lower index. Namespaces (``RadixKey.extra_key``) never match
 across: each is its own subtree.
 """
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from hicache.errors import ConfigError, InvalidArgumentError, InvalidTokenError
 from hicache.keys import RadixKey
 from hicache.radix import EvictionPolicy, RadixCache, RadixCacheConfig
+from hicache.scheduling.host_weight import DEFAULT_HOST_HIT_WEIGHT, check_host_hit_weight
 
 __all__ = ["CacheAwareRouter", "RouterConfig", "RouterStats"]
 
@@ -42,13 +47,18 @@ class RouterConfig:
     """``balance_margin``: how much more load (absolute, in load units, default tokens) the
     longest-match worker may carry than the least-loaded one before requests are diverted
     (``math.inf``: always follow the cache; 0: divert on any imbalance).
-    ``max_tree_tokens``: the size bound of each worker's approximate tree.
+    ``max_tree_tokens``: the size bound of each worker's approximate tree (what its device and
+    host hold). ``device_tree_tokens``: how much of that its device holds (None: all of it).
+    ``host_hit_weight``: what a token on host is worth against one on the device, in [0, 1]
+    (see :mod:`hicache.scheduling.host_weight`).
     ``page_size``: the workers' page size (only whole pages are cached, so only they match).
     """
 
     balance_margin: float = 8192.0
     max_tree_tokens: int = 1 << 20
     page_size: int = 1
+    device_tree_tokens: int | None = None
+    host_hit_weight: float = DEFAULT_HOST_HIT_WEIGHT
 
     def __post_init__(self) -> None:
         margin = self.balance_margin
@@ -62,6 +72,12 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.max_tree_tokens < self.page_size:
             raise ConfigError("max_tree_tokens must hold at least one page")
+        device = self.device_tree_tokens
+        if device is not None and (
+            not isinstance(device, int) or isinstance(device, bool) or device < 0
+        ):
+            raise ConfigError(f"device_tree_tokens must be an int >= 0 or None, got {device!r}")
+        check_host_hit_weight(self.host_hit_weight)
 
 
 @dataclass(slots=True)
@@ -108,6 +124,13 @@ class CacheAwareRouter:
             page_size=self.config.page_size, policy=EvictionPolicy.LRU, simulated=True
         )
         self._trees = [RadixCache(tree_config, clock=clock) for _ in range(n_workers)]
+        device = self.config.device_tree_tokens
+        # What each device holds: the same keys, pruned to the device's size (None: the whole tree).
+        self._device_trees = (
+            None
+            if device is None or device >= self.config.max_tree_tokens
+            else [RadixCache(tree_config, clock=clock) for _ in range(n_workers)]
+        )
         self._loads = [0.0] * n_workers
         self._retired: set[int] = set()  # workers that get no more requests
         self.stats = RouterStats()
@@ -135,7 +158,7 @@ class CacheAwareRouter:
         key = _check_key(key)
         amount = float(len(key)) if cost is None else _check_amount("cost", cost)
         matches = [tree.peek_prefix(key)[0] for tree in self._trees]
-        worker = self._choose(matches)
+        worker = self._choose([self._worth(w, key, m) for w, m in enumerate(matches)])
         self._loads[worker] += amount
         self.stats.routed += 1
         if matches[worker] > 0:
@@ -165,7 +188,7 @@ class CacheAwareRouter:
         """Send ``worker`` nothing more (it died); :meth:`route` raises InvalidArgumentError
         once every worker is retired."""
         self._retired.add(self._check_worker(worker))
-        self._trees[worker].reset()
+        self._forget(worker)
 
     @property
     def alive(self) -> list[int]:
@@ -174,7 +197,7 @@ class CacheAwareRouter:
 
     def reset_worker(self, worker: int) -> None:
         """Forget what ``worker`` cached (it restarted or flushed its cache); its load is kept."""
-        self._trees[self._check_worker(worker)].reset()
+        self._forget(self._check_worker(worker))
 
     # ----- internals ------------------------------------------------------------------------
     def _check_worker(self, worker: object) -> int:
@@ -184,7 +207,20 @@ class CacheAwareRouter:
             raise InvalidArgumentError(f"worker {worker} out of range [0, {len(self._trees)})")
         return worker
 
-    def _choose(self, matches: Sequence[int]) -> int:
+    def _worth(self, worker: int, key: RadixKey, matched: int) -> float:
+        """What ``worker``'s ``matched`` tokens of ``key`` are worth: those on its device in
+        full, the rest (on host) at ``host_hit_weight``."""
+        if self._device_trees is None:
+            return float(matched)
+        device = min(matched, self._device_trees[worker].peek_prefix(key)[0])
+        return device + self.config.host_hit_weight * (matched - device)
+
+    def _forget(self, worker: int) -> None:
+        self._trees[worker].reset()
+        if self._device_trees is not None:
+            self._device_trees[worker].reset()
+
+    def _choose(self, matches: Sequence[float]) -> int:
         loads, trees = self._loads, self._trees
         workers = self.alive
         if not workers:
@@ -205,3 +241,9 @@ class CacheAwareRouter:
         excess = tree.total_size - self.config.max_tree_tokens
         if excess > 0:
             self.stats.pruned_tokens += tree.evict(excess)
+        if self._device_trees is not None:  # the device's least recently used pages go to host
+            device = self._device_trees[worker]
+            device.insert(key)
+            over = device.total_size - (self.config.device_tree_tokens or 0)
+            if over > 0:
+                device.evict(over)

@@ -1,9 +1,12 @@
 """Waiting-queue scheduling: which requests to prefill first, and when to hold prefill.
 
-Cache-agnostic policies (FCFS, LOF, RANDOM) only sort the queue. Cache-aware ones match every
-waiting request against the prefix tree: LPM puts the longest cached prefix (device + host)
-first; DFS_WEIGHT walks the tree and emits the requests of the heaviest shared subtree first,
-so requests that reuse the same pages are admitted together while those pages are hot.
+Cache-agnostic policies (FCFS, LOF, RANDOM) only sort the queue. Cache-aware ones peek every
+waiting request's prefix on every tier of the tree (``tree.peek_tiers``: device and host) and
+value it as ``device + host_hit_weight * host`` tokens (:mod:`hicache.scheduling.host_weight`):
+LPM puts the most valuable cached prefix first; DFS_WEIGHT walks the tree and emits the requests
+of the heaviest shared subtree first, grouped by where their device + host prefix ends, so
+requests that reuse the same pages are admitted together while those pages are hot. The peeks
+are the plan's ``matches``: the serving loop keeps each on its request for the round.
 
 In-batch prefix sharing: two waiting requests that share a long prefix nobody has cached would
 both compute it if admitted in the same batch. Requests with little cached prefix are therefore
@@ -31,6 +34,8 @@ from typing import Generic, TypeVar
 from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.radix import RadixCache, RadixCacheConfig, TreeNode
+from hicache.radix.tier_peek import TierPeek
+from hicache.scheduling.host_weight import DEFAULT_HOST_HIT_WEIGHT, check_host_hit_weight
 from hicache.scheduling.prefix_hold import PrefixHold
 from hicache.scheduling.request import SchedulableRequest
 
@@ -45,6 +50,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_NOTHING = TierPeek(0)  # the peek of an empty key: nothing can be cached for it
 
 
 class SchedulePolicy(enum.Enum):
@@ -97,8 +104,10 @@ class SchedulerConfig:
     """How :class:`PrefixScheduler` orders the waiting queue.
 
     LPM falls back to FCFS (and matches nothing) when more than ``lpm_fcfs_fallback_queue_len``
-    requests wait: matching a long queue every round costs more than the order gains. A request
-    is a candidate for in-batch sharing when its cached prefix is below
+    requests wait: matching a long queue every round costs more than the order gains. A cached
+    prefix is worth its device tokens plus ``host_hit_weight`` (in [0, 1], default 0.8: see
+    :mod:`hicache.scheduling.host_weight`) times its host tokens; 0 orders as if the host tier
+    were empty. A request is a candidate for in-batch sharing when that worth is below
     ``in_batch_prefix_threshold`` tokens, and is deferred when it shares at least
     ``in_batch_match_threshold`` tokens with an earlier candidate; under any policy, any request
     is held while one in flight computes that many tokens of its prompt past its cached prefix
@@ -112,6 +121,7 @@ class SchedulerConfig:
     in_batch_match_threshold: int = 32
     seed: int | None = None
     delayer: DelayerConfig = field(default_factory=DelayerConfig)
+    host_hit_weight: float = DEFAULT_HOST_HIT_WEIGHT
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, SchedulePolicy):
@@ -124,6 +134,7 @@ class SchedulerConfig:
             _check_int("seed", self.seed, 0)
         if not isinstance(self.delayer, DelayerConfig):
             raise ConfigError("delayer must be a DelayerConfig")
+        check_host_hit_weight(self.host_hit_weight)
 
 
 R = TypeVar("R", bound=SchedulableRequest)
@@ -154,14 +165,16 @@ class QueueStats:
 @dataclass(frozen=True, slots=True)
 class SchedulePlan(Generic[R]):
     """One round's order: ``requests`` (deferred ones last), the policy actually applied
-    (LPM may fall back to FCFS), the deferred rids, the matched prefix per rid (device + host
-    tokens; cache-aware policies only) and the queue stats for the delayer.
+    (LPM may fall back to FCFS), the deferred rids, the cached prefix per rid (device + host
+    tokens, unweighted: what needs no computing) with the peek it came from (``matches``;
+    cache-aware policies only) and the queue stats for the delayer.
     """
 
     requests: list[R]
     policy: SchedulePolicy
     deferred: frozenset[Hashable] = frozenset()
     cached_tokens: dict[Hashable, int] = field(default_factory=dict)
+    matches: dict[Hashable, TierPeek] = field(default_factory=dict)
     stats: QueueStats = QueueStats(0)
 
 
@@ -191,7 +204,7 @@ def _validated(waiting: Sequence[R]) -> list[R]:
     return sorted(waiting, key=lambda r: r.arrival_time)
 
 
-def _dfs_weight_order(last_nodes: Sequence[TreeNode], matched: Sequence[int]) -> list[int]:
+def _dfs_weight_order(last_nodes: Sequence[TreeNode], matched: Sequence[float]) -> list[int]:
     """Indices of requests (by their last matched node) depth-first, heaviest subtree first.
 
     A node weighs the number of requests ending in its subtree; siblings of equal weight go in
@@ -235,8 +248,9 @@ class PrefixScheduler:
     """Orders the waiting queue by a :class:`SchedulePolicy` over a prefix tree.
 
     ``tree`` may be None (no prefix cache): cache-aware policies then degrade to FCFS.
-    Matching uses ``tree.peek_prefix``: ordering the queue counts no hit, refreshes no access
-    time and splits no node, so it never changes what the tree evicts next.
+    Matching uses ``tree.peek_tiers``: ordering the queue counts no hit, refreshes no access
+    time and splits no node, so it never changes what the tree evicts next. It is the only
+    look at the tree a plan takes: once per waiting request per round.
     """
 
     def __init__(self, tree: RadixCache | None, config: SchedulerConfig | None = None) -> None:
@@ -284,32 +298,37 @@ class PrefixScheduler:
         tree = self.tree
         assert tree is not None  # _effective_policy returns FCFS without a tree
         # A one-token prompt has no reusable page (its key is empty): nothing is cached for it.
-        peeks = [tree.peek_prefix(r.key) if len(r.key) else (0, None) for r in queue]
-        cached = [units for units, _ in peeks]
-        deferred = self._in_batch_deferred(queue, cached) if self.config.in_batch_sharing else set()
+        peeks = [tree.peek_tiers(r.key) if len(r.key) else _NOTHING for r in queue]
+        weight = self.config.host_hit_weight
+        worth = [p.weighted(weight) for p in peeks]
+        deferred = self._in_batch_deferred(queue, worth) if self.config.in_batch_sharing else set()
         if policy is SchedulePolicy.LPM:
-            idx = sorted(range(len(queue)), key=lambda i: -cached[i])  # stable: ties by arrival
+            idx = sorted(range(len(queue)), key=lambda i: -worth[i])  # stable: ties by arrival
         else:
             unmatched = TreeNode(0, b"", 0, None, 0.0)  # one group for requests with no match
-            idx = _dfs_weight_order([node or unmatched for _, node in peeks], cached)
+            # A host part worth nothing does not group requests either.
+            ends = [p.last_node if weight else p.last_device_node for p in peeks]
+            idx = _dfs_weight_order([node or unmatched for node in ends], worth)
         ordered = [i for i in idx if i not in deferred] + [i for i in idx if i in deferred]
         return SchedulePlan(
             requests=[queue[i] for i in ordered],
             policy=policy,
             deferred=frozenset(queue[i].rid for i in deferred),
-            cached_tokens={r.rid: c for r, c in zip(queue, cached)},
+            cached_tokens={r.rid: p.total for r, p in zip(queue, peeks)},
+            matches={r.rid: p for r, p in zip(queue, peeks)},
             stats=QueueStats(len(queue), len(deferred), queue[0].arrival_time if queue else None),
         )
 
-    def _in_batch_deferred(self, queue: list[R], cached: list[int]) -> set[int]:
-        """Indices of candidates that share a long prefix with an earlier candidate."""
+    def _in_batch_deferred(self, queue: list[R], worth: list[float]) -> set[int]:
+        """Indices of candidates (their cached prefix ``worth`` little) that share a long prefix
+        with an earlier candidate."""
         assert self.tree is not None
         cfg = self.config
         # Same page size as the real tree: only whole pages can be reused.
         sim = RadixCache(RadixCacheConfig(page_size=self.tree.page_size, simulated=True))
         deferred: set[int] = set()
         for i, req in enumerate(queue):
-            if cached[i] >= cfg.in_batch_prefix_threshold or not len(req.key):
+            if worth[i] >= cfg.in_batch_prefix_threshold or not len(req.key):
                 continue  # enough of it is cached already (or nothing can be), it gains little
             if sim.match_prefix(req.key).prefix_len >= cfg.in_batch_match_threshold:
                 deferred.add(i)

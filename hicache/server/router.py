@@ -1,8 +1,9 @@
 """The router process of ``serve --workers N``: one OpenAI-compatible endpoint in front of N
 engine workers, each request sent whole to one of them.
 
-``cache_aware`` sends a request to the worker whose approximate prefix tree matches most of its
-prompt unless that worker carries too much more load (:class:`~hicache.scheduling.router.
+``cache_aware`` sends a request to the worker whose approximate prefix tree matches the prefix of
+its prompt worth most (device tokens, and host tokens at the config's ``host_hit_weight``)
+unless that worker carries too much more load (:class:`~hicache.scheduling.router.
 CacheAwareRouter`); ``round_robin`` takes turns. The worker's answer (JSON or the event stream)
 is passed through as it comes. A worker that cannot be reached, or drops a connection, is
 retired: its in-flight requests get a 502 naming it, and no request goes to it again.
@@ -66,7 +67,7 @@ class RouterApi:
         workers: Sequence[Worker],
         kind: RouterKind,
         model: ServedModel,
-        page_size: int,
+        router: RouterConfig,
         gate: RouterGate | None = None,
     ) -> None:
         self.gate = gate or RouterGate()
@@ -75,7 +76,7 @@ class RouterApi:
         self.workers = workers
         self.kind = kind
         self.model = model
-        self.tree = CacheAwareRouter(len(workers), RouterConfig(page_size=page_size))
+        self.tree = CacheAwareRouter(len(workers), router)
         self._turns = itertools.cycle(range(len(workers)))
         self.closing = False
         self._session: aiohttp.ClientSession | None = None

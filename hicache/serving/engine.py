@@ -69,7 +69,9 @@ class Engine(EngineAdmission):
         self.req_to_token = ReqToTokenPool(config.max_running, context)
         if tree is not None:
             tree.req_to_token = self.req_to_token
-        self.scheduler = PrefixScheduler(tree, SchedulerConfig(policy=config.schedule))
+        self.scheduler = PrefixScheduler(
+            tree, SchedulerConfig(policy=config.schedule, host_hit_weight=config.host_hit_weight)
+        )
         # Holds prefill up to 50 ms while queued requests share prefixes and hits are rare.
         self.delayer = PrefillDelayer(clock=self.now) if config.delay_prefill else None
         self.pool_slots = PoolSlots(model.config, pools, tree, config.chunk_tokens)

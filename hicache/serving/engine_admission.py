@@ -1,6 +1,13 @@
 """Admission, the engine's half that places requests: whether one can ever be served, the
 queue's order each round (prefetch waits, prefix holds, the prefill delayer, priorities, L3
 read-backs) and taking a request's cached prefix and slots (see :mod:`hicache.serving.engine`).
+
+One look at the tree per waiting request per round orders the queue: the plan's peek (device and
+host tokens, touching nothing), kept on the request (``ServeRequest.prefix_match``) for the
+round, where the prefix hold reads it. A request admitted then takes its prefix with the round's
+one ``match_prefix`` of it: that match splits nodes, counts hits and is what its lock and load-back
+act on, so it must see the tree as it is at that moment, after the admissions before it in the
+round may have evicted (or loaded back) pages the peek saw. The plan never matches.
 """
 
 from __future__ import annotations
@@ -96,6 +103,8 @@ class EngineAdmission:
         if not waiting or len(running) >= self.config.max_running:
             return
         plan = self.scheduler.plan(waiting)
+        for request in waiting:  # None under a cache-agnostic policy (nothing was peeked)
+            request.prefix_match = plan.matches.get(request.rid)
         if self.delayer is not None and self.delayer.should_delay(plan.stats):
             return  # more of the queue may share what the next prefill computes
         hold = self.scheduler.hold(r.key for r in running if not self._prefilled(r))
@@ -120,7 +129,9 @@ class EngineAdmission:
                 in_line += 1
                 reading = True
                 continue  # its prefetch is still worth waiting for; others may go first
-            if hold is not None and hold.holds(request, plan.cached_tokens.get(request.rid)):
+            peeked = request.prefix_match
+            cached = None if peeked is None else peeked.total
+            if hold is not None and hold.holds(request, cached):
                 request.record.held_rounds += 1  # one in flight computes its prefix: hit it later
                 continue
             next_up = in_line < slots

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from hicache.errors import InvalidArgumentError
 from hicache.radix.eviction import EvictionPolicy
+from hicache.scheduling.host_weight import DEFAULT_HOST_HIT_WEIGHT, check_host_hit_weight
 from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.request import ServeRequest
 from hicache.sparse.hot_buffer import HiSparseConfig
@@ -35,6 +36,7 @@ class EngineConfig:
     hisparse: HiSparseConfig | None = None  # DSA decode from a hot buffer (needs a host tier)
     eviction: EvictionPolicy = EvictionPolicy.LRU  # of the device tree (and host, its order)
     delay_prefill: bool = False  # hold prefill briefly while queued requests share prefixes
+    host_hit_weight: float = DEFAULT_HOST_HIT_WEIGHT  # a host hit's worth to LPM / DFS_WEIGHT
 
     def __post_init__(self) -> None:
         for name, limit in (("max_running", 1 << 16), ("chunk_tokens", 1 << 30)):
@@ -48,6 +50,7 @@ class EngineConfig:
             )
         if not (isinstance(self.stall_s, int | float) and 0 < self.stall_s < math.inf):
             raise InvalidArgumentError(f"stall_s must be finite and > 0, got {self.stall_s!r}")
+        check_host_hit_weight(self.host_hit_weight)
 
 
 class RequestSource(Protocol):

@@ -14,8 +14,13 @@
   gives back its anchor slots and its lock: the device copies of its prefix stay in the tree as
   cache, evictable like any other.
 * **Decode**: its chunks read the indexer from its slots and the latent through its buffer row.
-* **Finish** (:meth:`HiSparseRequests.release`): protections dropped, own host pages and the row
-  freed. Its generated tokens are not added to the tree.
+* **Finish** (:meth:`HiSparseRequests.release`): the whole pages it computed past its committed
+  prompt (the prompt's last partial page and its output, up to the last whole page) are hung
+  under its prompt's node as host-only nodes, as ``cache_finished_req`` caches a request's
+  output without HiSparse: their latent is on host already (written eagerly each step), their
+  indexer keys are copied from its indexer slots to the indexer's host pages, and the nodes go
+  to L3 as any backup does. A follow-up turn that extends the conversation hits them on host.
+  Then protections are dropped and its other own host pages and the row freed.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from hicache.models.types import ChunkInput
 from hicache.radix.node import TreeNode
 from hicache.serving.request import RequestState, ServeRequest
-from hicache.sparse.hot_buffer import HotBuffer, HotRequest
+from hicache.sparse.hot_buffer import HotBuffer, HotRequest, canonical_pages
 from hicache.tiering.cache import HiRadixCache
 
 __all__ = ["HiSparseRequests", "HotEntry"]
@@ -50,6 +55,7 @@ class HiSparseRequests:
         self.tree = tree
         self._latent = pools["latent"].buffer
         self._indexer = pools["indexer"].buffer
+        self._host_index = canonical_pages(tree.controller.host_pools["indexer"])[:, 0]
         self.page_size = tree.page_size
 
     def refusal(self, request: ServeRequest, anchor_tokens: int) -> str | None:
@@ -135,8 +141,7 @@ class HiSparseRequests:
             return HotEntry.SHORT_PREFIX
         self.tree.host.protect(shared)
         hot.shared_host = shared
-        host_pages = torch.cat([shared, hot.own_host])
-        self.buffer.host_table[hot.row, : len(host_pages)] = host_pages
+        self.buffer.set_host_pages(hot.row, torch.cat([shared, hot.own_host]))
         table = self.tree.req_to_token
         assert table is not None  # the engine gave the tree its table
         row = table.table[cached.req_pool_idx]
@@ -194,17 +199,62 @@ class HiSparseRequests:
         hot, cached = request.hot, request.cached
         assert hot is not None and cached is not None
         start = cached.kv_len
+        if int(self.buffer.host_table[hot.row, start // self.page_size]) < 0:
+            raise RuntimeError("a HiSparse request would write past the host pages it holds")
         ids = torch.tensor([request.generated[-1]], dtype=torch.int64)
         return ChunkInput(ids, start, hot.index_slots[: start + 1], hot_row=hot.row)
 
     def release(self, request: ServeRequest) -> None:
-        """Give back what the request holds (finished, failed or never entered)."""
+        """Give back what the request holds (finished, failed or never entered); a request
+        that decoded from the buffer first leaves its computed pages in the tree."""
         hot = request.hot
         if hot is None:
             return
+        if hot.entered:
+            self.cache_computed(request)
         if len(hot.shared_host):
             self.tree.host.release(hot.shared_host)
         if len(hot.own_host):
             self.tree.host.free(hot.own_host)
         self.buffer.give_back(hot.row, hot.index_slots)
         request.hot = None
+
+    def cache_computed(self, request: ServeRequest) -> int:
+        """Hang the whole pages ``request`` computed past the tree's part of its path under
+        that path, on host only; how many pages the tree took (fewer when another request
+        cached some of them meanwhile). The pages taken leave ``hot.own_host``."""
+        hot, cached = request.hot, request.cached
+        assert hot is not None and cached is not None
+        ps, start = self.page_size, len(hot.shared_host)
+        cached.token_ids = request.all_tokens
+        key = cached.key(ps)  # the computed tokens' whole pages
+        count = len(key) // ps - start
+        if count <= 0:
+            return 0
+        self.buffer.drain()  # every eager host write of its latent has landed
+        own = hot.own_host[:count]
+        self._copy_index_keys(hot, start * ps, own)
+        _, have, leaf = self.tree.hang_leaf(key, start * ps)
+        if leaf is None:  # all there already (or, never here, its prefix gone)
+            return 0
+        taken = own[(have // ps) - start :].clone()
+        leaf.host_value = taken
+        leaf.priority = cached.priority
+        kept = torch.ones(len(hot.own_host), dtype=torch.bool)
+        kept[count - len(taken) : count] = False
+        hot.own_host = hot.own_host[kept]
+        self.tree.writer.after_backup(leaf)
+        return len(taken)
+
+    def _copy_index_keys(self, hot: HotRequest, start: int, pages: torch.Tensor) -> None:
+        """The indexer keys of positions ``start ..`` (whole ``pages``) from the request's
+        indexer slots into those host pages of the indexer's host pool."""
+        ps, count = self.page_size, len(pages)
+        slots = hot.index_slots[start : start + count * ps].to(self.buffer.index.device)
+        keys = self.buffer.index[0, :, slots]  # (layers, count * ps, item)
+        keys = keys.view(keys.shape[0], count, ps, -1).transpose(0, 1).to("cpu")
+        self._host_index[pages] = keys.to(self._host_index.dtype)
+
+    def close(self) -> None:
+        """Stop the buffer's copier (every request released first)."""
+        self.buffer.close()

@@ -9,7 +9,10 @@ to finish (the tree's side is :mod:`hicache.radix.pool_lifecycle`).
   ``2W - page_size`` (nodes holding window data are at most ``W`` long, since a commit gives the
   tree only the window before the key's end). A request is admitted only while the
   reservations of the running ones fit the pool; a chunk then takes slots, evicting unlocked
-  tree data (``evict_pool``) when the pool is short, which always suffices.
+  tree data (``evict_pool``) when the pool is short, which always suffices. A token pool under
+  an ALL_PAGES rule (dsv4's ``c128``) has no window: a request keeps every position's slot and
+  reserves its whole length (:func:`whole_reserve`; the tree's slots its lock pins are of
+  positions it does not hold slots of its own for).
 * **State pools** (conv, with ssm on the same slots): at admission a request takes one working
   slot and a slot for each snapshot it will take (``evict_pool`` when short, or it waits): at
   every multiple of ``state_interval`` after its cached prefix, at the page-aligned end of its
@@ -48,7 +51,7 @@ from hicache.radix.shadow_rules import pool_roles
 from hicache.radix.tree import RadixCache
 from hicache.serving.request import ServeRequest
 
-__all__ = ["PoolSlots", "swa_reserve"]
+__all__ = ["PoolSlots", "swa_reserve", "whole_reserve"]
 
 
 def swa_reserve(window: int, chunk: int, page_size: int, tree: bool) -> int:
@@ -56,6 +59,12 @@ def swa_reserve(window: int, chunk: int, page_size: int, tree: bool) -> int:
     chunk, rounded out to pages) and, with a tree, the tree's slots its window lock pins."""
     own = window + (math.ceil(chunk / page_size) + 1) * page_size
     return own + (2 * window - page_size if tree else 0)
+
+
+def whole_reserve(tokens: int, page_size: int) -> int:
+    """The most slots of an ALL_PAGES token pool one request of ``tokens`` tokens (prompt and
+    output) holds at once, its own and the tree's it locks: one per position, in whole pages."""
+    return -(-tokens // page_size) * page_size
 
 
 class PoolSlots:
@@ -73,12 +82,15 @@ class PoolSlots:
         self.chunk_tokens = chunk_tokens
         self.interval = model.state_interval
         self.window_interval = model.window_interval
-        self.windows: dict[str, int] = {}
+        self.windows: dict[str, int | None] = {}  # None: ALL_PAGES, no window
         for name in roles.token_pools:
             rule = roles.rules[name]
-            if rule.kind is not HitRuleKind.TRAILING_PAGES:
-                raise ConfigError(f"pool {name!r}: an extra per-token pool needs a window rule")
-            self.windows[name] = rule.pages * spec.page_size
+            if rule.kind is HitRuleKind.ALL_PAGES:
+                self.windows[name] = None
+            elif rule.kind is HitRuleKind.TRAILING_PAGES:
+                self.windows[name] = rule.pages * spec.page_size
+            else:
+                raise ConfigError(f"pool {name!r}: a per-token pool needs a page or window rule")
         if len(roles.state_pools) > 1:
             raise ConfigError(f"one state pool per model, got {roles.state_pools}")
         self.state_pool = roles.state_pools[0] if roles.state_pools else None
@@ -91,17 +103,22 @@ class PoolSlots:
 
     # ----- admission --------------------------------------------------------------------------
     def reserve(self, name: str, request: ServeRequest, prefix_len: int) -> int:
-        """What ``request`` reserves in token pool ``name`` (see :func:`swa_reserve`)."""
+        """What ``request`` reserves in token pool ``name`` (see :func:`swa_reserve` and
+        :func:`whole_reserve`)."""
+        window = self.windows[name]
+        if window is None:
+            return whole_reserve(len(request.prompt) + request.max_new_tokens, self.page_size)
         chunk = max(1, min(self.chunk_tokens, len(request.prompt) - prefix_len))
         has_tree = self.tree is not None
-        return swa_reserve(self.windows[name], chunk, self.page_size, has_tree)
+        return swa_reserve(window, chunk, self.page_size, has_tree)
 
     def refusal(self, request: ServeRequest) -> str | None:
         """Why ``request`` can never run, even alone; None when it can."""
         for name in self.windows:
             need, size = self.reserve(name, request, 0), self.pools[name].size
             if need > size:
-                return f"its window and chunk need {need} slots; the {name} pool has {size}"
+                what = "its tokens" if self.windows[name] is None else "its window and chunk"
+                return f"{what} need {need} slots; the {name} pool has {size}"
         state = self.state_pool
         if state is not None:
             need = 1 + len(self._keep_points(request, 0, self.interval, 0))
@@ -142,14 +159,15 @@ class PoolSlots:
             row = torch.full((context,), -1, dtype=torch.int64)
             hit = shared.get(name)
             if hit is not None and prefix_len:
-                lo = max(0, prefix_len - window)
+                lo = 0 if window is None else max(0, prefix_len - window)
                 row[lo:prefix_len] = hit[lo:prefix_len]
                 if bool((row[lo:prefix_len] < 0).any()):
                     raise RuntimeError(f"a cached prefix without its {name} window was matched")
             state.rows[name] = row
             state.owned[name] = torch.zeros(context, dtype=torch.bool)
             state.windows[name] = window
-        state.trimmed = max(0, prefix_len - min(self.windows.values()))
+        windowed = [w for w in self.windows.values() if w is not None]
+        state.trimmed = max(0, prefix_len - min(windowed)) if windowed else 0
         if last is not None and prefix_len:
             lock_windows(self.tree, state, last)
 

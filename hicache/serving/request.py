@@ -10,6 +10,7 @@ from typing import Any
 
 from hicache.keys import RadixKey
 from hicache.radix.lifecycle import CachedRequest
+from hicache.radix.tier_peek import TierPeek
 
 __all__ = ["RequestRecord", "RequestState", "ServeRequest", "StepRecord"]
 
@@ -70,6 +71,7 @@ class ServeRequest:
     state: RequestState = RequestState.WAITING
     generated: list[int] = field(default_factory=list)
     cached: CachedRequest | None = None
+    prefix_match: TierPeek | None = None  # this round's peek of its prefix (see engine_admission)
     pending_loads: list[Any] = field(default_factory=list)
     pool_state: Any = None  # its slots in the model's extra pools (a PoolRequest), once running
     hot: Any = None  # HiSparse: what it holds of the hot buffer (a HotRequest), once admitted

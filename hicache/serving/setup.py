@@ -49,7 +49,9 @@ class ServingSetup:
 
     async def close(self, drain_s: float = 10.0) -> None:
         """Close the cache; L3 writes still queued get ``drain_s`` to land (a restart finds
-        what was written)."""
+        what was written); HiSparse's copier stops."""
+        if self.engine.sparse is not None:
+            self.engine.sparse.close()
         if self.cache is not None:
             await self.cache.close(drain_s)
 
@@ -80,6 +82,7 @@ def device_slots(
       tokens, four windows per running request or half the reservations, whichever is most
       (a window pool much smaller than that loses windows, and so hits, long before the
       anchor loses the prefixes they end);
+    * another per-token pool (dsv4's ``c128``, which holds every token): ``device_tokens``;
     * ``conv`` (snapshots; ``ssm`` on the same slots): a working slot per running request, a
       snapshot every ``state_interval`` tokens of the anchor pool, and a few per request for its
       prompt end, its final end and a locked hit: ``max_running + device_tokens //

@@ -1,12 +1,16 @@
 """The HiSparse hot buffer: each decoding request's latent on the device is only ``hot_pages``
 pages per layer, over its full latent in host memory; its indexer keys stay on the device.
 
-Per decode step and layer (:meth:`HotBuffer.gather`, called by the model once the indexer has
-picked each request's top-k pages): the fused step (:func:`~hicache.sparse.hot_step.hot_step`)
+Per decode step and layer (:meth:`HotBuffer.start_gather`, called by the model once the indexer
+has picked each request's top-k pages): the fused step (:func:`~hicache.sparse.hot_step.hot_step`)
 finds which of the pages miss the buffer, picks least recently used slots for them and maps
-every wanted page to its slot, for all requests at once; the misses are copied host to device
-into those slots; the new token's latent is written to its page's slot and, eagerly, to host;
-attention then reads the wanted pages from the buffer.
+every wanted page to its slot, for all requests at once; its result drives one copy job
+(:mod:`hicache.sparse.hot_copies`: inline, a copy thread, or a CUDA side stream) that copies the
+misses host to device into those slots, then writes the new token's latent to its page's slot
+and, eagerly, to host; the layer computes its queries meanwhile, and attention waits for the
+job and reads the wanted pages from the buffer. On CUDA the job is computed on the device from
+the step's result (no host sync): the host table is mirrored there and the pinned host pool read
+and written through its device alias.
 
 A request's host pages (:class:`HotRequest`): its committed prefix's pages in the radix tree's
 host pool (shared with other requests and protected while it decodes), then pages of its own
@@ -16,17 +20,20 @@ for the rest of its context. What the request holds is set up and released by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from hicache.errors import ConfigError
+from hicache.layouts._plans import _host_on_device
 from hicache.layouts.shapes import Axis, axis_order, expanded_shape
 from hicache.models.config import ModelConfig, ModelPreset
 from hicache.models.types import DecodeRows
 from hicache.pools.allocator import TokenSlotAllocator
 from hicache.pools.device import take_rows
 from hicache.pools.host import HostPool
+from hicache.sparse.hot_copies import CopyMode, CopyTimes, layer_copies
 from hicache.sparse.hot_step import hot_step
 
 __all__ = ["HiSparseConfig", "HotBuffer", "HotRequest", "HotStats", "canonical_pages"]
@@ -38,12 +45,17 @@ HOT_PAGES_MAX = 1 << 20
 class HiSparseConfig:
     """``hot_pages``: device pages of latent per request and layer (at least the model's top-k
     pages, checked against the model by :meth:`check`); ``index_tokens``: device slots for the
-    running requests' indexer keys, whole contexts (0: ``max_running`` x the anchor pool)."""
+    running requests' indexer keys, whole contexts (0: ``max_running`` x the anchor pool);
+    ``copy_mode``: whether the host-to-device copies overlap the forward
+    (:mod:`hicache.sparse.hot_copies`)."""
 
     hot_pages: int = 16
     index_tokens: int = 0
+    copy_mode: CopyMode = CopyMode.OVERLAP
 
     def __post_init__(self) -> None:
+        if not isinstance(self.copy_mode, CopyMode):
+            raise ConfigError(f"copy_mode must be a CopyMode, got {self.copy_mode!r}")
         for name, low, high in (("hot_pages", 1, HOT_PAGES_MAX), ("index_tokens", 0, 1 << 34)):
             value = getattr(self, name)
             if type(value) is not int or not low <= value <= high:
@@ -123,8 +135,9 @@ class HotBuffer:
         self._host = canonical_pages(host)
         self.device = device = torch.device(device)
         item = host.spec.layout.item_shape
+        # A spare row past the rows' slots takes the masked copies' non-misses.
         self.latent = torch.zeros(
-            (model.layers, rows * hp, ps, *item), dtype=host.buffer.dtype, device=device
+            (model.layers, rows * hp + 1, ps, *item), dtype=host.buffer.dtype, device=device
         )
         index_item = (model.index_dim + 4,)
         self._index = torch.zeros(
@@ -136,7 +149,14 @@ class HotBuffer:
         self.host_table = torch.full((rows, index_tokens // ps), -1, dtype=torch.int64)
         self._free_rows = list(range(rows - 1, -1, -1))
         self.stamp = 0
-        self.stats = HotStats()
+        # On CUDA the copies are computed on the device from the step's result: the host pool
+        # read and written through its device alias, the host table mirrored there.
+        self.masked_copies = device.type == "cuda"
+        self._device_table = self.host_table.to(device)
+        self._host_view = self._host if device.type == "cpu" else _on_device(self._host, device)
+        self._counts = torch.zeros(2, dtype=torch.int64, device=device)  # wanted, missed
+        self._decode_rows = 0
+        self.copies = layer_copies(config.copy_mode, device)
 
     @property
     def index(self) -> torch.Tensor:
@@ -163,8 +183,32 @@ class HotBuffer:
         row = self._free_rows.pop()
         self.held[:, row] = -1
         self.last_used[:, row] = -1
-        self.host_table[row] = -1
+        self.set_host_pages(row, self.host_table[row, :0])
         return row, slots
+
+    def set_host_pages(self, row: int, pages: torch.Tensor) -> None:
+        """Row ``row``'s logical pages are host pages ``pages`` (the rest: none)."""
+        self.host_table[row] = -1
+        self.host_table[row, : len(pages)] = pages
+        if self._device_table is not self.host_table:
+            self._device_table[row] = self.host_table[row].to(self.device)
+
+    @property
+    def stats(self) -> HotStats:
+        """The counts so far (read from the device: a sync on CUDA)."""
+        wanted, missed = self._counts.tolist()
+        page_bytes = self.latent[0, 0].numel() * self.latent.element_size()
+        return HotStats(wanted, missed, missed * page_bytes, self._decode_rows)
+
+    @property
+    def copy_times(self) -> CopyTimes:
+        """How long the copies ran and how long the forward waited for them."""
+        self.copies.drain()
+        return self.copies.times
+
+    def close(self) -> None:
+        """Stop the copier (its thread, on the CPU with overlapped copies)."""
+        self.copies.close()
 
     def give_back(self, row: int, index_slots: torch.Tensor) -> None:
         self.index_slots.free(index_slots)
@@ -175,67 +219,124 @@ class HotBuffer:
         """The host pool's latent as (page, layer, token, *item): a view of its buffer."""
         return self._host[:, 0]
 
+    def drain(self) -> None:
+        """Wait until every copy issued so far has landed."""
+        self.copies.drain()
+
     def begin_step(self) -> None:
-        """A new forward pass: its uses of the buffer are stamped later than every earlier."""
+        """A new forward pass: its uses of the buffer are stamped later than every earlier.
+        The last pass's copies have landed (its layers waited for them): settling them here
+        costs no wait and keeps the copier's bookkeeping bounded."""
+        self.copies.drain()
         self.stamp += 1
 
     # ----- the decode step (DecodePages) ------------------------------------------------------
     def gather(
         self, layer: int, rows: DecodeRows, top: torch.Tensor, latent_new: torch.Tensor
     ) -> torch.Tensor:
+        return self.start_gather(layer, rows, top, latent_new)()
+
+    def start_gather(
+        self, layer: int, rows: DecodeRows, top: torch.Tensor, latent_new: torch.Tensor
+    ) -> Callable[[], torch.Tensor]:
+        """Run the fused step for ``layer`` and launch its copies (misses, then the new token);
+        the returned callable waits for them and gives the latent of the ``top`` pages."""
         ps, hp = self.page_size, self.hot_pages
         assert rows.hot_rows is not None  # rows of this buffer
         hot_rows = rows.hot_rows.to(self.held.device)
         wanted = top.to(self.held.device)
         step = hot_step(self.held[layer], self.last_used[layer], hot_rows, wanted, self.stamp,
                         check=False)  # fmt: skip
-        slots = step.slots
-        self._load_misses(layer, hot_rows, wanted, step.miss, slots)
-        self._write_new(layer, hot_rows, rows.positions, slots[:, 0], latent_new)
-        buffer_rows = hot_rows[:, None] * hp + slots.clamp_min(0)
-        self.stats.wanted_pages += int((wanted >= 0).sum())
-        self.stats.decode_rows += len(top) if layer == 0 else 0
-        flat = take_rows(self.latent[layer], buffer_rows)  # (B, K, ps, *item)
-        return flat.reshape(len(top), top.shape[1] * ps, -1)
+        self._counts[0] += (wanted >= 0).sum()
+        self._counts[1] += step.miss.sum()
+        self._decode_rows += len(top) if layer == 0 else 0
+        positions = rows.positions.to(self.held.device)
+        value = latent_new.view(len(top), *self.latent.shape[3:]).to(self.latent.dtype)
+        inputs = (hot_rows, wanted, step.slots, step.miss, positions, value)
+        pending = self.copies.launch(lambda: self._copy_layer(layer, *inputs), inputs)
+        buffer_rows = hot_rows[:, None] * hp + step.slots.clamp_min(0)
 
-    def _load_misses(
+        def latent() -> torch.Tensor:
+            pending.wait()
+            flat = take_rows(self.latent[layer], buffer_rows)  # (B, K, ps, *item)
+            return flat.reshape(len(top), top.shape[1] * ps, -1)
+
+        return latent
+
+    def _copy_layer(
         self,
         layer: int,
         rows: torch.Tensor,
         wanted: torch.Tensor,
-        miss: torch.Tensor,
         slots: torch.Tensor,
+        miss: torch.Tensor,
+        positions: torch.Tensor,
+        value: torch.Tensor,
     ) -> None:
-        """Copy the missed pages of ``layer`` from host into their slots."""
-        where = torch.nonzero(miss.cpu())
-        if not len(where):
-            return
-        miss_rows = rows.cpu()[where[:, 0]]
-        pages = wanted.cpu()[where[:, 0], where[:, 1]]
-        host_pages = self.host_table[miss_rows, pages]
-        data = self._host[:, 0, layer][host_pages]  # (M, ps, *item): gathered on the host
-        dest = miss_rows * self.hot_pages + slots.cpu()[where[:, 0], where[:, 1]]
-        self.latent[layer][dest.to(self.device)] = data.to(self.device, non_blocking=True)
-        self.stats.missed_pages += len(where)
-        self.stats.h2d_bytes += data.numel() * data.element_size()
+        """One layer's copies, in order: the misses into their slots, then the new tokens'
+        latent into their page's slot (every row's first wanted page: its own) and to host."""
+        hp = self.hot_pages
+        if self.masked_copies:
+            self._load_masked(layer, rows, wanted, slots, miss)
+        else:
+            self._load_listed(layer, rows, wanted, slots, miss)
+        latent = self.latent[layer]
+        latent[rows * hp + slots[:, 0], positions % self.page_size] = value
+        table = self._device_table if self.masked_copies else self.host_table
+        host_rows, host_positions = rows.to(table.device), positions.to(table.device)
+        host_pages = table[host_rows, host_positions // self.page_size]
+        host_layer = self._host_view[:, 0, layer]  # writes land in the host pool
+        host_layer[host_pages, host_positions % self.page_size] = value.to(
+            host_layer.device, host_layer.dtype
+        )
 
-    def _write_new(
+    def _load_listed(
         self,
         layer: int,
         rows: torch.Tensor,
-        positions: torch.Tensor,
-        own_slots: torch.Tensor,
-        latent_new: torch.Tensor,
+        wanted: torch.Tensor,
+        slots: torch.Tensor,
+        miss: torch.Tensor,
     ) -> None:
-        """The new tokens' latent into their page's slot (the own page is every row's first
-        wanted page) and, eagerly, into their host pages."""
-        ps = self.page_size
-        positions = positions.to(rows.device)
-        value = latent_new.view(len(rows), *self.latent.shape[3:]).to(self.latent.dtype)
-        self.latent[layer][rows * self.hot_pages + own_slots, positions % ps] = value
-        host_rows, host_positions = rows.cpu(), positions.cpu()
-        host_pages = self.host_table[host_rows, host_positions // ps]
-        if bool((host_pages < 0).any()):
-            raise RuntimeError("a HiSparse request wrote past the host pages it holds")
-        host_layer = self._host[:, 0, layer]  # a view: writes land in the host pool
-        host_layer[host_pages, host_positions % ps] = value.to("cpu", self._host.dtype)
+        """The misses as a list (on the CPU, where listing them costs no device sync)."""
+        where = torch.nonzero(miss)
+        if not len(where):
+            return
+        miss_rows = rows[where[:, 0]]
+        host_pages = self.host_table[miss_rows, wanted[where[:, 0], where[:, 1]]]
+        dest = miss_rows * self.hot_pages + slots[where[:, 0], where[:, 1]]
+        self.latent[layer].index_copy_(0, dest, self._host[:, 0, layer].index_select(0, host_pages))
+
+    def _load_masked(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        wanted: torch.Tensor,
+        slots: torch.Tensor,
+        miss: torch.Tensor,
+    ) -> None:
+        """Every wanted position copies a page, so that nothing waits for the number of
+        misses: a miss its host page into its slot, any other host page 0 into the spare row
+        past every buffer row (the host pool read through its device alias on CUDA)."""
+        hp = self.hot_pages
+        pages = self._device_table[rows[:, None], wanted.clamp_min(0)]
+        source = torch.where(miss, pages, 0).flatten()
+        spare = self.latent.shape[1] - 1
+        dest = torch.where(miss, rows[:, None] * hp + slots, spare).flatten()
+        self.latent[layer].index_copy_(
+            0, dest, self._host_view[:, 0, layer].index_select(0, source)
+        )
+
+
+def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a view of a pinned host buffer) read and written by ``device``'s kernels
+    through unified addressing, without a copy."""
+    base: torch.Tensor = host
+    while base._base is not None:
+        base = base._base
+    alias = _host_on_device(base, device)
+    offset = host.storage_offset() - base.storage_offset()
+    view: torch.Tensor = alias.as_strided(
+        host.shape, host.stride(), alias.storage_offset() + offset
+    )
+    return view

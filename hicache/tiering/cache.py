@@ -52,6 +52,7 @@ from hicache.radix.node import TreeNode
 from hicache.radix.shadow import ShadowMatchResult, ShadowRadixCache
 from hicache.radix.shadow_rules import path_presence, peek_path, pool_indices
 from hicache.radix.slots import concat_slots
+from hicache.radix.tier_peek import TierPeek
 from hicache.radix.tree import MatchResult, RadixCacheConfig
 from hicache.tiering.backup import Backups
 from hicache.tiering.bundler import BundlePage, PageHasher
@@ -62,6 +63,7 @@ from hicache.tiering.l3_writer import L3Writer
 from hicache.tiering.load_back import LoadBack
 from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.parts import TierPools
+from hicache.tiering.peek import tiered_peek
 from hicache.tiering.policies import TerminationReason, WritePolicy, backup_on_hit
 from hicache.tiering.pool_host import held_anywhere, split_host
 from hicache.tiering.prefetch_insert import PrefetchInserter
@@ -219,6 +221,13 @@ class HiRadixCache(ShadowRadixCache):
             self.writer.admit_hits(path)
         return result
 
+    def peek_tiers(self, key: RadixKey) -> TierPeek:
+        """What :meth:`match_prefix` would find, in device and host units, without touching
+        the tree (see :mod:`~hicache.tiering.peek`)."""
+        data, unit = self._pack(key)
+        root = self.namespace_root(key.extra_key, key.is_bigram)
+        return tiered_peek(self.roles, self.page_size, root, data, unit)
+
     def _tiered_path(self, root: TreeNode, data: bytes, unit: int) -> tuple[list[TreeNode], int]:
         """The nodes of the prefix usable on device or host, split at its end and at the
         device-usable end; and how many of them are the device part."""
@@ -374,7 +383,7 @@ class HiRadixCache(ShadowRadixCache):
             return 0
         self.metrics.add("device_evicted_tokens", node.length)
         if node.host_value is None:
-            return super()._evict_leaf(node)
+            return self._remove_leaf(node)  # on no tier: out of the tree, every pool freed
         # Backed up: free the device slots only (every pool's, each copied to host first when
         # it can be); the node stays in the tree, on host.
         self._backup(node, evicting=True)

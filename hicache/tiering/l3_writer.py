@@ -62,7 +62,7 @@ class L3Writer:
         out: dict[str, torch.Tensor] = {}
         if not node.in_storage and node.host_value is not None:
             out[self.pools.roles.anchor] = node.host_value
-        windows = self.pools.roles.token_pools
+        windows = self.pools.roles.windows  # an ALL_PAGES pool (c128) goes as the anchor does
         admission = self.config.window_admission
         for pool, pages in host_pools_of(node):
             if pool in node.pool_stored:

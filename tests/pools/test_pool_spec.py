@@ -280,9 +280,11 @@ def test_dsv4_preset_compresses_into_the_token_slots() -> None:
     model = preset(PoolPreset.DSV4)
     assert model.names == ("c4", "indexer", "c128", "swa")
     c4, indexer, c128, swa = model.pools
+    # Three lifecycles: c4 (the indexer on its slots), c128 and swa each own their slots.
     assert (indexer.shares_slots_with, c128.shares_slots_with, swa.shares_slots_with) == (
-        "c4", "c4", None,
+        "c4", None, None,
     )  # fmt: skip
+    assert model.sidecars("c4") == (indexer,) and c128.hit_rule == ALL_PAGES
     shape = ModelShape()
     # A page of 128 tokens: 32 C4 entries and one C128 entry per layer.
     assert c4.page_bytes == shape.layers * 32 * shape.c4_dim * 2

@@ -58,9 +58,14 @@ def check_sizes(tree: ShadowRadixCache) -> None:
         assert ledger.evictable(name) == total - locked
         alloc_ = tree.allocators[name]
         assert alloc_.size - alloc_.available_size == total
-    anchor = tree.roles.anchor
-    assert ledger.size(anchor) == sum(n.length for n in nodes)
-    assert ledger.protected(anchor) == sum(n.length for n in nodes if n.lock_ref)
+    anchor, held = tree.roles.anchor, [n for n in nodes if n.value is not None]
+    assert ledger.size(anchor) == sum(n.length for n in held)
+    assert ledger.protected(anchor) == sum(n.length for n in held if n.lock_ref)
+    alloc_ = tree.allocators[anchor]
+    assert alloc_.size - alloc_.available_size == ledger.size(anchor)
+    for node in nodes:  # the anchor's nodes are the top of the tree; no node holds nothing
+        assert node.value is None or node.parent.parent is None or node.parent.value is not None
+        assert node.value is not None or node.children or ledger.holds_any(node)
 
 
 def key(n: int, start: int = 0) -> RadixKey:
@@ -169,7 +174,7 @@ def test_hybrid_hit_ends_at_the_deepest_snapshot() -> None:
     check_sizes(tree)
 
 
-def test_duplicate_snapshot_is_returned_and_eviction_frees_states() -> None:
+def test_duplicate_snapshot_is_returned_and_each_pool_evicts_its_own() -> None:
     tree = make(PoolPreset.HYBRID)
     kv = alloc(tree, "kv", 8)
     tree.insert_bundle(key(8), kv, {"conv": alloc(tree, "conv", 1)})
@@ -177,9 +182,12 @@ def test_duplicate_snapshot_is_returned_and_eviction_frees_states() -> None:
     res = tree.insert_bundle(key(8), kv, {"conv": again})
     assert torch.equal(res.unused["conv"], again)
     tree.allocators["conv"].free(again)
-    assert tree.evict(8) == 8
-    assert tree.ledger.size("conv") == 0 and free_slots(tree, "conv") == 256
-    assert tree.match_prefix(key(8)).prefix_len == 0
+    assert tree.evict(8) == 8 and free_slots(tree, "kv") == 256
+    assert tree.ledger.size("conv") == 1 and free_slots(tree, "conv") == 255  # not the anchor's
+    assert tree.match_prefix(key(8)).prefix_len == 0 and tree.total_nodes == 1
+    check_sizes(tree)
+    assert tree.evict_pool("conv", 1) == 1  # the last data on the node: it leaves the tree
+    assert tree.total_nodes == 0 and free_slots(tree, "conv") == 256
     check_sizes(tree)
 
 
@@ -188,22 +196,29 @@ def test_state_pool_lock_keeps_the_snapshot_from_evict_pool() -> None:
     tree.insert_bundle(key(8), alloc(tree, "kv", 8), {"conv": alloc(tree, "conv", 1)})
     node = tree.match_prefix(key(8)).last_device_node
     tree.ledger.lock(node, "ssm")  # a sidecar locks its owner
-    assert tree.evict_pool("conv", 1) == 0 and tree.evict(8) == 0  # pool-locked: kept whole
-    assert tree.ledger.protected("conv") == 1
+    assert tree.evict_pool("conv", 1) == 0  # pool-locked: kept
+    assert tree.evict(8) == 8  # the pool lock holds the snapshot, not the anchor
+    assert tree.ledger.protected("conv") == 1 and tree.total_nodes == 1
+    check_sizes(tree)
     tree.ledger.unlock(node, "conv")
     assert tree.evict_pool("conv", 1) == 1 and tree.match_prefix(key(8)).prefix_len == 0
+    assert tree.total_nodes == 0  # nothing left on it: out of the tree
     check_sizes(tree)
 
 
-def test_pool_unlock_lets_evict_remove_the_leaf() -> None:
+def test_tree_unlock_lets_evict_free_the_anchor_and_a_pool_lock_keeps_the_node() -> None:
     tree = make(PoolPreset.HYBRID)
     tree.insert_bundle(key(8), alloc(tree, "kv", 8), {"conv": alloc(tree, "conv", 1)})
     node = tree.match_prefix(key(8)).last_device_node
+    tree.inc_lock_ref(node)
+    assert tree.evict(8) == 0  # the eviction heap drops the leaf's entry: it is tree-locked
+    tree.dec_lock_ref(node)  # re-queues the leaf, so evict finds it again
     tree.ledger.lock(node, "conv")
-    assert tree.evict(8) == 0  # the eviction heap drops the leaf's entry: it is pool-locked
-    tree.ledger.unlock(node, "conv")  # re-queues the leaf, so evict finds it again
-    assert tree.evict(8) == 8 and tree.total_nodes == 0
-    assert free_slots(tree, "conv") == 256
+    assert tree.evict(8) == 8 and free_slots(tree, "kv") == 256
+    assert tree.total_nodes == 1 and free_slots(tree, "conv") == 255  # the snapshot stays
+    assert tree.evict_pool("conv", 1) == 0  # locked
+    tree.ledger.unlock(node, "conv")
+    assert tree.evict_pool("conv", 1) == 1 and tree.total_nodes == 0
     check_sizes(tree)
 
 

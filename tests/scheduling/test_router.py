@@ -168,9 +168,54 @@ def test_config_errors() -> None:
         {"max_tree_tokens": 0},
         {"page_size": 0},
         {"page_size": 64, "max_tree_tokens": 32},
+        {"host_hit_weight": -0.5},
+        {"host_hit_weight": 1.5},
+        {"host_hit_weight": float("nan")},
+        {"host_hit_weight": "1"},
+        {"device_tree_tokens": -1},
+        {"device_tree_tokens": 1.5},
     ]
     for bad in cases:
         with pytest.raises(ConfigError):
             RouterConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         CacheAwareRouter(0)
+
+
+# ----- device and host ------------------------------------------------------------------------
+def _worker_with_prefix_on_host(**kw: object) -> CacheAwareRouter:
+    """Worker 0 cached a 64-token prefix long ago (its device has room for 64 tokens and has
+    cached two other sequences since: the prefix is on its host); worker 1 holds 16 tokens of
+    it on its device."""
+    r = router(2, balance_margin=math.inf, device_tree_tokens=64, max_tree_tokens=1024, **kw)
+    r.complete(0, 0, key=key(0, n=64))
+    r.complete(0, 0, key=key(1000, n=64))
+    r.complete(0, 0, key=key(2000, n=64))
+    r.complete(1, 0, key=key(0, n=16))
+    return r
+
+
+def test_the_request_goes_to_the_worker_holding_its_prefix_on_host() -> None:
+    # Worker 0: 64 host tokens x 0.8 = 51.2; worker 1: 16 device tokens.
+    r = _worker_with_prefix_on_host()
+    assert r.route(key(0, n=64, tail=1)) == 0
+    assert r.stats.cache_hits == 1
+    # What the request brought is on worker 0's device now: a follow-up goes there too.
+    assert r.route(key(0, n=64, tail=2)) == 0
+
+
+def test_a_host_hit_counts_at_the_configured_weight() -> None:
+    # 64 x 0.2 = 12.8 < 16 on worker 1's device; at 0 the host tier is nothing.
+    for weight in (0.0, 0.2):
+        r = _worker_with_prefix_on_host(host_hit_weight=weight)
+        assert r.route(key(0, n=64, tail=1)) == 1, weight
+    r = _worker_with_prefix_on_host(host_hit_weight=0.3)  # 19.2 > 16
+    assert r.route(key(0, n=64, tail=1)) == 0
+
+
+def test_without_a_device_size_the_whole_tree_counts_as_device() -> None:
+    r = router(2, balance_margin=math.inf, host_hit_weight=0.0)
+    r.complete(0, 0, key=key(0, n=64))
+    r.complete(0, 0, key=key(1000, n=64))
+    r.complete(1, 0, key=key(0, n=16))
+    assert r.route(key(0, n=64, tail=1)) == 0  # 64 "device" tokens, whatever the weight

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from tiered_tree import tiered_with
 
 from hicache.errors import ConfigError, InvalidArgumentError, InvalidTokenError
 from hicache.keys import RadixKey
@@ -87,18 +88,36 @@ def test_lpm_orders_by_matched_prefix_ties_by_arrival() -> None:
     assert plan.cached_tokens == {"miss": 0, "short": 4, "long": 10, "mid": 6, "short2": 4}
 
 
-def test_lpm_counts_the_host_hit_too() -> None:
-    # A span evicted from the device but backed up on the host stays in the tree (HiRadixCache);
-    # it is as reusable as a device span for ordering.
+async def test_lpm_counts_the_host_hit_too() -> None:
+    # A span evicted from the device but backed up on the host stays in the tiered tree; it
+    # needs no computing, so LPM counts it (at the host weight: 52 x 0.8 = 41.6 > 12).
+    long, host = list(range(100, 112)), list(range(1, 53))
+    async with tiered_with(on_host=[host], on_device=[long]) as tree:
+        queue = [req("long", [*long, 9], t=0), req("host", [*host, 9], t=1)]
+        plan = sched(tree, P.LPM).plan(queue)
+        assert rids(plan.requests) == ["host", "long"]
+        assert plan.cached_tokens == {"host": 52, "long": 12}
+        tiers = {rid: (m.device, m.host) for rid, m in plan.matches.items()}
+        assert tiers == {"host": (0, 52), "long": (12, 0)}
+
+
+def test_a_plain_trees_peek_counts_host_only_nodes_as_host() -> None:
+    # A plain tree holding a node the way the tiered cache leaves an evicted one (host pages,
+    # no device slots): the device part ends there, the rest of the match is the host part.
     tree = RadixCache(RadixCacheConfig(page_size=1))
-    tree.insert(RadixKey(list(range(100, 110))), torch.arange(10))
-    tree.insert(RadixKey(list(range(1, 51))), torch.arange(10, 60))
+    tree.insert(RadixKey(list(range(1, 21))), torch.arange(20))
+    tree.insert(RadixKey(list(range(1, 51))), torch.arange(50))
     host_only = tree.match_prefix(RadixKey(list(range(1, 51)))).last_device_node
     host_only.host_value, host_only.value = host_only.value, None
-    queue = [req("long", [*range(100, 110), 9], t=0), req("host", [*range(1, 51), 9], t=1)]
-    plan = sched(tree, P.LPM).plan(queue)
-    assert rids(plan.requests) == ["host", "long"]
-    assert plan.cached_tokens == {"host": 50, "long": 10}
+    peek = tree.peek_tiers(RadixKey([*range(1, 41), 7]))
+    assert (peek.device, peek.host, peek.total) == (20, 20, 40)
+    assert peek.last_node is host_only and peek.last_device_node is host_only.parent
+    assert peek.weighted(0.5) == 30.0
+    # LPM at weight 0.5: 20 + 15 = 35 beats 25 on the device; at 0.1, 23 does not.
+    tree.insert(RadixKey(list(range(100, 125))), torch.arange(50, 75))  # 25 on the device
+    queue = [req("dev", [*range(100, 125), 9], t=0), req("host", [*range(1, 51), 9], t=1)]
+    assert rids(sched(tree, P.LPM, host_hit_weight=0.5).order(queue)) == ["host", "dev"]
+    assert rids(sched(tree, P.LPM, host_hit_weight=0.1).order(queue)) == ["dev", "host"]
 
 
 def test_lpm_falls_back_to_fcfs_past_the_queue_length_without_matching() -> None:

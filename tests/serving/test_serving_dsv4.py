@@ -1,12 +1,14 @@
 """The ``dsv4`` preset (DeepSeek-V4-style hybrid attention): CSA layers (4:1 compressed entries,
 top-k by an indexer) and HCA layers (128:1 compressed entries, dense), each beside a 128-token
-sliding window, with the entries spread over their groups' token slots of the anchor pool.
+sliding window, with the entries spread over their groups' token slots: C4's (and the indexer's)
+on the anchor's slots, C128's and the window's on slots of their own (three lifecycles).
 
 The model alone: computing in chunks (of sizes that split the groups), or resuming from a prefix's
 cached entries and window moved through host memory to other slots, gives the logits of computing
 through; leaving one pool's pages behind does not. Served: outputs and logits are those of the
-no-cache run with the device tree and the tiered cache (host, file L3, a restart over that L3).
-Bad sizes are one-line usage errors naming the flag.
+no-cache run with the device tree and the tiered cache (host, file L3, a restart over that L3),
+also when a small c128 pool evicts entries c4 keeps, or a small c4 pool pages c128 keeps.
+Bad sizes (an ``--index-topk`` above the pool too) are one-line usage errors naming the flag.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+from typing import Any
 
 import pytest
 import torch
@@ -38,10 +41,14 @@ from hicache.models.types import ChunkInput
 from hicache.pools.device import DevicePool, device_pools
 from hicache.pools.host import host_pools
 from hicache.pools.pool_spec import HitRuleKind
+from hicache.serving import setup as serving_setup
 from hicache.serving.engine import CacheMode, EngineConfig, RequestSource
-from hicache.serving.setup import open_engine
+from hicache.serving.setup import ServingSetup, device_slots, open_engine
 from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
 from hicache.tiering.policies import PrefetchStopPolicy, WritePolicy
+from hicache.tiering.pool_host import host_of
+from hicache.tools.serve.config import check_index_topk
+from hicache.workloads.pool_report import pool_bytes
 from hicache.workloads.synthetic import ChatConfig, MultiTurnChat
 
 PAGE = 128
@@ -75,7 +82,8 @@ def test_pools_layers_and_keep_interval() -> None:
     assert spec.names == ("c4", "indexer", "c128", "swa")
     c4, indexer, c128, swa = spec.pools
     assert c4.shares_slots_with is None and c4.hit_rule.kind is HitRuleKind.ALL_PAGES
-    assert indexer.shares_slots_with == c128.shares_slots_with == "c4"
+    assert indexer.shares_slots_with == "c4"  # three lifecycles: c4 (and indexer), c128, swa
+    assert c128.shares_slots_with is None and c128.hit_rule.kind is HitRuleKind.ALL_PAGES
     assert swa.shares_slots_with is None and swa.hit_rule.pages == WINDOW // PAGE
     assert c4.layout.item_shape == (16 // 4,) and c4.layout.layers == 2
     assert indexer.layout.item_shape == ((8 + 4) // 4,) and indexer.layout.layers == 2
@@ -86,6 +94,28 @@ def test_pools_layers_and_keep_interval() -> None:
     assert CONFIG.layer_pools(2) == {"c4": 1, "indexer": 1, "swa": 2}
     assert CONFIG.layer_pools(3) == {"c128": 1, "swa": 3}
     assert CONFIG.keep_interval == CONFIG.window_interval
+
+
+def test_index_topk_defaults_to_the_seeds_top_512_scaled_by_the_window() -> None:
+    """The seed's C4 picks 512 entries beside a 128-token window: 4 entries a window token."""
+    dsv4 = dict(preset=ModelPreset.DSV4, page_size=PAGE)
+    assert ModelConfig(**dsv4, window=128).index_topk_pages == 512
+    assert ModelConfig(**dsv4, window=256).index_topk_pages == 1024
+    assert ModelConfig(**dsv4, window=128, index_topk_pages=7).index_topk_pages == 7
+    assert ModelConfig(preset=ModelPreset.DSA).index_topk_pages == 4
+    assert CONFIG.index_topk_pages == 4  # given: these tests keep the selection narrow
+
+
+def test_an_index_topk_above_the_pool_is_refused() -> None:
+    """dsv4: C4 entries (a quarter of the device tokens); dsa: pages of the device pool."""
+    check_index_topk(256, CONFIG, 1024)
+    with pytest.raises(ConfigError, match="--index-topk 257 is more than the 256 C4 entries"):
+        check_index_topk(257, CONFIG, 1024)
+    dsa = ModelConfig(preset=ModelPreset.DSA, page_size=16)
+    check_index_topk(64, dsa, 1024)
+    with pytest.raises(ConfigError, match="the 64 pages of 16 tokens"):
+        check_index_topk(65, dsa, 1024)
+    check_index_topk(1 << 20, ModelConfig(), 16)  # dense: no top-k to check
 
 
 @pytest.mark.parametrize(
@@ -110,14 +140,17 @@ def test_bad_sizes_are_refused(changes: dict[str, int], says: str) -> None:
 
 
 # ----- the model alone -----------------------------------------------------------------------
+OWNERS = ("c4", "c128", "swa")  # the pools with slots of their own
+
+
 def _pools(tokens: int) -> dict[str, DevicePool]:
-    return device_pools(CONFIG.pools(), {"c4": tokens, "swa": tokens}, "cpu")
+    return device_pools(CONFIG.pools(), dict.fromkeys(OWNERS, tokens), "cpu")
 
 
 def _slots(pools: dict[str, DevicePool], tokens: int, seed: int) -> dict[str, torch.Tensor]:
     """Whole pages of each slot owner, in a shuffled page order."""
     out = {}
-    for name in ("c4", "swa"):
+    for name in OWNERS:
         taken = pools[name].alloc(-(-tokens // PAGE) * PAGE)
         assert taken is not None
         order = torch.randperm(len(taken) // PAGE, generator=torch.Generator().manual_seed(seed))
@@ -129,7 +162,8 @@ def _forward(
     pools: dict[str, DevicePool], slots: dict[str, torch.Tensor], tokens: torch.Tensor, start: int
 ) -> torch.Tensor:
     end = start + len(tokens)
-    chunk = ChunkInput(tokens, start, slots["c4"][:end], {"swa": slots["swa"][:end]})
+    own = {name: slots[name][:end] for name in ("c128", "swa")}
+    chunk = ChunkInput(tokens, start, slots["c4"][:end], own)
     return model().forward(chunk, pools)
 
 
@@ -146,10 +180,10 @@ def _chunked(tokens: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 
 def _resumed(tokens: torch.Tensor, split: int, drop: str | None = None) -> torch.Tensor:
-    """``tokens[:split]`` computed in one engine; the prefix's c4 pages (indexer, c128 on the
-    same slots) and only its window's swa pages moved through host memory to other slots of
-    another engine, whose swa row is -1 before the window; then the rest there. ``drop``: a
-    pool whose pages are not moved."""
+    """``tokens[:split]`` computed in one engine; the prefix's c4 pages (indexer on the same
+    slots), its c128 pages and only its window's swa pages moved through host memory to other
+    slots of another engine, whose swa row is -1 before the window; then the rest there.
+    ``drop``: a pool whose pages are not moved."""
     first = _pools(512)
     a = _slots(first, split, seed=1)
     _forward(first, a, tokens[:split], 0)
@@ -157,11 +191,13 @@ def _resumed(tokens: torch.Tensor, split: int, drop: str | None = None) -> torch
     b = {name: s[PAGE:] for name, s in _slots(second, len(tokens) + PAGE, seed=3).items()}
     lo = split - WINDOW
     spans = {"c4": (0, split), "indexer": (0, split), "c128": (0, split), "swa": (lo, split)}
-    host = host_pools(CONFIG.pools(), {"c4": split // PAGE, "swa": WINDOW // PAGE})
+    host = host_pools(
+        CONFIG.pools(), {"c4": split // PAGE, "c128": split // PAGE, "swa": WINDOW // PAGE}
+    )
     for name, (start, stop) in spans.items():
         if name == drop:
             continue
-        owner = "swa" if name == "swa" else "c4"
+        owner = "c4" if name == "indexer" else name
         pages = host[owner].alloc((stop - start) // PAGE)
         assert pages is not None
         host[name].backup(first[name], a[owner][start:stop], pages).synchronize()
@@ -205,7 +241,7 @@ def test_only_the_top_k_c4_entries_are_attended() -> None:
     pools = _pools(512)
     slots = _slots(pools, len(TOKENS), seed=0)
     n = len(TOKENS)
-    chunk = ChunkInput(TOKENS, 0, slots["c4"][:n], {"swa": slots["swa"][:n]})
+    chunk = ChunkInput(TOKENS, 0, slots["c4"][:n], {p: slots[p][:n] for p in ("c128", "swa")})
     assert relative_error(wide.forward(chunk, pools), _whole()) > 1e-3
 
 
@@ -330,6 +366,83 @@ async def test_revisited_documents_come_from_each_tier_and_match(tmp_path: pathl
     assert again.records[0].hit_l3 == 2 * PAGE  # the first document, from the last run's L3
 
 
+# ----- each pool's own lifecycle, served ------------------------------------------------------
+# The chat's ~2k tokens through pools of different sizes: a small c128 pool loses entries while
+# c4 keeps them, a small c4 pool loses its pages while c128 keeps its own.
+SMALL_C128 = {"c4": 2048, "c128": 768}
+SMALL_C4 = {"c4": 768, "c128": 2048}
+
+
+@dataclasses.dataclass
+class _EndState:
+    """What the tree and the device pools held when the run ended."""
+
+    slots: dict[str, int]  # device slots in use per owner pool
+    c4_without_c128: int  # nodes whose c4 is on the device and c128 is not
+    c128_without_c4: int  # nodes whose c128 is on the device (or host) and c4 is not
+    pool_bytes: dict[str, Any]
+
+
+async def _serve_sized(
+    mode: CacheMode, sizes: dict[str, int], monkeypatch: pytest.MonkeyPatch, l3: pathlib.Path
+) -> tuple[RunResult, _EndState]:
+    """:func:`_serve` with the c4 and c128 pools of ``sizes`` (swa as the engine sizes it)."""
+    slots = device_slots(CONFIG, DEVICE_TOKENS, ENGINE) | sizes
+    monkeypatch.setattr(serving_setup, "device_slots", lambda *_, **__: slots)
+    recording = Recording(MultiTurnChat(CHAT))
+    setup = await open_engine(model(), mode, _hicache(l3), sizes["c4"], ENGINE)
+    logits: dict[tuple[str, int], torch.Tensor] = {}
+    _capture_logits(setup, logits)
+    try:
+        records = await asyncio.wait_for(setup.engine.run(recording), 60.0)
+        end = await _end_state(setup)
+    finally:
+        await setup.close()
+    metrics = setup.controller.metrics.as_dict() if setup.controller is not None else {}
+    return RunResult(recording.outputs, records, metrics, recording.prompts, logits), end
+
+
+async def _end_state(setup: ServingSetup) -> _EndState:
+    tree, pools = setup.engine.tree, setup.engine.pools
+    assert tree is not None
+    nodes, ledger = tree.all_nodes(), tree.ledger
+
+    def c128_anywhere(node: Any) -> bool:
+        return ledger.data(node, "c128") is not None or host_of(node, "c128") is not None
+
+    return _EndState(
+        {name: pools[name].used_size for name in ("c4", "c128", "swa")},
+        sum(n.value is not None and ledger.data(n, "c128") is None for n in nodes),
+        sum(n.value is None and c128_anywhere(n) for n in nodes),
+        await pool_bytes(pools, setup.cache),
+    )
+
+
+@pytest.mark.parametrize(
+    "sizes", [SMALL_C128, SMALL_C4], ids=["c128 evicted, c4 kept", "c4 evicted, c128 kept"]
+)
+async def test_each_pool_evicts_on_its_own_and_outputs_stay_identical(
+    sizes: dict[str, int], monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    want = await _serve(CacheMode.NONE)
+    modes = [CacheMode.DEVICE, CacheMode.DEVICE_HOST, CacheMode.DEVICE_HOST_L3]
+    for mode in modes:
+        got, end = await _serve_sized(mode, sizes, monkeypatch, tmp_path / "l3")
+        assert_same_run(got, want, f"{mode.value} with pools {sizes}")
+        assert got.hits("device") + got.hits("host") + got.hits("l3") > 0, mode
+        if sizes is SMALL_C128:  # c128 went where c4 stayed
+            assert end.c4_without_c128 > 0 and end.slots["c128"] < end.slots["c4"], mode
+        elif mode is CacheMode.DEVICE:  # c4 went, c128 stayed on the device (the plain tree)
+            assert end.c128_without_c4 > 0 and end.slots["c4"] < end.slots["c128"], mode
+        else:  # the tiered tree: c4 went to host, c128's copy there with it
+            assert end.c128_without_c4 > 0, mode
+        # Each pool's bytes are its own slots' (the indexer's are c4's)
+        for name, owner in (("c4", "c4"), ("indexer", "c4"), ("c128", "c128"), ("swa", "swa")):
+            spec = CONFIG.pools().pool(name)
+            per_slot = spec.page_bytes // spec.page_size
+            assert end.pool_bytes[name]["device"] == end.slots[owner] * per_slot, (mode, name)
+
+
 # ----- the command line ----------------------------------------------------------------------
 SMALL = [
     "serve", "--preset", "dsv4", "--device", "cpu", "--layers", "2", "--hidden", "32",
@@ -347,6 +460,8 @@ ONE = ["--clients", "1", "--rounds", "1", "--system-tokens", "8", "--turn-tokens
         (["--page-size", "128", "--window", "64"], "--window"),
         (["--page-size", "256", "--window", "384"], "--window"),
         (["--page-size", "256", "--window-interval", "128"], "--window-interval"),
+        # 1024 device tokens hold 256 C4 entries
+        (["--page-size", "128", "--device-tokens", "1024", "--index-topk", "257"], "--index-topk"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
@@ -373,6 +488,8 @@ def test_cli_serves_dsv4_with_every_cache_mode(
     result = json.loads(out)
     assert result["outputs_identical"] is True
     assert result["model"]["window"] == 128 and result["model"]["window_interval"] == 512
+    assert result["model"]["index_topk_pages"] == 512  # the seed's top-512, above the pool's
+    # 256 entries: a query attends to every complete one
     rows = {row["name"]: row for row in result["configs"]}
     assert set(rows) == {"none", "device", "device+host", "device+host+l3"}
     assert rows["device"]["hit_rate"] > 0

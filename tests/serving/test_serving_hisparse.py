@@ -325,7 +325,7 @@ class WantedPages:
     def install(self, setup: ServingSetup) -> None:
         sparse = setup.engine.sparse
         assert sparse is not None
-        enter, gather = sparse.enter, sparse.buffer.gather
+        enter, gather = sparse.enter, sparse.buffer.start_gather
 
         def entering(request: ServeRequest, commit: Any) -> str | None:
             self._row_owner[request.hot.row] = request.rid
@@ -333,7 +333,7 @@ class WantedPages:
 
         def gathering(
             layer: int, rows: DecodeRows, top: torch.Tensor, latent_new: torch.Tensor
-        ) -> torch.Tensor:
+        ) -> Callable[[], torch.Tensor]:
             assert rows.hot_rows is not None
             for row, pages in zip(rows.hot_rows.tolist(), top.tolist(), strict=True):
                 key = (self._row_owner[row], layer)
@@ -341,7 +341,7 @@ class WantedPages:
             return gather(layer, rows, top, latent_new)
 
         sparse.enter = entering  # type: ignore[method-assign]
-        sparse.buffer.gather = gathering  # type: ignore[method-assign]
+        sparse.buffer.start_gather = gathering  # type: ignore[method-assign]
 
 
 async def test_a_buffer_bigger_than_any_context_never_reloads_a_page() -> None:

@@ -87,16 +87,18 @@ class PoolKit:
 
     def cache(self, tokens: list[int], snapshots: tuple[int, ...] = ()) -> bool:
         """Cache ``tokens`` (whole pages) as a request would: anchor slots for all of them, a
-        window pool's slots for the last window's pages only, a state snapshot at the end and
-        after each length in ``snapshots``. False (nothing changed) when the device has no
-        room, as an engine would not admit the request."""
+        window pool's slots for the last window's pages only (an ALL_PAGES one's for every
+        page), a state snapshot at the end and after each length in ``snapshots``. False
+        (nothing changed) when the device has no room, as an engine would not admit the
+        request."""
         tree, roles = self.tree, self.tree.roles
         for n in sorted(snapshots):
             if not self.cache(tokens[:n]):
                 return False
         held = max(0, len(tokens) - self.window)
         wanted = {roles.anchor: len(tokens)}
-        wanted |= {name: len(tokens) - held for name in roles.token_pools}
+        starts = {name: held if name in roles.windows else 0 for name in roles.token_pools}
+        wanted |= {name: len(tokens) - starts[name] for name in roles.token_pools}
         wanted |= dict.fromkeys(roles.state_pools, 1)
         got: dict[str, torch.Tensor] = {}
         for name, count in wanted.items():
@@ -110,8 +112,9 @@ class PoolKit:
         values: dict[str, torch.Tensor] = {}
         for name in roles.token_pools:
             values[name] = torch.full((len(tokens),), -1, dtype=torch.int64)
-            values[name][held:] = got[name]
-            self._fill_tokens(name, tokens[held:], held, got[name])
+            lo = starts[name]  # a window pool holds the last window, another every page
+            values[name][lo:] = got[name]
+            self._fill_tokens(name, tokens[lo:], lo, got[name])
         for name in roles.state_pools:
             self._fill_state(name, tokens, int(got[name]))
             values[name] = got[name]
@@ -155,7 +158,7 @@ class PoolKit:
         for name in roles.token_pools:
             slots = extras[name]
             assert slots is not None
-            lo = max(0, len(tokens) - self.window)
+            lo = max(0, len(tokens) - self.window) if name in roles.windows else 0
             assert bool((slots[lo:] >= 0).all()), f"pool {name} lacks its window"
             self._check_tokens(name, tokens[lo:], lo, slots[lo:])
         for name in self.model.names:

@@ -35,6 +35,7 @@ __all__ = [
     "add_bench_layouts",
     "add_bench_lmcache",
     "add_bench_radix",
+    "add_bench_seed",
     "add_bench_sglang",
     "add_bench_tools",
     "add_bench_vllm",
@@ -82,6 +83,10 @@ BENCHMARKS: dict[str, Command] = {
     ),
     "vllm": Command(
         "vLLM's tier API over HiCacheTier vs vLLM's own fs tier", f"{_HERE}:add_bench_vllm"
+    ),
+    "seed": Command(
+        "each measured claim of the seed design, beside the seed's figure",
+        f"{_HERE}:add_bench_seed",
     ),
 }
 
@@ -304,3 +309,11 @@ def add_bench_vllm(bench_sub: Any) -> argparse.ArgumentParser:
     p = add_bench_vllm_parser(bench_sub)
     p.set_defaults(bench_run=run_bench_vllm)
     return p
+
+
+def add_bench_seed(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add ``bench seed`` from :mod:`hicache.tools.bench.seed`, which prints its own result
+    (one JSON object, or a table) instead of rows."""
+    from hicache.tools.bench.seed import add_bench_seed_parser
+
+    return add_bench_seed_parser(bench_sub)

@@ -11,6 +11,7 @@ import time
 import torch
 
 from hicache.backends.base import StorageBackend
+from hicache.layouts import Layout
 from hicache.tiering.bundler import BundlePage
 from hicache.tiering.controller import HiCacheController
 from hicache.tiering.storage_tier import PrefetchOp, WriteJob
@@ -20,6 +21,7 @@ __all__ = [
     "BATCH_PAGES",
     "CpuLog",
     "cpu_report",
+    "host_page_range",
     "l3_report",
     "roundtrip_controller",
     "roundtrip_raw",
@@ -124,14 +126,22 @@ async def roundtrip_raw(
     return seconds
 
 
+def host_page_range(ctl: HiCacheController, lo: int, hi: int) -> torch.Tensor:
+    """Host pages ``lo .. hi - 1`` of the anchor pool, a view in the pool's layout
+    (``layer_first`` holds a page's tokens along dim 2, the page_first family along dim 0)."""
+    host = ctl.anchor_host
+    if host.layout is Layout.LAYER_FIRST:
+        return host.buffer[:, :, lo * host.page_size : hi * host.page_size]
+    return host.buffer[lo:hi]
+
+
 def _clear_dest(ctl: HiCacheController, pages: int) -> None:
     """Zero the host pages read into (untimed), so a side cannot pass on the other's data."""
-    ctl.anchor_host.buffer[pages : 2 * pages].zero_()
+    host_page_range(ctl, pages, 2 * pages).zero_()
 
 
 def _check_read_back(ctl: HiCacheController, pages: int, who: str) -> None:
-    buffer = ctl.anchor_host.buffer
-    if not torch.equal(buffer[:pages], buffer[pages : 2 * pages]):
+    if not torch.equal(host_page_range(ctl, 0, pages), host_page_range(ctl, pages, 2 * pages)):
         raise RuntimeError(f"pages read back through {who} differ from those written")
 
 

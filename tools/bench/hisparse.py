@@ -16,9 +16,16 @@ requests decoding and none prefilling, as tokens over those steps' wall time. So
 decode throughput at the concurrency the budget allows, and the prompts' prefill (the same work
 in both runs, one prompt at a time in HiSparse's anchor pool) is left out; the outputs must be
 long enough for every admitted request to be decoding at once (``decode_steps`` counts them).
-Both runs of a concurrency serve the same prompts, and
+The HiSparse run goes twice: with its host-to-device copies overlapped with the forward (a copy
+thread on the CPU, a side stream on CUDA: :mod:`hicache.sparse.hot_copies`) and with them run
+synchronously, in the forward's thread. Each HiSparse row reports ``copy_s`` (the copies' own
+time), ``copy_waited_s`` (the forward's time blocked on them; on CUDA a stream wait the host
+does not see, reported as null) and ``copy_hidden`` (``1 - copy_waited_s / copy_s``; 0 for the
+synchronous run by construction). All runs of a concurrency serve the same prompts, and
 ``outputs_identical`` says whether they generated the same tokens. ``throughput_ratio`` is the
-high-concurrency point's with / without; ``low_concurrency_ratio`` the low one's.
+high-concurrency point's with (overlapped copies) / without; ``low_concurrency_ratio`` the low
+one's; ``overlap_vs_sync`` the high point's overlapped / synchronous decode tok/s, and
+``copy_hidden`` its overlapped run's hidden fraction.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.request import RequestRecord, StepRecord
 from hicache.serving.setup import open_engine, resolve_device
 from hicache.sparse.hot_buffer import HiSparseConfig
+from hicache.sparse.hot_copies import CopyMode, CopyTimes
 from hicache.tiering.config import HiCacheConfig, TierConfig
 from hicache.tools.cli_parsing import check_memory, int_range
 from hicache.workloads.arrivals import TraceReplay
@@ -119,13 +127,15 @@ def _trace(args: argparse.Namespace, count: int, vocab: int) -> list[TraceReques
 
 
 async def _run(
-    args: argparse.Namespace, model: TinyTransformer, concurrency: int, hisparse: bool
+    args: argparse.Namespace, model: TinyTransformer, concurrency: int, copies: CopyMode | None
 ) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """One run; ``copies`` None: without HiSparse."""
     config = model.config
+    hisparse = copies is not None
     sizes = _sizes(args, config, hisparse, concurrency)
     context_pages = _pages(args.context + args.output_tokens, config.page_size)
     host = TierConfig(host_pages=(concurrency + 2) * context_pages)
-    sparse = HiSparseConfig(args.hot_pages, sizes.index_tokens) if hisparse else None
+    sparse = HiSparseConfig(args.hot_pages, sizes.index_tokens, copies) if copies else None
     engine_config = EngineConfig(
         max_running=sizes.max_running, chunk_tokens=_CHUNK, hisparse=sparse, stall_s=600.0
     )
@@ -145,9 +155,24 @@ async def _run(
     source.finished = finished  # type: ignore[method-assign]
     try:
         records = await setup.engine.run(source)
+        hot = setup.engine.sparse
+        times = dataclasses.replace(hot.buffer.copy_times) if hot is not None else None
     finally:
         await setup.close()
-    return _row(setup, concurrency, sizes, steps, records), outputs
+    row = _row(setup, concurrency, sizes, steps, records)
+    return {**row, **_copy_fields(copies, times)}, outputs
+
+
+def _copy_fields(copies: CopyMode | None, times: CopyTimes | None) -> dict[str, Any]:
+    if copies is None or times is None:
+        return {"copies": None}
+    hidden = times.hidden
+    return {
+        "copies": copies.value,
+        "copy_s": round(times.copy_s, 4),
+        "copy_waited_s": round(times.waited_s, 4) if times.host_waits else None,
+        "copy_hidden": round(hidden, 3) if hidden is not None else None,
+    }
 
 
 def _row(
@@ -191,21 +216,30 @@ def run_bench_hisparse(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     identical = True
     for concurrency in dict.fromkeys((args.low, args.high)):
-        without, out_without = asyncio.run(_run(args, model, concurrency, hisparse=False))
-        with_, out_with = asyncio.run(_run(args, model, concurrency, hisparse=True))
-        rows += [without, with_]
-        identical &= out_without == out_with and len(out_with) == concurrency
+        without, out_without = asyncio.run(_run(args, model, concurrency, None))
+        overlap, out_overlap = asyncio.run(_run(args, model, concurrency, CopyMode.OVERLAP))
+        sync, out_sync = asyncio.run(_run(args, model, concurrency, CopyMode.SYNC))
+        rows += [without, overlap, sync]
+        same = out_without == out_overlap == out_sync
+        identical &= same and len(out_overlap) == concurrency
 
-    def ratio(concurrency: int) -> float:
-        pair = [r for r in rows if r["concurrency"] == concurrency]
-        base = pair[0]["decode_tok_s"]
-        return round(pair[1]["decode_tok_s"] / base, 3) if base else 0.0
+    def tok_s(concurrency: int, copies: CopyMode | None) -> float:
+        value = copies.value if copies is not None else None
+        row = next(r for r in rows if r["concurrency"] == concurrency and r["copies"] == value)
+        return float(row["decode_tok_s"])
 
+    def ratio(concurrency: int, copies: CopyMode | None = None) -> float:
+        base = tok_s(concurrency, copies)
+        return round(tok_s(concurrency, CopyMode.OVERLAP) / base, 3) if base else 0.0
+
+    high = next(r for r in rows if r["concurrency"] == args.high and r["copies"] == "overlap")
     rows.append(
         {
             "summary": True,
             "throughput_ratio": ratio(args.high),
             "low_concurrency_ratio": ratio(args.low),
+            "overlap_vs_sync": ratio(args.high, CopyMode.SYNC),
+            "copy_hidden": high["copy_hidden"],
             "outputs_identical": identical,
             "context": args.context,
             "output_tokens": args.output_tokens,

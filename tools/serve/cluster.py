@@ -28,6 +28,7 @@ from aiohttp import web
 
 from hicache.models.config import ModelConfig
 from hicache.models.hf.loader import CheckpointPlan
+from hicache.scheduling.router import RouterConfig
 from hicache.server.request_body import ServedModel
 from hicache.server.router import RouterApi, RouterGate, RouterKind
 from hicache.server.workers import RemoteWorker, Worker, WorkerStartError, start_workers
@@ -47,14 +48,16 @@ def run_cluster(
     model: ModelConfig,
     plan: CheckpointPlan | None,
     device: torch.device,
+    router: RouterConfig,
     background: Sequence[Background] = (),
 ) -> int:
-    """Route over ``args.workers`` workers until a signal; 0 after a clean stop."""
+    """Route over ``args.workers`` workers until a signal, by ``router``'s model of them; 0
+    after a clean stop."""
     name, _ = model_identity(model, plan)
     served = served_model(name, model, plan)  # the router tokenizes prompts to route them
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     try:
-        asyncio.run(_route(args, argv, served, gpus, background))
+        asyncio.run(_route(args, argv, served, router, gpus, background))
     except WorkerStartError as exc:
         raise CommandFailed(str(exc)) from None
     return 0
@@ -64,11 +67,12 @@ async def _route(
     args: argparse.Namespace,
     argv: Sequence[str],
     served: ServedModel,
+    router: RouterConfig,
     gpus: int,
     background: Sequence[Background],
 ) -> None:
     async with running(background):  # the L3 master stays up while workers start and serve
-        await _route_requests(args, argv, served, gpus)
+        await _route_requests(args, argv, served, router, gpus)
 
 
 async def _workers(
@@ -91,11 +95,15 @@ async def _workers(
 
 
 async def _route_requests(
-    args: argparse.Namespace, argv: Sequence[str], served: ServedModel, gpus: int
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    served: ServedModel,
+    router: RouterConfig,
+    gpus: int,
 ) -> None:
     workers, token = await _workers(args, argv, gpus)
     gate = RouterGate(access_of(args, router=True), limits_of(args), token)
-    api = RouterApi(workers, RouterKind(args.router), served, args.page_size, gate)
+    api = RouterApi(workers, RouterKind(args.router), served, router, gate)
     runner = web.AppRunner(api.app(), handle_signals=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -24,13 +24,14 @@ from hicache.errors import BackendError, InvalidArgumentError
 from hicache.models.config import (
     MODEL_LIMITS,
     SEED_MAX,
-    ModelConfig,
     ModelPreset,
+    default_index_topk,
 )
 from hicache.models.hf.loader import COMPUTE_DTYPES, CheckpointPlan
 from hicache.models.hf.tokenizer import load_tokenizer, tokenize_trace
 from hicache.models.tiny import TinyTransformer
 from hicache.models.types import ServingModel
+from hicache.scheduling.host_weight import DEFAULT_HOST_HIT_WEIGHT
 from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.engine import CacheMode
 from hicache.serving.setup import host_pages, open_engine
@@ -123,8 +124,11 @@ def _add_model_and_workload(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--index-topk",
         type=int_range(1, MODEL_LIMITS["index_topk_pages"]),
-        default=ModelConfig().index_topk_pages,
-        help="dsa preset: pages each query attends to (its own included)",
+        help="dsa preset: pages each query attends to (its own included; default "
+        f"{default_index_topk(ModelPreset.DSA, 1)}); dsv4: C4 entries each query attends to "
+        f"(default: the seed's top-512 per 128-token window scaled to --window, "
+        f"{default_index_topk(ModelPreset.DSV4, 128)} at the default window of 128); at most "
+        "what the device pool holds",
     )
     add_pool_flags(m)
     w = p.add_argument_group("workload")
@@ -166,6 +170,13 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--max-running", type=int_range(1, 4096), default=4)
     e.add_argument("--chunk-tokens", type=int_range(1, 1 << 20), default=512)
     e.add_argument("--schedule", choices=[x.value for x in SchedulePolicy], default="lpm")
+    e.add_argument(
+        "--host-hit-weight",
+        type=float_range(0, 1),
+        default=DEFAULT_HOST_HIT_WEIGHT,
+        help="what a prefix token cached on host is worth against one on the device, to LPM, "
+        "DFS_WEIGHT and the cache-aware router: 1 counts it as a device hit, 0 as a miss",
+    )
     e.add_argument("--temperature", type=float_range(0, 1000), default=0.0, help="0: greedy")
     e.add_argument(
         "--no-prefetch-skip",

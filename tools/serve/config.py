@@ -14,6 +14,7 @@ import torch
 from hicache.dtypes import DType
 from hicache.errors import ConfigError
 from hicache.models.config import (
+    DSV4_RATIOS,
     MODEL_LIMITS,
     ModelConfig,
     ModelPreset,
@@ -23,6 +24,7 @@ from hicache.models.config import (
 )
 from hicache.models.hf.loader import COMPUTE_DTYPES, CheckpointPlan, open_checkpoint
 from hicache.radix.eviction import EvictionPolicy
+from hicache.scheduling.router import RouterConfig
 from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.engine import EngineConfig
 from hicache.serving.setup import device_slots, host_pages, resolve_device
@@ -38,6 +40,7 @@ __all__ = [
     "add_pool_flags",
     "l3_namespace",
     "write_outputs",
+    "check_index_topk",
     "check_sizes",
     "add_policy_flags",
     "checked_model",
@@ -45,6 +48,7 @@ __all__ = [
     "hicache_config",
     "hisparse_config",
     "model_config",
+    "router_config_of",
 ]
 
 MAX_REQUESTS = 1_000_000  # clients x rounds
@@ -70,7 +74,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(
         preset=preset, vocab_size=args.vocab, hidden=args.hidden,
         layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        page_size=args.page_size, seed=args.seed, index_topk_pages=args.index_topk,
+        page_size=args.page_size, seed=args.seed, index_topk_pages=args.index_topk or 0,
         kv_dtype=DType.BFLOAT16 if device.type == "cuda" else DType.FLOAT32, **given,
     )  # fmt: skip
 
@@ -150,6 +154,24 @@ def hicache_config(args: argparse.Namespace) -> HiCacheConfig:
     return config
 
 
+def check_index_topk(topk: int, model: ModelConfig, device_tokens: int) -> None:
+    """Refuse an ``--index-topk`` above what ``device_tokens`` of the anchor pool hold: DSA
+    pages, dsv4 C4 entries (one per 4 tokens). The default is never refused: a query picks
+    among the complete entries (pages) there are, all of them when fewer."""
+    if model.preset is ModelPreset.DSV4:
+        ratio = DSV4_RATIOS[0]
+        held, what = device_tokens // ratio, f"C4 entries (one per {ratio} tokens)"
+    elif model.preset is ModelPreset.DSA:
+        held, what = device_tokens // model.page_size, f"pages of {model.page_size} tokens"
+    else:
+        return
+    if topk > held:
+        raise ConfigError(
+            f"--index-topk {topk} is more than the {held} {what} that --device-tokens "
+            f"{device_tokens} hold"
+        )
+
+
 def check_sizes(
     args: argparse.Namespace,
     model: ModelConfig,
@@ -165,6 +187,8 @@ def check_sizes(
         )
     if args.clients * args.rounds > MAX_REQUESTS:
         raise ConfigError(f"--clients x --rounds must be at most {MAX_REQUESTS} requests")
+    if args.model is None and args.index_topk is not None:
+        check_index_topk(args.index_topk, model, args.device_tokens)
     device = resolve_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available (try --device cpu)")
@@ -264,5 +288,17 @@ def engine_config_of(args: argparse.Namespace, hisparse: HiSparseConfig | None) 
         max_running=args.max_running, chunk_tokens=args.chunk_tokens,
         schedule=SchedulePolicy(args.schedule), temperature=args.temperature, hisparse=hisparse,
         skip_slow_prefetch=not args.no_prefetch_skip, eviction=EvictionPolicy(args.eviction),
-        delay_prefill=args.delay_prefill,
+        delay_prefill=args.delay_prefill, host_hit_weight=args.host_hit_weight,
+    )  # fmt: skip
+
+
+def router_config_of(args: argparse.Namespace, hicache: HiCacheConfig) -> RouterConfig:
+    """The cache-aware router's model of its workers, each started with these flags: a device
+    of ``--device-tokens``, then the host tier's tokens (when on) behind it."""
+    host = 0
+    if hicache.tiers.host_enabled:
+        host = host_pages(hicache, args.device_tokens, args.page_size) * args.page_size
+    return RouterConfig(
+        max_tree_tokens=args.device_tokens + host, page_size=args.page_size,
+        device_tree_tokens=args.device_tokens, host_hit_weight=args.host_hit_weight,
     )  # fmt: skip

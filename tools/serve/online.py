@@ -30,7 +30,7 @@ from hicache.tools.serve.access import (
     tls_of,
 )
 from hicache.tools.serve.cluster import run_cluster
-from hicache.tools.serve.config import checked_model, hicache_config
+from hicache.tools.serve.config import checked_model, hicache_config, router_config_of
 from hicache.tools.serve.http import Background, parse_listen, run_http
 
 __all__ = ["add_online_flags", "run_online"]
@@ -94,7 +94,8 @@ def run_online(args: argparse.Namespace) -> int:
         hicache = hicache_config(args)  # the model's own namespace: kept across restarts
         config, plan, device = checked_model(args, hicache)
         if args.workers > 1 or args.worker:  # the router loads no weights
-            return run_cluster(args, args.argv, config, plan, device, background)
+            router = router_config_of(args, hicache)
+            return run_cluster(args, args.argv, config, plan, device, router, background)
         model: ServingModel = plan.load() if plan else TinyTransformer(config, device)
         return run_http(args, hicache, model, plan, background, (access, limits))
 
