@@ -124,13 +124,17 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         tier_type: str,
         backpressure_detector: BackpressureDetector | None = None,
         *,
-        url: str,
+        url: str | None = None,
         n_read_threads: int = 8,
         n_write_threads: int = 8,
         io_timeout_s: float = 30.0,
         locality: str | None = None,
         enable_kv_events: bool = False,
+        **unknown: object,
     ) -> None:
+        if unknown:  # vLLM passes every key of the tier's dict: a typo must not pass unseen
+            names = ", ".join(repr(name) for name in sorted(unknown))
+            raise ValueError(f"HiCacheTier has no option {names}")
         checked = _check_options(
             url, n_read_threads, n_write_threads, io_timeout_s, locality, enable_kv_events
         )
@@ -150,7 +154,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         self._reads = asyncio.Semaphore(n_read_threads)
         self._writes = asyncio.Semaphore(n_write_threads)
         self._loop = SyncLoop(f"hicache-vllm-{tier_type}")
-        self._backend = self._open(url)
+        self._backend = self._open(str(url))
 
     def _open(self, url: str) -> StorageBackend:
         try:

@@ -166,6 +166,7 @@ def test_other_format_never_hits(
         ("io_timeout_s", float("nan")),
         ("locality", "nearby"),
         ("enable_kv_events", "yes"),
+        ("read_threads", 4),  # not an option (vLLM's name is n_read_threads)
     ],
 )
 def test_bad_option_names_it(option: str, value: object) -> None:
@@ -175,6 +176,14 @@ def test_bad_option_names_it(option: str, value: object) -> None:
     config["url"] = "memory://"
     config[option] = value  # the url last: a bad url replaces the good one
     with pytest.raises(ValueError, match=option):
+        SecondaryTierFactory.create_secondary_tier(config, view, spec)
+
+
+def test_a_missing_url_names_it() -> None:
+    spec = make_spec("memory://")
+    view = memoryview(np.zeros((NUM_CHUNKS, CHUNK), dtype=np.uint8))
+    config = {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm"}
+    with pytest.raises(ValueError, match="'url'"):
         SecondaryTierFactory.create_secondary_tier(config, view, spec)
 
 
