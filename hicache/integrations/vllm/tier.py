@@ -142,6 +142,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         self.locality = checked
         self._events = _event_queue(offloading_spec, enable_kv_events, tier_type)
         self._io_timeout_s = float(io_timeout_s)
+        url = str(url)  # checked: a non-empty str
         self._info = (urlsplit(url).scheme, n_read_threads, n_write_threads)
         chunk = self._block_size_bytes
         self._bytes = primary_kv_view.cast("B")  # chunk c = bytes [c*chunk, (c+1)*chunk)
@@ -154,7 +155,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         self._reads = asyncio.Semaphore(n_read_threads)
         self._writes = asyncio.Semaphore(n_write_threads)
         self._loop = SyncLoop(f"hicache-vllm-{tier_type}")
-        self._backend = self._open(str(url))
+        self._backend = self._open(url)
 
     def _open(self, url: str) -> StorageBackend:
         try:
