@@ -67,12 +67,18 @@ class Backups:
                 continue
             token_pool = pool in roles.token_pools
             count = len(data) // page_size if token_pool else len(data)
-            pages = self.host.alloc_pool(pool, count)
+            held = node.length // page_size if token_pool else None
+            # Making room evicts host leaves: the lock keeps this node (and its data) meanwhile.
+            tree.ledger.lock(node, pool, held)
+            try:
+                pages = self.host.alloc_pool(pool, count)
+            finally:
+                tree.ledger.unlock(node, pool, held)
             if pages is None:
                 continue  # on the device only: a later backup tries again
             set_host(node, pool, pages)
             parts.append(self.copies.write(data, pages, owner=pool))
-            locks.append((pool, node.length // page_size if token_pool else None))
+            locks.append((pool, held))
         if not parts:
             return True
         transfer = GroupTransfer.merged(parts)

@@ -15,9 +15,12 @@ hit). Write policies read it:
 * ``write_back``: a node is backed up when the device evicts it.
 
 Backed-up nodes form the top of the tree too (a node is backed up only after its parent), so a
-host hit is a prefix. Device eviction keeps a backed-up node on host and drops one that is not
-(write_back backs it up first). Host eviction (``HostEvictor``) removes leaves that are on
-host only, unlocked, not protected by an L3 write in flight and not anchoring a prefetch.
+host hit is a prefix. Device eviction frees the anchor pool's slots: a backed-up node stays in
+the tree on host, with the other pools' device data where it was (each pool evicts its own with
+``evict_pool``, backing it up first); a node whose anchor is on no tier after it (not backed up,
+and write_back could not) leaves the tree with every pool's data. Host eviction
+(``HostEvictor``) removes leaves whose anchor is on host only, unlocked, not protected by an L3
+write in flight and not anchoring a prefetch, freeing any other pool's device data on them.
 
 The cache owns the controller (device <-> host copies, the storage tier) and composes its
 parts: backups, host eviction, load-back, prefetch insert, the L3 writer and the prefetcher. It
@@ -384,10 +387,10 @@ class HiRadixCache(ShadowRadixCache):
         self.metrics.add("device_evicted_tokens", node.length)
         if node.host_value is None:
             return self._remove_leaf(node)  # on no tier: out of the tree, every pool freed
-        # Backed up: free the device slots only (every pool's, each copied to host first when
-        # it can be); the node stays in the tree, on host.
+        # Backed up: free the anchor's device slots only; the node stays in the tree, on host.
+        # The other pools keep their device data until their own evict_pool (a copy to host
+        # now, where it can be had, spares that eviction the copy).
         self._backup(node, evicting=True)
-        self.ledger.drop_all(node)
         self.release_device_slots(node)
         assert node.parent is not None  # an evictable leaf hangs under a parent
         self.requeue(node.parent)

@@ -1,9 +1,11 @@
 """Host memory of the tiered cache: allocation that evicts, and what host eviction may take.
 
-Host eviction first removes leaves that are on host only, unlocked, not protected by an L3
-write in flight and not anchoring a prefetch or a load-back, in the tree's eviction order; a
-removed leaf may make its parent such a leaf. When that is not enough it frees host copies
-that are redundant: the node stays on the device and is in L3, so no data is lost.
+Host eviction first removes leaves whose anchor is on host only, unlocked (tree and pool
+locks), not protected by an L3 write in flight and not anchoring a prefetch or a load-back, in
+the tree's eviction order; a removed leaf may make its parent such a leaf. Another pool's device
+data on such a leaf (the anchor's device eviction leaves it there) is freed with it, through the
+ledger: without the anchor on any tier it cannot be used. When that is not enough it frees host
+copies that are redundant: the node stays on the device and is in L3, so no data is lost.
 
 Extra pools (an SWA window pool, a state pool) have host pools of their own. A host-only leaf
 that goes frees its copies in every pool; :meth:`HostEvictor.alloc_pool` evicts such leaves
@@ -76,8 +78,11 @@ class HostEvictor:
         return freed
 
     def _remove(self, node: TreeNode, pool: str | None) -> int:
-        """Take a host-only leaf out of the tree; its units of ``pool`` freed."""
+        """Take a leaf whose anchor is on host only out of the tree; its units of ``pool``
+        freed. Another pool's device data on it (kept there when the anchor was evicted) goes
+        with it, freed through the ledger."""
         assert node.host_value is not None  # _evictable
+        self._tree.ledger.drop_all(node)
         freed = node.length if pool is None else 0
         for name, pages in host_pools_of(node):
             self.host_pools[name].free(pages)
@@ -92,7 +97,7 @@ class HostEvictor:
     def _evictable(self, node: TreeNode) -> bool:
         if node.value is not None or node.host_value is None or node.children:
             return False
-        if node.lock_ref > 0 or self.anchors[node.id] > 0:
+        if node.lock_ref > 0 or self.anchors[node.id] > 0 or self._tree.ledger.is_locked(node):
             return False
         if bool(self.host.is_protected(node.host_value).any()):
             return False

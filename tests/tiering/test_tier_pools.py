@@ -40,7 +40,9 @@ async def test_swa_keeps_only_the_window_and_serves_a_hit_from_host(swa_kit: Poo
     assert sum(n.length for n in holding) == WINDOW  # the window, not all 24 tokens
     assert kit.fetch(tokens) == (24, 0)
     kit.recount()
-    kit.tree.evict(10_000)  # everything to host (write-through backed it up)
+    kit.tree.evict(10_000)  # the anchor to host (write-through backed it up)
+    assert kit.tree.ledger.size("swa") == WINDOW  # the window's device slots are its own
+    assert kit.tree.evict_pool("swa", 10_000) == WINDOW  # now the window goes too
     assert kit.tree.ledger.size("swa") == 0
     assert [host_of(n, "swa") is not None for n in holding] == [True]
     kit.recount()
@@ -83,6 +85,8 @@ async def test_hybrid_hit_ends_at_the_last_snapshot_on_every_tier() -> None:
         query = [*tokens[:28], *_tokens(8, base=9000)]
         assert kit.fetch(query) == (16, 0)  # 28 shared tokens, the last snapshot at 16
         kit.tree.evict(10_000)
+        assert kit.tree.ledger.size("conv") == 2  # the anchor's eviction frees no snapshot
+        assert kit.tree.evict_pool("conv", 10_000) == 2
         assert kit.tree.ledger.size("conv") == 0
         kit.recount()
         assert kit.fetch(query) == (0, 16)
