@@ -10,6 +10,7 @@ computed block's bytes (a digest of its tokens), and reports the jobs done as a 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -180,18 +181,22 @@ class FakeWorker:
             for block, at in zip(gpu_blocks.tolist(), starts, strict=True)
         ]
 
-    def run(self, request: Request, max_steps: int = 400) -> None:
-        """Add ``request`` and step until it finished and no transfer is left."""
+    def run(self, request: Request, timeout_s: float = 60.0) -> None:
+        """Add ``request`` and step until it finished and no transfer is left. Steps are paced:
+        a lookup's answer comes from the tier's own thread, which a busy machine may not run
+        for a while, and vLLM asks again each step meanwhile."""
         self.scheduler.add_request(request)
         connector = self.scheduler.connector.connector_scheduler
-        for _ in range(max_steps):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             if not self.scheduler.requests and not connector._jobs:
                 (tier,) = self.manager.secondary_tiers
                 tier.drain_jobs()
                 if not self.manager._jobs:
                     return
             self.step()
-        raise AssertionError(f"{request.request_id} did not finish in {max_steps} steps")
+            time.sleep(0.002)
+        raise AssertionError(f"{request.request_id} did not finish in {timeout_s} s")
 
 
 @pytest.fixture
