@@ -16,11 +16,11 @@ from hicache.models.attention import HeadSizes, attend, qkv
 from hicache.models.config import DSV4_RATIOS, LayerKind, layer_group
 from hicache.models.sparse import index_keys
 from hicache.models.step import LayerContext, Step
-from hicache.models.types import ChunkInput
+from hicache.models.types import ChunkInput, DecodePages, DecodeRows
 from hicache.models.window import window_read
 from hicache.pools.device import DevicePool, unpack_indexer
 
-__all__ = ["compressed_layer"]
+__all__ = ["compressed_layer", "hot_entries"]
 
 Weights = Mapping[str, torch.Tensor]
 Layers = Mapping[str, int]  # the layer's number in each pool it reads
@@ -49,7 +49,9 @@ def compressed_layer(
     ``index_topk_pages`` best by indexer score (``indexer.q_proj`` of the token against the
     stored keys; a tie goes to the earlier group). ``layers``: the layer's number in each pool.
     Everything attended to is read from the pools, so entries loaded from host or L3 read as
-    computed ones."""
+    computed ones. A CSA decode token on the HiSparse buffer (``hot_row``) reads its index keys
+    from the buffer's indexer and its chosen entries through the buffer's pages
+    (:func:`hot_entries`); its window and C128 entries come from their pools as above."""
     return torch.cat(
         [_chunk(ctx, w, h[rows], step, rows, chunk, layers, kind) for rows, chunk in step.each()]
     )
@@ -71,19 +73,23 @@ def _chunk(
     name, ratio = group
     q, k, v = qkv(w, h, HeadSizes(c.heads, c.kv_heads, c.head_dim), step.rotation_of(rows), 0.0)
     window = window_read(pools["swa"], layers["swa"], chunk, (k, v), c.window, ctx.dtype)
-    _compress_groups(ctx, w, pools, layers, chunk, kind, window.slots)
+    hot = step.hot if chunk.hot_row is not None and kind is LayerKind.COMPRESSED_SPARSE else None
+    written = _compress_groups(ctx, w, pools, layers, chunk, kind, window.slots, hot)
     count = chunk.end // ratio  # groups complete by the chunk's end
     k_b = w["self_attn.k_b_proj.weight"]
-    slots = _entry_slots(chunk, name, count * ratio)
-    entries = pools[name].buffer[0, layers[name], slots].to(ctx.dtype)
-    entries = entries.reshape(count, k_b.shape[1])
     entry_pos = torch.arange(1, count + 1, device=h.device) * ratio - 1  # last tokens
+    allowed = entry_pos[None, :] <= chunk.positions[:, None]
+    if kind is LayerKind.COMPRESSED_SPARSE:
+        index = pools["indexer"].buffer if hot is None else hot.index
+        allowed = _top_entries(ctx, w, h, index, layers["indexer"], chunk, allowed)
+    if hot is None:
+        stored = pools[name].buffer[0, layers[name], _entry_slots(chunk, name, count * ratio)]
+    else:
+        stored = hot_entries(ctx, hot, layers[name], chunk, allowed, written)
+    entries = stored.to(ctx.dtype).reshape(count, k_b.shape[1])
     shape = (count, c.kv_heads, c.head_dim)
     entry_k = ctx.rope(F.linear(entries, k_b).view(shape), entry_pos)
     entry_v = F.linear(entries, w["self_attn.v_b_proj.weight"]).view(shape)
-    allowed = entry_pos[None, :] <= chunk.positions[:, None]
-    if kind is LayerKind.COMPRESSED_SPARSE:
-        allowed = _top_entries(ctx, w, h, pools["indexer"], layers["indexer"], chunk, allowed)
     keys = torch.cat([window.keys, entry_k])
     values = torch.cat([window.values, entry_v])
     mask = torch.cat([window.mask, allowed], dim=1)
@@ -111,15 +117,20 @@ def _compress_groups(
     chunk: ChunkInput,
     kind: LayerKind,
     window_slots: torch.Tensor,
-) -> None:
+    hot: DecodePages | None,
+) -> torch.Tensor:
     """Write the entries (and for CSA the index keys) of the groups whose last token is in the
-    chunk, from their K/V in the window pool (see :func:`compressed_layer`)."""
+    chunk, from their K/V in the window pool (see :func:`compressed_layer`); returns them
+    spread over their slots ((groups x ratio, *item), maybe none). A decode token on the
+    HiSparse ``hot`` buffer writes its index key to the buffer's indexer (``chunk.slots`` are
+    its slots there) and leaves its C4 entry to :func:`hot_entries`, which writes it to the
+    buffer and host."""
     group = layer_group(kind)
     assert group is not None
     name, ratio = group
     first_group, stop_group = chunk.start // ratio, chunk.end // ratio
     if stop_group <= first_group:
-        return
+        return pools[name].buffer.new_empty((0, *pools[name].buffer.shape[3:]))
     groups = stop_group - first_group
     span = slice(first_group * ratio, stop_group * ratio)
     swa = pools["swa"]
@@ -127,32 +138,35 @@ def _compress_groups(
     flat = kv.reshape(2, groups, -1).transpose(0, 1).reshape(groups, -1)  # per group: K then V
     pool = pools[name]
     entry = F.linear(flat, w["self_attn.compress_proj.weight"]).to(pool.buffer.dtype)
-    slots = _entry_slots(chunk, name, span.stop)[span]
-    pool.buffer[0, layers[name], slots] = entry.reshape(groups * ratio, -1)
+    spread = entry.reshape(groups * ratio, -1)
+    if hot is None:
+        pool.buffer[0, layers[name], _entry_slots(chunk, name, span.stop)[span]] = spread
     if kind is not LayerKind.COMPRESSED_SPARSE:
-        return
+        return spread
     packed = index_keys(F.linear(entry.to(ctx.dtype), w["indexer.k_proj.weight"]))
-    indexer = pools["indexer"]
-    indexer.buffer[0, layers["indexer"], chunk.slots[span]] = packed.reshape(groups * ratio, -1)
+    index = pools["indexer"].buffer if hot is None else hot.index
+    index[0, layers["indexer"], chunk.slots[span]] = packed.reshape(groups * ratio, -1)
+    return spread
 
 
 def _top_entries(
     ctx: LayerContext,
     w: Weights,
     h: torch.Tensor,
-    pool: DevicePool,
+    index: torch.Tensor,
     layer: int,
     chunk: ChunkInput,
     complete: torch.Tensor,
 ) -> torch.Tensor:
     """Which C4 entries each query attends to: of those ``complete`` (n, groups) allows, the
     ``index_topk_pages`` with the highest indexer scores (stable: a tie to the earlier group),
-    from the fp8 index keys cached over the group's slots."""
+    from the fp8 index keys cached over the group's slots of ``index`` (the indexer pool's
+    buffer, or the HiSparse buffer's indexer)."""
     n, count = complete.shape
     if count == 0:
         return complete
     ratio = DSV4_RATIOS[0]
-    stored = pool.buffer[0, layer, chunk.slots[: count * ratio]].reshape(count, -1)  # count > 0
+    stored = index[0, layer, chunk.slots[: count * ratio]].reshape(count, -1)  # count > 0
     keys, scales = unpack_indexer(stored)
     cached = keys.to(ctx.dtype) * scales.to(ctx.dtype)[:, None]
     iq = F.linear(h, w["indexer.q_proj.weight"])
@@ -161,3 +175,44 @@ def _top_entries(
     top = top[:, : min(ctx.config.index_topk_pages, count)]
     chosen = torch.zeros(n, count, dtype=torch.bool, device=h.device).scatter_(1, top, True)
     return chosen & complete
+
+
+def hot_entries(
+    ctx: LayerContext,
+    hot: DecodePages,
+    layer: int,
+    chunk: ChunkInput,
+    chosen: torch.Tensor,
+    written: torch.Tensor,
+) -> torch.Tensor:
+    """A decode token's C4 entries through the HiSparse buffer (``hot``, C4 ``layer``): the
+    pages of the entries ``chosen`` (1, groups) picks, its own page first (where its new
+    entry's slots ``written`` go, to the buffer and host), brought in by the buffer's fused
+    step and copies; then each chosen entry's slots read from them. (groups x 4, *item) in the
+    pool's dtype, zeros where an entry is not chosen: those are masked, so attention computes
+    on the same bytes as it does from the C4 pool."""
+    assert chunk.hot_row is not None
+    ratio, ps, device = DSV4_RATIOS[0], ctx.config.page_size, chosen.device
+    own = chunk.start // ps
+    picked = torch.nonzero(chosen[0])[:, 0]
+    tokens = (picked[:, None] * ratio + torch.arange(ratio, device=device)).flatten()
+    pages = torch.unique(tokens // ps)  # sorted
+    pages = torch.cat([pages.new_tensor([own]), pages[pages != own]])
+    # the top-k entries lie on at most as many pages, beside the own page, and on no more than
+    # the context has: what HiSparseConfig.check lets the buffer hold
+    wanted = pages.new_full((1, min(ctx.config.index_topk_pages + 1, own + 1)), -1)
+    wanted[0, : len(pages)] = pages
+    rows = DecodeRows(
+        [0],
+        torch.zeros(1, dtype=torch.int64, device=device),
+        chunk.positions[-1:],
+        chunk.slots[None],
+        torch.tensor([chunk.hot_row], dtype=torch.int64),
+    )
+    latent = hot.gather(layer, rows, wanted, written.reshape(1, -1))  # (1, K x ps, item)
+    where = torch.full((own + 1,), -1, dtype=torch.int64, device=device)
+    where[pages] = torch.arange(len(pages), device=device)
+    source = where[tokens // ps] * ps + tokens % ps
+    out = latent.new_zeros((chosen.shape[1] * ratio, latent.shape[-1]))
+    out[tokens] = latent[0, source]
+    return out

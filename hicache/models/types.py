@@ -102,9 +102,11 @@ class DecodePages(Protocol):
     def gather(
         self, layer: int, rows: DecodeRows, top: torch.Tensor, latent_new: torch.Tensor
     ) -> torch.Tensor:
-        """Store each row's new latent (``latent_new``: (B, latent_dim), at ``rows.positions``),
-        then return the latent of the tokens of the pages ``top`` (B, K) names, (B, K *
-        page_size, latent_dim) in the pool dtype (anything where ``top`` is -1)."""
+        """Store each row's new latent (``latent_new``: (B, n x item), its last ``n`` positions
+        up to ``rows.positions``: dsa a token's, n = 1; dsv4 a C4 entry's 4 slots where the
+        token completes a group, else n = 0), then return the latent of the tokens of the
+        pages ``top`` (B, K) names, (B, K * page_size, item) in the pool dtype (anything where
+        ``top`` is -1)."""
         ...
 
     def start_gather(

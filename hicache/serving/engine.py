@@ -9,8 +9,9 @@ plus host pages loaded back, whose per-layer events the forward pass waits on) a
 rest of its prompt and output, all at admission, so a running request never waits for memory. The
 model's extra pools (an SWA window pool, recurrent-state snapshots) have lifecycles of their own
 (:mod:`hicache.serving.pool_slots`): admission reserves what a request will hold there at most.
-With HiSparse (a DSA model, :mod:`hicache.serving.hisparse`) a request takes anchor slots for its
-prompt only and decodes from a hot buffer row over host memory once its prompt is computed.
+With HiSparse (the dsa and dsv4 presets, :mod:`hicache.serving.hisparse`) a request takes anchor
+slots for its prompt only and decodes from a hot buffer row over host memory once its prompt is
+computed (dsv4 keeps its SWA and C128 slots on the device).
 :meth:`Engine.observe` registers a callback for one kind of event the loop reports (an admission
 round, an admitted request, a step, a chunk, a sampled token: :mod:`.engine_events`).
 """

@@ -21,6 +21,13 @@
   indexer keys are copied from its indexer slots to the indexer's host pages, and the nodes go
   to L3 as any backup does. A follow-up turn that extends the conversation hits them on host.
   Then protections are dropped and its other own host pages and the row freed.
+
+On ``dsv4`` the hot buffer holds C4 entries (the anchor's pages: a quarter entry a token) and
+the indexer keys are C4's; the request's window (``swa``) and C128 slots stay on the device as
+without HiSparse (:class:`~hicache.serving.pool_slots.PoolSlots`): entering commits them with
+the prompt and keeps their locks, each decode chunk takes their slots (:meth:`chunk`), and
+release frees them. It commits nothing more while it decodes, so its output is not hung in the
+tree at finish (a node without C128 there would never be a usable prefix).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 
 from hicache.models.types import ChunkInput
 from hicache.radix.node import TreeNode
+from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestState, ServeRequest
 from hicache.sparse.hot_buffer import HotBuffer, HotRequest, canonical_pages
 from hicache.tiering.cache import HiRadixCache
@@ -50,10 +58,13 @@ class HotEntry(enum.Enum):
 class HiSparseRequests:
     """HiSparse for one engine: its hot ``buffer`` over the tiered ``tree``'s host pool."""
 
-    def __init__(self, buffer: HotBuffer, tree: HiRadixCache, pools: dict[str, Any]) -> None:
+    def __init__(
+        self, buffer: HotBuffer, tree: HiRadixCache, pools: dict[str, Any], slots: PoolSlots
+    ) -> None:
         self.buffer = buffer
         self.tree = tree
-        self._latent = pools["latent"].buffer
+        self.pool_slots = slots
+        self._latent = pools[tree.roles.anchor].buffer
         self._indexer = pools["indexer"].buffer
         self._host_index = canonical_pages(tree.controller.host_pools["indexer"])[:, 0]
         self.page_size = tree.page_size
@@ -78,7 +89,7 @@ class HiSparseRequests:
                 f"prompt of {len(request.prompt)} tokens does not fit the device pool for its "
                 f"prefill ({anchor_tokens} tokens)"
             )
-        return None
+        return self.pool_slots.refusal(request)
 
     def admit(self, request: ServeRequest) -> bool:
         """Take what the request holds while it decodes; whether all of it could be had."""
@@ -151,6 +162,8 @@ class HiSparseRequests:
             self.buffer.index.device
         )
         self.tree.release_request(cached)  # its anchor slots, row and lock
+        if request.pool_state is not None:  # its other pools stay; it commits no more of them
+            request.pool_state.keep_points = []
         hot.entered = True
         return HotEntry.ENTERED
 
@@ -171,6 +184,8 @@ class HiSparseRequests:
             if entry is HotEntry.HOST_BUSY and now - hot.waiting_since < stall_s:
                 continue
             self.tree.release_request(request.cached)
+            if request.pool_state is not None:
+                self.pool_slots.release(request.pool_state)
             self.release(request)
             request.state, request.record.error = RequestState.FAILED, f"HiSparse: {entry.value}"
             failed.append(request)
@@ -202,7 +217,9 @@ class HiSparseRequests:
         if int(self.buffer.host_table[hot.row, start // self.page_size]) < 0:
             raise RuntimeError("a HiSparse request would write past the host pages it holds")
         ids = torch.tensor([request.generated[-1]], dtype=torch.int64)
-        return ChunkInput(ids, start, hot.index_slots[: start + 1], hot_row=hot.row)
+        chunk = ChunkInput(ids, start, hot.index_slots[: start + 1], hot_row=hot.row)
+        self.pool_slots.fill(request.pool_state, chunk)  # dsv4: its window's and C128's slots
+        return chunk
 
     def release(self, request: ServeRequest) -> None:
         """Give back what the request holds (finished, failed or never entered); a request
@@ -212,6 +229,8 @@ class HiSparseRequests:
             return
         if hot.entered:
             self.cache_computed(request)
+            if request.pool_state is not None:
+                self.pool_slots.release(request.pool_state)
         if len(hot.shared_host):
             self.tree.host.release(hot.shared_host)
         if len(hot.own_host):
@@ -225,6 +244,8 @@ class HiSparseRequests:
         cached some of them meanwhile). The pages taken leave ``hot.own_host``."""
         hot, cached = request.hot, request.cached
         assert hot is not None and cached is not None
+        if self.pool_slots.active:  # dsv4: its C128 and window are not kept (see the module)
+            return 0
         ps, start = self.page_size, len(hot.shared_host)
         cached.token_ids = request.all_tokens
         key = cached.key(ps)  # the computed tokens' whole pages

@@ -281,7 +281,7 @@ class PoolSlots:
             else:
                 cache_finished_bundle(self.tree, cached, state)
         if state is not None:
-            self._release(state)
+            self.release(state)
 
     def _release_start(self, state: PoolRequest) -> None:
         """The first chunk has read its starting snapshot: the tree may evict it again."""
@@ -289,9 +289,10 @@ class PoolSlots:
             self.tree.ledger.unlock(state.state_lock, state.state_pool)
         state.state_from, state.state_lock = None, None
 
-    def _release(self, state: PoolRequest) -> None:
+    def release(self, state: PoolRequest) -> None:
         """Free what a request still holds in the extra pools (after its commit, or without a
-        tree: everything) and give its reservation back."""
+        tree: everything; a HiSparse request that decoded from its hot buffer: its slots past
+        what it committed as it entered) and give its reservation back."""
         for name in state.windows:
             own = state.own_slots(name)
             if len(own):

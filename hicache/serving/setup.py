@@ -144,7 +144,7 @@ async def open_engine(
     pools_spec = config.pools()
     engine_config = engine_config or EngineConfig()
     if engine_config.hisparse is not None:
-        engine_config.hisparse.check(config)
+        engine_config.hisparse.check(config, device_tokens)
         if mode in (CacheMode.NONE, CacheMode.DEVICE):
             raise ConfigError(
                 f"--hisparse needs a host tier (cache device+host or device+host+l3), not "
@@ -171,26 +171,28 @@ async def open_engine(
     tree = await HiRadixCache.open(hicache, device, host, radix)
     engine = Engine(model, device, tree, engine_config)
     if engine_config.hisparse is not None:
-        sparse = hisparse_requests(config, engine_config, tree, device_tokens, device)
+        sparse = hisparse_requests(config, engine, tree, device_tokens, device)
         engine.use_hisparse(sparse)
     return ServingSetup(engine, tree)
 
 
 def hisparse_requests(
     model: ModelConfig,
-    engine: EngineConfig,
+    engine: Engine,
     tree: HiRadixCache,
     device_tokens: int,
     pools: dict[str, Any],
 ) -> HiSparseRequests:
-    """A hot buffer of ``engine.max_running`` rows over the tree's host pool (see
-    :class:`~hicache.sparse.hot_buffer.HiSparseConfig`)."""
-    config = engine.hisparse
+    """A hot buffer of ``engine``'s ``max_running`` rows over the tree's host pool of the
+    anchor (see :class:`~hicache.sparse.hot_buffer.HiSparseConfig`)."""
+    config = engine.config.hisparse
     assert config is not None
-    rows = engine.max_running
+    rows = engine.config.max_running
     ps = tree.page_size
     index_tokens = config.index_tokens or rows * device_tokens
     index_tokens = -(-index_tokens // ps) * ps
     anchor = pools[tree.roles.anchor]
-    buffer = HotBuffer(model, config, rows, index_tokens, tree.host, anchor.device)
-    return HiSparseRequests(buffer, tree, pools)
+    buffer = HotBuffer(
+        model, config, rows, index_tokens, tree.host, anchor.device, context_tokens=device_tokens
+    )
+    return HiSparseRequests(buffer, tree, pools, engine.pool_slots)

@@ -1,5 +1,7 @@
 """The HiSparse hot buffer: each decoding request's latent on the device is only ``hot_pages``
 pages per layer, over its full latent in host memory; its indexer keys stay on the device.
+"Latent" is the anchor pool's per-token data: DSA's MLA latent, or dsv4's C4 entries (a quarter
+entry per token, :mod:`hicache.models.compressed`).
 
 Per decode step and layer (:meth:`HotBuffer.start_gather`, called by the model once the indexer
 has picked each request's top-k pages): the fused step (:func:`~hicache.sparse.hot_step.hot_step`)
@@ -36,7 +38,14 @@ from hicache.pools.host import HostPool
 from hicache.sparse.hot_copies import CopyMode, CopyTimes, layer_copies
 from hicache.sparse.hot_step import hot_step
 
-__all__ = ["HiSparseConfig", "HotBuffer", "HotRequest", "HotStats", "canonical_pages"]
+__all__ = [
+    "HiSparseConfig",
+    "HotBuffer",
+    "HotRequest",
+    "HotStats",
+    "canonical_pages",
+    "wanted_pages",
+]
 
 HOT_PAGES_MAX = 1 << 20
 
@@ -61,19 +70,38 @@ class HiSparseConfig:
             if type(value) is not int or not low <= value <= high:
                 raise ConfigError(f"{name} must be an int in [{low}, {high}], got {value!r}")
 
-    def check(self, model: ModelConfig) -> None:
-        """Raise ConfigError unless HiSparse can serve ``model``: a DSA model whose top-k pages
-        fit the buffer."""
-        if model.preset is not ModelPreset.DSA:
+    def check(self, model: ModelConfig, context_tokens: int) -> None:
+        """Raise ConfigError unless HiSparse can serve ``model``'s contexts of up to
+        ``context_tokens``: a DSA model whose top-k pages fit the buffer, or a dsv4 model whose
+        top-k C4 entries' pages and the page its new entry is written to fit it (each entry may
+        sit on a page of its own, as far as the context has pages)."""
+        if model.preset not in (ModelPreset.DSA, ModelPreset.DSV4):
             raise ConfigError(
-                f"--hisparse needs the dsa preset (sparse attention), not {model.preset.value!r}"
+                "--hisparse needs the dsa or dsv4 preset (sparse attention), not "
+                f"{model.preset.value!r}"
             )
-        if model.index_topk_pages > self.hot_pages:
+        need = wanted_pages(model, -(-context_tokens // model.page_size))
+        if need > self.hot_pages:
+            what = (
+                f"{model.index_topk_pages} pages"
+                if model.preset is ModelPreset.DSA
+                else f"{model.index_topk_pages} C4 entries, each maybe on a page of its own, "
+                "beside the page its new entries go to"
+            )
             raise ConfigError(
-                f"the model's top-k ({model.index_topk_pages} pages, --index-topk) is larger than "
-                f"the hot buffer (--hot-pages {self.hot_pages}): every page a step attends to "
-                "must be on the device at once"
+                f"the model's top-k ({what}, --index-topk) needs {need} pages, more than the hot "
+                f"buffer (--hot-pages {self.hot_pages}): every page a step attends to must be on "
+                "the device at once"
             )
+
+
+def wanted_pages(model: ModelConfig, context_pages: int) -> int:
+    """The most pages one decode row wants from its buffer in a layer: DSA's top-k pages (its
+    own among them); dsv4's top-k C4 entries' pages and its own page, no more than a context of
+    ``context_pages`` has (dsv4 contexts are bounded: C128 keeps every token on the device)."""
+    if model.preset is ModelPreset.DSV4:
+        return min(model.index_topk_pages + 1, context_pages)
+    return model.index_topk_pages
 
 
 def canonical_pages(host: HostPool) -> torch.Tensor:
@@ -115,7 +143,8 @@ class HotStats:
 
 class HotBuffer:
     """``rows`` requests' hot buffers and indexer keys (``index_tokens`` slots) on ``device``,
-    over the latent host pool ``host`` (the tree's)."""
+    over the latent host pool ``host`` (the tree's), for contexts of up to ``context_tokens``
+    (default: ``index_tokens``)."""
 
     def __init__(
         self,
@@ -125,8 +154,12 @@ class HotBuffer:
         index_tokens: int,
         host: HostPool,
         device: torch.device | str = "cpu",
+        *,
+        context_tokens: int | None = None,
     ) -> None:
-        config.check(model)
+        # No request's context exceeds its indexer slots, nor ``context_tokens`` where the
+        # caller bounds it further (dsv4: C128 keeps every token on the device).
+        config.check(model, min(index_tokens, context_tokens or index_tokens))
         self.config = config
         self.page_size = ps = model.page_size
         self.hot_pages = hp = config.hot_pages
@@ -134,17 +167,17 @@ class HotBuffer:
         self.host = host
         self._host = canonical_pages(host)
         self.device = device = torch.device(device)
-        item = host.spec.layout.item_shape
+        item, layers = host.spec.layout.item_shape, host.spec.layout.layers
         # A spare row past the rows' slots takes the masked copies' non-misses.
         self.latent = torch.zeros(
-            (model.layers, rows * hp + 1, ps, *item), dtype=host.buffer.dtype, device=device
+            (layers, rows * hp + 1, ps, *item), dtype=host.buffer.dtype, device=device
         )
-        index_item = (model.index_dim + 4,)
+        index = next(p.layout for p in model.pools() if p.name == "indexer")
         self._index = torch.zeros(
-            (1, model.layers, index_tokens, *index_item), dtype=torch.uint8, device=device
+            (1, index.layers, index_tokens, *index.item_shape), dtype=torch.uint8, device=device
         )
         self.index_slots = TokenSlotAllocator(index_tokens, ps)
-        self.held = torch.full((model.layers, rows, hp), -1, dtype=torch.int64, device=device)
+        self.held = torch.full((layers, rows, hp), -1, dtype=torch.int64, device=device)
         self.last_used = torch.full_like(self.held, -1)
         self.host_table = torch.full((rows, index_tokens // ps), -1, dtype=torch.int64)
         self._free_rows = list(range(rows - 1, -1, -1))
@@ -239,8 +272,11 @@ class HotBuffer:
     def start_gather(
         self, layer: int, rows: DecodeRows, top: torch.Tensor, latent_new: torch.Tensor
     ) -> Callable[[], torch.Tensor]:
-        """Run the fused step for ``layer`` and launch its copies (misses, then the new token);
-        the returned callable waits for them and gives the latent of the ``top`` pages."""
+        """Run the fused step for ``layer`` and launch its copies (misses, then the new
+        latent); the returned callable waits for them and gives the latent of the ``top``
+        pages. ``latent_new`` (B, n x item): each row's latent of its last ``n`` positions, up
+        to its new token's, all on its own page (``top``'s first): DSA a token's (n = 1), dsv4
+        a C4 entry's 4 slots where the token completes a group, else nothing (n = 0)."""
         ps, hp = self.page_size, self.hot_pages
         assert rows.hot_rows is not None  # rows of this buffer
         hot_rows = rows.hot_rows.to(self.held.device)
@@ -251,7 +287,7 @@ class HotBuffer:
         self._counts[1] += step.miss.sum()
         self._decode_rows += len(top) if layer == 0 else 0
         positions = rows.positions.to(self.held.device)
-        value = latent_new.view(len(top), *self.latent.shape[3:]).to(self.latent.dtype)
+        value = latent_new.view(len(top), -1, *self.latent.shape[3:]).to(self.latent.dtype)
         inputs = (hot_rows, wanted, step.slots, step.miss, positions, value)
         pending = self.copies.launch(lambda: self._copy_layer(layer, *inputs), inputs)
         buffer_rows = hot_rows[:, None] * hp + step.slots.clamp_min(0)
@@ -273,22 +309,26 @@ class HotBuffer:
         positions: torch.Tensor,
         value: torch.Tensor,
     ) -> None:
-        """One layer's copies, in order: the misses into their slots, then the new tokens'
-        latent into their page's slot (every row's first wanted page: its own) and to host."""
+        """One layer's copies, in order: the misses into their slots, then the new latent
+        (``value``: (B, n, *item), positions up to ``positions``) into its page's slot (every
+        row's first wanted page: its own) and to host."""
         hp = self.hot_pages
         if self.masked_copies:
             self._load_masked(layer, rows, wanted, slots, miss)
         else:
             self._load_listed(layer, rows, wanted, slots, miss)
+        written = value.shape[1]
+        if not written:
+            return
+        ps = self.page_size
+        spans = positions[:, None] - written + 1 + torch.arange(written, device=positions.device)
         latent = self.latent[layer]
-        latent[rows * hp + slots[:, 0], positions % self.page_size] = value
+        latent[(rows * hp + slots[:, 0])[:, None], spans % ps] = value
         table = self._device_table if self.masked_copies else self.host_table
-        host_rows, host_positions = rows.to(table.device), positions.to(table.device)
-        host_pages = table[host_rows, host_positions // self.page_size]
+        host_rows, host_spans = rows.to(table.device), spans.to(table.device)
+        host_pages = table[host_rows[:, None], host_spans // ps]
         host_layer = self._host_view[:, 0, layer]  # writes land in the host pool
-        host_layer[host_pages, host_positions % self.page_size] = value.to(
-            host_layer.device, host_layer.dtype
-        )
+        host_layer[host_pages, host_spans % ps] = value.to(host_layer.device, host_layer.dtype)
 
     def _load_listed(
         self,

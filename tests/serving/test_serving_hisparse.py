@@ -435,15 +435,15 @@ def test_bad_hisparse_config_is_refused(name: str, value: object) -> None:
 
 def test_check_refuses_a_topk_larger_than_the_buffer_and_non_dsa_models() -> None:
     dsa = model_config(DSA)
-    HiSparseConfig(hot_pages=TOPK).check(dsa)  # exactly the top-k: accepted
+    HiSparseConfig(hot_pages=TOPK).check(dsa, DEVICE_TOKENS)  # exactly the top-k: accepted
     with pytest.raises(ConfigError, match="--hot-pages"):
-        HiSparseConfig(hot_pages=TOPK - 1).check(dsa)
+        HiSparseConfig(hot_pages=TOPK - 1).check(dsa, DEVICE_TOKENS)
     bigger = dataclasses.replace(dsa, index_topk_pages=TOPK + 3)
     with pytest.raises(ConfigError, match="--index-topk"):
-        HiSparseConfig(hot_pages=TOPK + 2).check(bigger)
+        HiSparseConfig(hot_pages=TOPK + 2).check(bigger, DEVICE_TOKENS)
     for preset in (ModelPreset.DENSE, ModelPreset.MLA):
         with pytest.raises(ConfigError, match="dsa"):
-            HiSparseConfig(hot_pages=TOPK).check(model_config(preset))
+            HiSparseConfig(hot_pages=TOPK).check(model_config(preset), DEVICE_TOKENS)
 
 
 async def test_open_engine_refuses_before_anything_runs(tmp_path: pathlib.Path) -> None:

@@ -108,14 +108,15 @@ def add_hisparse_flags(group: Any) -> None:
     group.add_argument(
         "--hisparse",
         action="store_true",
-        help="dsa preset: decode from a per-request device hot buffer over host memory "
+        help="dsa and dsv4 presets: decode from a per-request device hot buffer over host memory "
         "(the configurations with a host tier)",
     )
     group.add_argument(
         "--hot-pages",
         type=int_range(1, HOT_PAGES_MAX),
         default=HiSparseConfig().hot_pages,
-        help="--hisparse: device pages of latent per request and layer (at least --index-topk)",
+        help="--hisparse: device pages of latent (dsv4: C4) per request and layer (at least "
+        "--index-topk; dsv4: --index-topk + 1)",
     )
 
 
@@ -261,7 +262,7 @@ def checked_model(
         config = model_config(args)
     hisparse = hisparse_config(args)
     if hisparse is not None:
-        hisparse.check(config)
+        hisparse.check(config, args.device_tokens)
     check_sizes(args, config, hicache, plan.weight_bytes if plan else None)
     return config, plan, device
 
