@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 # The model's pieces are the model tests' (tests/model_kit.py); the serving tests import them here.
@@ -229,3 +230,18 @@ def assert_same_run(got: RunResult, want: RunResult, label: str) -> None:
         assert got.logits.keys() == want.logits.keys()
         worst = max(relative_error(got.logits[k], want.logits[k]) for k in want.logits)
         assert worst <= 1e-4, f"{label}: logits differ by {worst:.2e} (relative)"
+
+
+def keep_setups(monkeypatch: pytest.MonkeyPatch) -> list[ServingSetup]:
+    """The engines ``hicache serve`` opens in this test, in order (it is run in-process)."""
+    from hicache.tools.serve import command as serve_module
+
+    setups: list[ServingSetup] = []
+    opened = serve_module.open_engine
+
+    async def keep(*args: Any, **kwargs: Any) -> ServingSetup:
+        setups.append(await opened(*args, **kwargs))
+        return setups[-1]
+
+    monkeypatch.setattr(serve_module, "open_engine", keep)
+    return setups

@@ -28,6 +28,7 @@ from serving_helpers import (
     assert_same_run,
     baseline,
     hicache_config,
+    keep_setups,
     model_config,
     serve,
     tiny_model,
@@ -46,7 +47,6 @@ from hicache.serving.request import ServeRequest, StepRecord
 from hicache.serving.setup import ServingSetup, open_engine
 from hicache.sparse.hot_buffer import HiSparseConfig, HotStats
 from hicache.tiering.config import HiCacheConfig
-from hicache.tools.serve import command as serve_module
 from hicache.workloads.arrivals import TraceReplay
 from hicache.workloads.traces import TraceRequest
 
@@ -523,14 +523,7 @@ def test_cli_compare_with_hisparse_is_identical(
 ) -> None:
     """``--compare``: none and device without HiSparse, the host tiers with it; the same
     tokens everywhere, and the host tiers really decoded from the buffer."""
-    setups: list[ServingSetup] = []
-    opened = serve_module.open_engine
-
-    async def keep(*args: Any, **kwargs: Any) -> ServingSetup:
-        setups.append(await opened(*args, **kwargs))
-        return setups[-1]
-
-    monkeypatch.setattr(serve_module, "open_engine", keep)
+    setups = keep_setups(monkeypatch)
     flags = [*DSA_FLAGS, "--hisparse", "--hot-pages", str(TOPK), "--compare"]
     code, out, err = run(capsys, *TINY, *CHAT, *flags, "--cache-dir", str(tmp_path), "--json")
     assert code == 0, err

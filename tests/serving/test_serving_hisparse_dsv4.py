@@ -12,13 +12,13 @@ import asyncio
 import dataclasses
 import json
 import pathlib
-from typing import Any
 
 import pytest
 import torch
 from cli_kit import run
-from serving_helpers import Recording, RunResult, _capture_logits, assert_same_run
+from serving_helpers import Recording, RunResult, _capture_logits, assert_same_run, keep_setups
 from test_serving_cli_errors import one_line_error
+from test_serving_dsv4 import CHAT as DSV4_CHAT
 from test_serving_dsv4 import CONFIG, DEVICE_TOKENS, ENGINE, ONE, PAGE, SMALL, _hicache, model
 
 from hicache.errors import ConfigError
@@ -27,19 +27,11 @@ from hicache.serving.engine_events import ChunkPlanned, StepStarted
 from hicache.serving.setup import ServingSetup, open_engine
 from hicache.sparse.hot_buffer import HiSparseConfig
 from hicache.tiering.config import HiCacheConfig
-from hicache.tools.serve import command as serve_module
-from hicache.workloads.synthetic import ChatConfig, MultiTurnChat
+from hicache.workloads.synthetic import MultiTurnChat
 
 TOPK = CONFIG.index_topk_pages  # C4 entries a query picks
-CHAT = ChatConfig(
-    clients=4,
-    rounds=2,
-    system_tokens=256,
-    system_prompts=2,
-    turn_tokens=70,
-    output_tokens=14,  # a few groups of 4 completed while decoding from the buffer
-    vocab=CONFIG.vocab_size,
-)
+# The dsv4 tests' chat, with a few groups of 4 completed while decoding from the buffer.
+CHAT = dataclasses.replace(DSV4_CHAT, output_tokens=14, vocab=CONFIG.vocab_size)
 
 
 def _engine(hot_pages: int | None) -> EngineConfig:
@@ -167,14 +159,7 @@ def test_cli_compare_with_hisparse_and_the_seeds_topk_is_identical(
 ) -> None:
     """``--compare`` with the default ``--index-topk`` (512 entries, more than a context has):
     the host tiers decode from the buffer, and every configuration gives the same tokens."""
-    setups: list[ServingSetup] = []
-    opened = serve_module.open_engine
-
-    async def keep(*args: Any, **kwargs: Any) -> ServingSetup:
-        setups.append(await opened(*args, **kwargs))
-        return setups[-1]
-
-    monkeypatch.setattr(serve_module, "open_engine", keep)
+    setups = keep_setups(monkeypatch)
     argv = [
         *SMALL, "--page-size", "128", "--device-tokens", "1024", "--clients", "2",
         "--rounds", "2", "--system-tokens", "256", "--turn-tokens", "64", "--output-tokens", "9",
