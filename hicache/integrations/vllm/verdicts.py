@@ -37,36 +37,33 @@ class Verdicts:
     def get(self, key: bytes) -> Verdict:
         """The verdict for ``key``; UNKNOWN also for an absent verdict older than the TTL."""
         with self._lock:
-            if key in self._stored:
-                self._stored.move_to_end(key)
-                return Verdict.STORED
-            if key in self._probing:
-                return Verdict.PROBING
-            since = self._absent.get(key)
-            if since is not None:
-                if time.monotonic() - since < self._miss_ttl_s:
-                    return Verdict.ABSENT
-                del self._absent[key]  # stale: another writer may have stored it since
-            return Verdict.UNKNOWN
+            return self._verdict(key)
 
     def check(self, key: bytes) -> tuple[Verdict, bool]:
         """:meth:`get` for a lookup: an UNKNOWN key is queued for a probe and is PROBING from
         then on; the flag says it is the first queued since the last :meth:`take_queued` (the
         caller schedules the probe). One lock for it all: it runs on every lookup."""
         with self._lock:
-            if key in self._stored:
-                self._stored.move_to_end(key)
-                return Verdict.STORED, False
-            if key in self._probing:
-                return Verdict.PROBING, False
-            since = self._absent.get(key)
-            if since is not None:
-                if time.monotonic() - since < self._miss_ttl_s:
-                    return Verdict.ABSENT, False
-                del self._absent[key]
+            verdict = self._verdict(key)
+            if verdict is not Verdict.UNKNOWN:
+                return verdict, False
             self._probing.add(key)
             self._queued.append(key)
             return Verdict.PROBING, len(self._queued) == 1
+
+    def _verdict(self, key: bytes) -> Verdict:
+        """:meth:`get` under the lock."""
+        if key in self._stored:
+            self._stored.move_to_end(key)
+            return Verdict.STORED
+        if key in self._probing:
+            return Verdict.PROBING
+        since = self._absent.get(key)
+        if since is not None:
+            if time.monotonic() - since < self._miss_ttl_s:
+                return Verdict.ABSENT
+            del self._absent[key]  # stale: another writer may have stored it since
+        return Verdict.UNKNOWN
 
     def queued(self) -> bool:
         return bool(self._queued)  # a racy read is fine: a key queued later schedules its own
