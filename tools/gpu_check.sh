@@ -122,6 +122,17 @@ print("dsa --hisparse outputs_identical", d["outputs_identical"])' || echo "dsa 
     (cd "$src" && timeout 150 "$py" -m hicache.tools.cli bench hisparse --json --context 2048 \
         --output-tokens 64 --low 4 --high 8) | grep -E '"copies": "|"summary"' \
         || echo "bench hisparse copies: FAILED"
+    echo "== dsv4 --hisparse on CUDA (issue 36): C4 through the hot buffer, copies on a side stream"
+    # The pages of each query's top-k C4 entries are listed without a host sync (fixed-shape
+    # sort and compare) and copied on the side stream while the layer computes its queries.
+    rm -rf "$l3dir"/*
+    (cd "$src" && timeout 120 "$py" -m hicache.tools.cli serve --device cuda --compare --json -q \
+        --preset dsv4 --page-size 128 --hisparse --index-topk 16 --hot-pages 17 --clients 4 --rounds 2 \
+        --output-tokens 16 --cache-dir "$l3dir") | "$py" -c 'import json, sys; d = json.load(sys.stdin)
+print("dsv4 --hisparse outputs_identical", d["outputs_identical"])' || echo "dsv4 --hisparse: FAILED"
+    echo "== bench seed --only io_kernel: the I/O kernel against a per-page cudaMemcpyAsync loop (seed 3x)"
+    (cd "$src" && timeout 120 "$py" -m hicache.tools.cli bench seed --only io_kernel --json) \
+        || echo "bench seed io_kernel: FAILED"
     echo "== a Hugging Face checkpoint on CUDA: serve --model --compare (bf16, issue 16)"
     # A random Qwen3 checkpoint made by transformers where it is installed (nothing downloads).
     local ckpt="$src/ckpt"

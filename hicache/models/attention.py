@@ -34,6 +34,7 @@ __all__ = [
     "cache_and_attend",
     "gqa_attention",
     "paged_attention",
+    "projected_heads",
     "qkv",
 ]
 
@@ -160,6 +161,29 @@ class HeadSizes:
     head_dim: int
 
 
+def projected_heads(
+    weights: Mapping[str, torch.Tensor],
+    h: torch.Tensor,
+    which: str,
+    sizes: HeadSizes,
+    rotation: Rotation | None,
+    norm_eps: float,
+) -> torch.Tensor:
+    """One of :func:`qkv`'s outputs alone (``which``: ``"q"``, ``"k"`` or ``"v"``), computed
+    exactly as :func:`qkv` computes it: a caller may take its keys first and its queries
+    later (dsv4's HiSparse decode computes its queries while the hot buffer's copies run)."""
+    n, attn = h.shape[0], "self_attn"
+    out = F.linear(
+        h, weights[f"{attn}.{which}_proj.weight"], weights.get(f"{attn}.{which}_proj.bias")
+    )
+    out = out.view(n, sizes.heads if which == "q" else sizes.kv_heads, sizes.head_dim)
+    if which == "v":
+        return out
+    if f"{attn}.{which}_norm.weight" in weights:
+        out = rms_norm(out, weights[f"{attn}.{which}_norm.weight"], norm_eps)
+    return out if rotation is None else rotation(out)
+
+
 def qkv(
     weights: Mapping[str, torch.Tensor],
     h: torch.Tensor,
@@ -171,18 +195,8 @@ def qkv(
     ``h``: ``self_attn.{q,k,v}_proj`` (their biases where ``weights`` has them), a per-head
     RMSNorm of q and k where it has ``self_attn.{q,k}_norm.weight`` (eps ``norm_eps``), then
     the rotation (none: no position embedding)."""
-    n, attn = h.shape[0], "self_attn"
-    q = F.linear(h, weights[f"{attn}.q_proj.weight"], weights.get(f"{attn}.q_proj.bias"))
-    k = F.linear(h, weights[f"{attn}.k_proj.weight"], weights.get(f"{attn}.k_proj.bias"))
-    v = F.linear(h, weights[f"{attn}.v_proj.weight"], weights.get(f"{attn}.v_proj.bias"))
-    q = q.view(n, sizes.heads, sizes.head_dim)
-    k = k.view(n, sizes.kv_heads, sizes.head_dim)
-    if f"{attn}.q_norm.weight" in weights:
-        q = rms_norm(q, weights[f"{attn}.q_norm.weight"], norm_eps)
-        k = rms_norm(k, weights[f"{attn}.k_norm.weight"], norm_eps)
-    if rotation is not None:
-        q, k = rotation(q), rotation(k)
-    return q, k, v.view(n, sizes.kv_heads, sizes.head_dim)
+    q, k, v = (projected_heads(weights, h, x, sizes, rotation, norm_eps) for x in "qkv")
+    return q, k, v
 
 
 def gqa_attention(

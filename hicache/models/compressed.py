@@ -6,13 +6,13 @@ picked by an indexer (CSA) or 128:1 and all of them (HCA). See :func:`compressed
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from hicache.errors import MissingSlotError
-from hicache.models.attention import HeadSizes, attend, qkv
+from hicache.models.attention import HeadSizes, attend, projected_heads
 from hicache.models.config import DSV4_RATIOS, LayerKind, layer_group
 from hicache.models.sparse import index_keys
 from hicache.models.step import LayerContext, Step
@@ -20,7 +20,7 @@ from hicache.models.types import ChunkInput, DecodePages, DecodeRows
 from hicache.models.window import window_read
 from hicache.pools.device import DevicePool, unpack_indexer
 
-__all__ = ["compressed_layer", "hot_entries"]
+__all__ = ["compressed_layer", "entry_pages", "start_hot_entries"]
 
 Weights = Mapping[str, torch.Tensor]
 Layers = Mapping[str, int]  # the layer's number in each pool it reads
@@ -51,7 +51,8 @@ def compressed_layer(
     Everything attended to is read from the pools, so entries loaded from host or L3 read as
     computed ones. A CSA decode token on the HiSparse buffer (``hot_row``) reads its index keys
     from the buffer's indexer and its chosen entries through the buffer's pages
-    (:func:`hot_entries`); its window and C128 entries come from their pools as above."""
+    (:func:`start_hot_entries`, begun before its queries are computed, so the copies run
+    meanwhile); its window and C128 entries come from their pools as above."""
     return torch.cat(
         [_chunk(ctx, w, h[rows], step, rows, chunk, layers, kind) for rows, chunk in step.each()]
     )
@@ -71,21 +72,26 @@ def _chunk(
     group = layer_group(kind)
     assert group is not None
     name, ratio = group
-    q, k, v = qkv(w, h, HeadSizes(c.heads, c.kv_heads, c.head_dim), step.rotation_of(rows), 0.0)
-    window = window_read(pools["swa"], layers["swa"], chunk, (k, v), c.window, ctx.dtype)
+    sizes, rotation = HeadSizes(c.heads, c.kv_heads, c.head_dim), step.rotation_of(rows)
+    kv = tuple(projected_heads(w, h, x, sizes, rotation, 0.0) for x in "kv")
+    window = window_read(pools["swa"], layers["swa"], chunk, (kv[0], kv[1]), c.window, ctx.dtype)
     hot = step.hot if chunk.hot_row is not None and kind is LayerKind.COMPRESSED_SPARSE else None
     written = _compress_groups(ctx, w, pools, layers, chunk, kind, window.slots, hot)
     count = chunk.end // ratio  # groups complete by the chunk's end
-    k_b = w["self_attn.k_b_proj.weight"]
     entry_pos = torch.arange(1, count + 1, device=h.device) * ratio - 1  # last tokens
     allowed = entry_pos[None, :] <= chunk.positions[:, None]
+    stored_of = None
     if kind is LayerKind.COMPRESSED_SPARSE:
         index = pools["indexer"].buffer if hot is None else hot.index
-        allowed = _top_entries(ctx, w, h, index, layers["indexer"], chunk, allowed)
-    if hot is None:
+        allowed, top = _top_entries(ctx, w, h, index, layers["indexer"], chunk, allowed)
+        if hot is not None:  # its pages' copies run while the queries are computed
+            stored_of = start_hot_entries(ctx, hot, layers[name], chunk, top, written)
+    q = projected_heads(w, h, "q", sizes, rotation, 0.0)
+    if stored_of is None:
         stored = pools[name].buffer[0, layers[name], _entry_slots(chunk, name, count * ratio)]
     else:
-        stored = hot_entries(ctx, hot, layers[name], chunk, allowed, written)
+        stored = stored_of()
+    k_b = w["self_attn.k_b_proj.weight"]
     entries = stored.to(ctx.dtype).reshape(count, k_b.shape[1])
     shape = (count, c.kv_heads, c.head_dim)
     entry_k = ctx.rope(F.linear(entries, k_b).view(shape), entry_pos)
@@ -123,7 +129,7 @@ def _compress_groups(
     chunk, from their K/V in the window pool (see :func:`compressed_layer`); returns them
     spread over their slots ((groups x ratio, *item), maybe none). A decode token on the
     HiSparse ``hot`` buffer writes its index key to the buffer's indexer (``chunk.slots`` are
-    its slots there) and leaves its C4 entry to :func:`hot_entries`, which writes it to the
+    its slots there) and leaves its C4 entry to :func:`start_hot_entries`, which writes it to the
     buffer and host."""
     group = layer_group(kind)
     assert group is not None
@@ -157,14 +163,15 @@ def _top_entries(
     layer: int,
     chunk: ChunkInput,
     complete: torch.Tensor,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Which C4 entries each query attends to: of those ``complete`` (n, groups) allows, the
     ``index_topk_pages`` with the highest indexer scores (stable: a tie to the earlier group),
     from the fp8 index keys cached over the group's slots of ``index`` (the indexer pool's
-    buffer, or the HiSparse buffer's indexer)."""
+    buffer, or the HiSparse buffer's indexer). Returns the mask (n, groups) and the top
+    entries' numbers (n, min(k, groups)), best first."""
     n, count = complete.shape
     if count == 0:
-        return complete
+        return complete, complete.new_empty((n, 0), dtype=torch.int64)
     ratio = DSV4_RATIOS[0]
     stored = index[0, layer, chunk.slots[: count * ratio]].reshape(count, -1)  # count > 0
     keys, scales = unpack_indexer(stored)
@@ -174,34 +181,49 @@ def _top_entries(
     top = torch.argsort(scores, dim=-1, descending=True, stable=True)
     top = top[:, : min(ctx.config.index_topk_pages, count)]
     chosen = torch.zeros(n, count, dtype=torch.bool, device=h.device).scatter_(1, top, True)
-    return chosen & complete
+    return chosen & complete, top
 
 
-def hot_entries(
+def entry_pages(entries: torch.Tensor, own: int, page_size: int, width: int) -> torch.Tensor:
+    """The pages (1, ``width``) a decode token at page ``own`` wants from the hot buffer for
+    its top C4 ``entries`` (k,): its own page first, then the others' distinct pages in
+    ascending order, -1 after them. Fixed shapes throughout (sort, compare, no ``unique`` or
+    ``nonzero``), so on CUDA nothing here waits for the device."""
+    ratio = DSV4_RATIOS[0]  # an entry's 4 slots lie on one page: 4 divides the page size
+    pages = entries * ratio // page_size
+    beyond = own + 1  # sorts after every real page
+    pages = torch.sort(torch.where(pages == own, beyond, pages)).values
+    repeat = torch.zeros_like(pages, dtype=torch.bool)
+    repeat[1:] = pages[1:] == pages[:-1]
+    pages = torch.sort(torch.where(repeat, beyond, pages)).values  # distinct first
+    wanted = pages.new_full((1, width), -1)
+    wanted[0, 0] = own
+    rest = pages[: width - 1]
+    wanted[0, 1 : 1 + len(rest)] = torch.where(rest == beyond, -1, rest)
+    return wanted
+
+
+def start_hot_entries(
     ctx: LayerContext,
     hot: DecodePages,
     layer: int,
     chunk: ChunkInput,
-    chosen: torch.Tensor,
+    top: torch.Tensor,
     written: torch.Tensor,
-) -> torch.Tensor:
+) -> Callable[[], torch.Tensor]:
     """A decode token's C4 entries through the HiSparse buffer (``hot``, C4 ``layer``): the
-    pages of the entries ``chosen`` (1, groups) picks, its own page first (where its new
-    entry's slots ``written`` go, to the buffer and host), brought in by the buffer's fused
-    step and copies; then each chosen entry's slots read from them. (groups x 4, *item) in the
-    pool's dtype, zeros where an entry is not chosen: those are masked, so attention computes
-    on the same bytes as it does from the C4 pool."""
+    pages of its ``top`` entries (1, k), its own page first (where its new entry's slots
+    ``written`` go, to the buffer and host), brought in by the buffer's fused step and copies,
+    begun now; the returned callable waits for them and reads each chosen entry's slots.
+    (groups x 4, *item) in the pool's dtype, zeros where an entry is not chosen: those are
+    masked, so attention computes on the same bytes as it does from the C4 pool."""
     assert chunk.hot_row is not None
-    ratio, ps, device = DSV4_RATIOS[0], ctx.config.page_size, chosen.device
-    own = chunk.start // ps
-    picked = torch.nonzero(chosen[0])[:, 0]
-    tokens = (picked[:, None] * ratio + torch.arange(ratio, device=device)).flatten()
-    pages = torch.unique(tokens // ps)  # sorted
-    pages = torch.cat([pages.new_tensor([own]), pages[pages != own]])
+    ratio, ps, device = DSV4_RATIOS[0], ctx.config.page_size, top.device
+    own, groups = chunk.start // ps, chunk.end // ratio
     # the top-k entries lie on at most as many pages, beside the own page, and on no more than
     # the context has: what HiSparseConfig.check lets the buffer hold
-    wanted = pages.new_full((1, min(ctx.config.index_topk_pages + 1, own + 1)), -1)
-    wanted[0, : len(pages)] = pages
+    width = min(ctx.config.index_topk_pages + 1, own + 1)
+    wanted = entry_pages(top[0], own, ps, width)
     rows = DecodeRows(
         [0],
         torch.zeros(1, dtype=torch.int64, device=device),
@@ -209,10 +231,16 @@ def hot_entries(
         chunk.slots[None],
         torch.tensor([chunk.hot_row], dtype=torch.int64),
     )
-    latent = hot.gather(layer, rows, wanted, written.reshape(1, -1))  # (1, K x ps, item)
-    where = torch.full((own + 1,), -1, dtype=torch.int64, device=device)
-    where[pages] = torch.arange(len(pages), device=device)
-    source = where[tokens // ps] * ps + tokens % ps
-    out = latent.new_zeros((chosen.shape[1] * ratio, latent.shape[-1]))
-    out[tokens] = latent[0, source]
-    return out
+    latent_of = hot.start_gather(layer, rows, wanted, written.reshape(1, -1))
+    tokens = (top[0, :, None] * ratio + torch.arange(ratio, device=device)).flatten()
+    # where each chosen token is in the gathered pages: its page's place in ``wanted``
+    place = (tokens[:, None] // ps == wanted[0][None, :]).to(torch.int64).argmax(1)
+    source = place * ps + tokens % ps
+
+    def entries() -> torch.Tensor:
+        latent = latent_of()  # (1, width x ps, item)
+        out = latent.new_zeros((groups * ratio, latent.shape[-1]))
+        out[tokens] = latent[0, source]
+        return out
+
+    return entries

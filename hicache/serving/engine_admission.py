@@ -7,7 +7,9 @@ host tokens, touching nothing), kept on the request (``ServeRequest.prefix_match
 round, where the prefix hold reads it. A request admitted then takes its prefix with the round's
 one ``match_prefix`` of it: that match splits nodes, counts hits and is what its lock and load-back
 act on, so it must see the tree as it is at that moment, after the admissions before it in the
-round may have evicted (or loaded back) pages the peek saw. The plan never matches.
+round may have evicted (or loaded back) pages the peek saw. The plan never matches. With L3 on,
+whether a request reads its prefix back first is decided from the same peek; a request whose
+read starts is matched for it instead of being admitted that round.
 """
 
 from __future__ import annotations

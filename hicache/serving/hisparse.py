@@ -26,8 +26,9 @@ On ``dsv4`` the hot buffer holds C4 entries (the anchor's pages: a quarter entry
 the indexer keys are C4's; the request's window (``swa``) and C128 slots stay on the device as
 without HiSparse (:class:`~hicache.serving.pool_slots.PoolSlots`): entering commits them with
 the prompt and keeps their locks, each decode chunk takes their slots (:meth:`chunk`), and
-release frees them. It commits nothing more while it decodes, so its output is not hung in the
-tree at finish (a node without C128 there would never be a usable prefix).
+release frees them. At finish its new nodes get host copies of its C128 entries and of its last
+window (a node of their own), copied from those slots before they are freed, so a follow-up
+turn hits its output as on DSA.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestState, ServeRequest
 from hicache.sparse.hot_buffer import HotBuffer, HotRequest, canonical_pages
 from hicache.tiering.cache import HiRadixCache
+from hicache.tiering.pool_host import set_host
 
 __all__ = ["HiSparseRequests", "HotEntry"]
+
+_Extras = dict[str, tuple[int, torch.Tensor]]  # per extra pool: (first position, host pages)
 
 
 class HotEntry(enum.Enum):
@@ -241,11 +245,12 @@ class HiSparseRequests:
     def cache_computed(self, request: ServeRequest) -> int:
         """Hang the whole pages ``request`` computed past the tree's part of its path under
         that path, on host only; how many pages the tree took (fewer when another request
-        cached some of them meanwhile). The pages taken leave ``hot.own_host``."""
+        cached some of them meanwhile). The pages taken leave ``hot.own_host``. On dsv4 the
+        new nodes also get host copies of the request's C128 entries (every page) and window
+        (the last window's pages, on a node of their own), so that their end is a usable
+        prefix; when host memory cannot take those, nothing is hung."""
         hot, cached = request.hot, request.cached
         assert hot is not None and cached is not None
-        if self.pool_slots.active:  # dsv4: its C128 and window are not kept (see the module)
-            return 0
         ps, start = self.page_size, len(hot.shared_host)
         cached.token_ids = request.all_tokens
         key = cached.key(ps)  # the computed tokens' whole pages
@@ -253,10 +258,14 @@ class HiSparseRequests:
         if count <= 0:
             return 0
         self.buffer.drain()  # every eager host write of its latent has landed
+        extras = self._extras_to_host(request, start * ps, len(key))
+        if extras is None:
+            return 0
         own = hot.own_host[:count]
         self._copy_index_keys(hot, start * ps, own)
         _, have, leaf = self.tree.hang_leaf(key, start * ps)
         if leaf is None:  # all there already (or, never here, its prefix gone)
+            self._free_extras(extras)
             return 0
         taken = own[(have // ps) - start :].clone()
         leaf.host_value = taken
@@ -264,8 +273,61 @@ class HiSparseRequests:
         kept = torch.ones(len(hot.own_host), dtype=torch.bool)
         kept[count - len(taken) : count] = False
         hot.own_host = hot.own_host[kept]
-        self.tree.writer.after_backup(leaf)
+        for node in self._place_extras(leaf, have, extras):
+            self.tree.writer.after_backup(node)
         return len(taken)
+
+    def _extras_to_host(self, request: ServeRequest, lo: int, hi: int) -> _Extras | None:
+        """dsv4: copies on host of the request's extra pools over positions ``lo .. hi - 1``
+        (a window pool: its last window of them), per pool (first position, host pages);
+        None, with nothing held, when one cannot be had (a slot already trimmed, no host
+        room). Empty for a model without extra pools."""
+        state = request.pool_state
+        out: _Extras = {}
+        if not self.pool_slots.active or state is None:
+            return {}
+        for name, window in self.pool_slots.windows.items():
+            first = lo if window is None else max(lo, hi - window)
+            slots = state.rows[name][first:hi]
+            pages = None
+            if not bool((slots < 0).any()):
+                pages = self.tree.host_evictor.alloc_pool(name, (hi - first) // self.page_size)
+            if pages is None:
+                self._free_extras(out)
+                return None
+            device_slots = slots.to(self.pool_slots.pools[name].buffer.device)
+            self.tree.backups.copies.write(device_slots, pages, owner=name).synchronize()
+            out[name] = (first, pages)
+        return out
+
+    def _free_extras(self, extras: _Extras) -> None:
+        hosts = self.tree.host_evictor.host_pools
+        for name, (_, pages) in extras.items():
+            hosts[name].free(pages)
+
+    def _place_extras(self, leaf: TreeNode, have: int, extras: _Extras) -> list[TreeNode]:
+        """Give the new ``leaf`` (starting at position ``have``, its anchor's host pages set)
+        the extra pools' host pages; where a window's pages begin after ``have``, the leaf is
+        cut there (its anchor's and every page-wide pool's pages with it) and the window's go
+        on the lower part. The nodes it became, in path order. Pages of positions before
+        ``have`` (the tree had those already) are freed."""
+        ps, hosts = self.page_size, self.tree.host_evictor.host_pools
+        later: dict[str, torch.Tensor] = {}
+        for name, (first, pages) in extras.items():
+            skip = max(0, have - first) // ps
+            if skip:
+                hosts[name].free(pages[:skip])
+            if first <= have:
+                set_host(leaf, name, pages[skip:])
+            else:
+                later[name] = pages
+        if not later:
+            return [leaf]
+        (cut,) = {extras[name][0] - have for name in later}  # one window length on dsv4
+        upper = self.tree.split_node(leaf, cut)
+        for name, pages in later.items():
+            set_host(leaf, name, pages)
+        return [upper, leaf]
 
     def _copy_index_keys(self, hot: HotRequest, start: int, pages: torch.Tensor) -> None:
         """The indexer keys of positions ``start ..`` (whole ``pages``) from the request's

@@ -38,8 +38,11 @@ class L3Reads:
         tree = self.tree
         if not tree.storage.enabled or not len(request.key):
             return False
-        match = tree.match_prefix(request.key, count_hits=False)
-        cached = match.prefix_len + match.host_hit_length
+        # This round's peek where the plan took one (the round's one look at the tree for
+        # it); matched only when a read starts, which then takes the round's match instead of
+        # an admission.
+        peek = request.prefix_match if admitting or ahead else None
+        cached = (peek or tree.peek_tiers(request.key)).total
         missing = len(request.key) - cached
         prefetcher = tree.prefetcher
         threshold = prefetcher.config.threshold_tokens
@@ -52,6 +55,7 @@ class L3Reads:
         if not self._pays(missing):
             tree.metrics.add("prefetch_skipped_slow")
             return False
+        match = tree.match_prefix(request.key, count_hits=False)
         return prefetcher.start(
             request.rid, request.key, match, reserve=True, urgent=admitting, whole=ahead
         )

@@ -12,10 +12,12 @@ import asyncio
 import dataclasses
 import json
 import pathlib
+from typing import Any
 
 import pytest
 import torch
 from cli_kit import run
+from follow_up import FollowUp
 from serving_helpers import Recording, RunResult, _capture_logits, assert_same_run, keep_setups
 from test_serving_cli_errors import one_line_error
 from test_serving_dsv4 import CHAT as DSV4_CHAT
@@ -174,3 +176,49 @@ def test_cli_compare_with_hisparse_and_the_seeds_topk_is_identical(
     for setup in setups[2:]:
         sparse = setup.engine.sparse
         assert sparse is not None and sparse.buffer.stats.decode_rows > 0
+
+
+FIRST_PROMPT, FIRST_OUTPUT = 200, 70  # the output completes the second page (256 tokens)
+
+
+async def _follow_up(mode: CacheMode, hot_pages: int | None, l3: pathlib.Path | None) -> Any:
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, CONFIG.vocab_size, (FIRST_PROMPT,), generator=gen).tolist()
+    question = torch.randint(0, CONFIG.vocab_size, (20,), generator=gen).tolist()
+    source = FollowUp(prompt, question, FIRST_OUTPUT)
+    setup = await open_engine(model(), mode, _config(l3), DEVICE_TOKENS, _engine(hot_pages))
+    try:
+        records = {r.rid: r for r in await setup.engine.run(source)}
+    finally:
+        await setup.close()
+    return source, records, setup
+
+
+@pytest.mark.parametrize("with_l3", [False, True], ids=["device+host", "device+host+l3"])
+async def test_a_follow_up_hits_the_output_decoded_from_the_buffer(
+    with_l3: bool, tmp_path: pathlib.Path
+) -> None:
+    """The first turn decodes its output from the buffer (its C4 entries on host only); at
+    finish its whole pages hang in the tree with host copies of C128 and of the last window, so
+    the follow-up hits every whole page of the conversation, computes only the rest, and
+    generates what it generates on a cold cache."""
+    mode = CacheMode.DEVICE_HOST_L3 if with_l3 else CacheMode.DEVICE_HOST
+    source, records, setup = await _follow_up(mode, TOPK + 1, tmp_path / "l3" if with_l3 else None)
+    first, second = source.done["turn1"], source.done["turn2"]
+    assert len(first.generated) == FIRST_OUTPUT
+    whole = (FIRST_PROMPT + FIRST_OUTPUT - 1) // PAGE * PAGE
+    prompt_pages = FIRST_PROMPT // PAGE * PAGE
+    assert whole > prompt_pages  # a whole page that only decoding computed
+    follow = records["turn2"]
+    assert follow.hit_device + follow.hit_host + follow.hit_l3 == whole, follow
+    assert follow.hit_host >= whole - prompt_pages, follow  # the output lived on host only
+    assert follow.computed_tokens == len(second.prompt) - whole
+    tree = setup.cache
+    assert tree is not None and tree.host.protected_pages == 0
+    sparse = setup.engine.sparse
+    assert sparse is not None and sparse.buffer.stats.decode_rows >= FIRST_OUTPUT - 1
+
+    cold, cold_records, _ = await _follow_up(CacheMode.NONE, None, None)
+    assert cold_records["turn1"].computed_tokens == FIRST_PROMPT
+    assert cold.done["turn1"].generated == first.generated
+    assert cold.done["turn2"].generated == second.generated

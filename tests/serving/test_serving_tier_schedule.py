@@ -7,6 +7,7 @@ request's prefix with one match, the plan's being a peek kept on the request.
 
 from __future__ import annotations
 
+import pathlib
 from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
@@ -103,18 +104,22 @@ def _prompts(seed: int, *lengths: int) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-async def test_lpm_admits_the_longer_host_hit_first_matching_each_request_once() -> None:
+@pytest.mark.parametrize("with_l3", [False, True], ids=["device+host", "device+host+l3"])
+async def test_lpm_admits_the_longer_host_hit_first_matching_each_request_once(
+    with_l3: bool, tmp_path: pathlib.Path
+) -> None:
+    """With L3 on, each admitting request is also asked whether it reads back from L3: that
+    decision uses the round's peek, so the counts are the same."""
     # A 64-token document, then two fillers that push it out of the 128-token device (to
     # host: write-through), then a short one that stays on the device. Then a question on each
     # document at once; one request runs at a time.
     long_doc, filler1, filler2, short_doc, q1, q2 = _prompts(5, 64, 56, 56, 12, 5, 5)
     source = Phased([long_doc, filler1, filler2, short_doc], [short_doc + q1, long_doc + q2])
-    setup = await open_engine(
-        tiny_model(ModelPreset.DENSE), CacheMode.DEVICE_HOST, hicache_config(None), 128,
-        ONE_AT_A_TIME,
-    )  # fmt: skip
+    mode = CacheMode.DEVICE_HOST_L3 if with_l3 else CacheMode.DEVICE_HOST
+    config = hicache_config(tmp_path / "l3" if with_l3 else None)
+    setup = await open_engine(tiny_model(ModelPreset.DENSE), mode, config, 128, ONE_AT_A_TIME)
     tree = setup.engine.tree
-    assert isinstance(tree, HiRadixCache)
+    assert isinstance(tree, HiRadixCache) and tree.storage.enabled is with_l3
     looks = TreeLooks(setup.engine, tree)
     try:
         records = await setup.engine.run(source)

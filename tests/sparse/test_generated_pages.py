@@ -13,6 +13,7 @@ import pathlib
 
 import pytest
 import torch
+from follow_up import FollowUp
 from model_kit import PAGE, VOCAB, tiny_model
 
 from hicache.keys import RadixKey
@@ -27,29 +28,6 @@ DSA = ModelPreset.DSA
 FIRST_OUTPUT = 14  # past three page boundaries of PAGE = 4
 PROMPT = 21  # a partial last page: the first output page also holds prompt tokens
 ENGINE = EngineConfig(max_running=2, stall_s=20.0, skip_slow_prefetch=False)
-
-
-class FollowUp:
-    """The first turn, then (once it finished) its prompt + output + a question."""
-
-    def __init__(self, prompt: list[int], question: list[int]) -> None:
-        self._pending = [ServeRequest("turn1", list(prompt), FIRST_OUTPUT)]
-        self.question = question
-        self.done: dict[str, ServeRequest] = {}
-
-    def due(self, now: float) -> list[ServeRequest]:
-        due, self._pending = self._pending, []
-        return due
-
-    def finished(self, request: ServeRequest, now: float) -> None:
-        assert request.record.error is None, request.record.error
-        self.done[request.rid] = request
-        if request.rid == "turn1":
-            follow = request.prompt + request.generated + self.question
-            self._pending = [ServeRequest("turn2", follow, 6)]
-
-    def next_arrival(self) -> float | None:
-        return 0.0 if self._pending else None
 
 
 class Cold:
@@ -95,7 +73,7 @@ async def test_a_follow_up_hits_the_pages_the_first_turn_generated(
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist()
     question = torch.randint(0, VOCAB, (7,), generator=gen).tolist()
-    source = FollowUp(prompt, question)
+    source = FollowUp(prompt, question, FIRST_OUTPUT)
     records = {r.rid: r for r in await _serve(source, mode, hisparse)}
     first, second = source.done["turn1"], source.done["turn2"]
     assert len(first.generated) == FIRST_OUTPUT and len(second.generated) == 6

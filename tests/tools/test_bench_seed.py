@@ -11,6 +11,7 @@ import shlex
 from typing import Any
 
 import pytest
+import torch
 from cli_kit import run
 
 from hicache.tools.cli import build_parser
@@ -23,7 +24,7 @@ SMALL = {
     "delayer": ["--burst-conversations", "1", "--burst-turns", "2", "--repeats", "1"],
     "lpm_vs_fcfs": ["--lpm-clients", "8", "--lpm-rounds", "2", "--repeats", "1"],
     "decode_by_context": ["--contexts", "256,512", "--decode-tokens", "3"],
-    "io_kernel": [],
+    "io_kernel": ["--kernel-pages", "2", "--repeats", "1"],
 }
 FIELDS = {
     "layout_host_io": {"ratio", "page_first_bytes_s", "layer_first_bytes_s"},
@@ -38,7 +39,7 @@ FIELDS = {
         "fcfs_hit_tokens_host",
     },
     "decode_by_context": {"context", "tok_s", "tok_s_hisparse", "tok_s_hisparse_vs_first"},
-    "io_kernel": {"skipped"},
+    "io_kernel": {"ratio", "gather", "scatter"} if torch.cuda.is_available() else {"skipped"},
 }
 # Fields that are a figure of work done, so must be finite and above zero.
 POSITIVE = {
@@ -47,7 +48,7 @@ POSITIVE = {
     "delayer": ("ttft_ratio", "hit_rate_with", "hit_rate_without"),
     "lpm_vs_fcfs": ("hit_tokens_ratio", "ttft_ratio", "lpm_ttft_mean_ms", "fcfs_ttft_mean_ms"),
     "decode_by_context": ("context", "tok_s", "tok_s_hisparse", "tok_s_vs_first"),
-    "io_kernel": (),
+    "io_kernel": ("ratio",) if torch.cuda.is_available() else (),
 }
 
 
@@ -132,7 +133,8 @@ def test_table_without_json(capsys: pytest.CaptureFixture[str]) -> None:
     header, *rows = out.splitlines()
     assert header.split(" | ") == ["measurement", "ours", "seed", "command"]
     assert [row.split(" | ")[0] for row in rows] == ["slru_vs_lru", "io_kernel"]
-    assert rows[1].split(" | ")[3] == "hicache bench seed --only io_kernel --json"
+    command = "hicache bench seed --only io_kernel --kernel-pages 128 --repeats 5 --json"
+    assert rows[1].split(" | ")[3] == command
 
 
 @pytest.mark.parametrize(

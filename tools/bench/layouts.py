@@ -47,6 +47,7 @@ __all__ = [
     "LayoutBenchConfig",
     "add_bench_layouts_parser",
     "main",
+    "paired_rounds",
     "run_bench_layouts",
     "shared_run_bytes",
 ]
@@ -94,7 +95,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _paired_rounds(
+def paired_rounds(
     steps: dict[str, Callable[[], object]], device: str, repeats: int
 ) -> dict[str, list[float]]:
     """Seconds of each step in each of ``repeats`` rounds, after one untimed warm-up each; the
@@ -194,7 +195,7 @@ def _bench_convert(spec: LayoutSpec, pages: int, device: str, repeats: int) -> l
         if run is not None and nbytes % run == 0:
             hops = spec.num_components * spec.layers
             steps["floor"] = _floor_copy(src_flat, dst_flat, run, hops)
-        times = _paired_rounds(steps, device, repeats)
+        times = paired_rounds(steps, device, repeats)
         rows.append(_row("convert", route, device, nbytes, times))
     return rows
 
@@ -234,13 +235,13 @@ def _bench_transfers(
         }
         if floor:
             steps["floor"] = _floor_copy(pool_flat[:nbytes], host_flat[:nbytes], floor, hops)
-        times = _paired_rounds(steps, device, repeats)
+        times = paired_rounds(steps, device, repeats)
         rows.append(_row("gather", (Layout.LAYER_FIRST, layout), device, nbytes, times))
         args = (host, host_pages, pool, slots, spec, layout)
         steps = {"op": functools.partial(_transfer, stream.scatter, args), "baseline": to_pool}
         if floor:
             steps["floor"] = _floor_copy(host_flat[:nbytes], pool_flat[:nbytes], floor, hops)
-        times = _paired_rounds(steps, device, repeats)
+        times = paired_rounds(steps, device, repeats)
         rows.append(_row("scatter", (layout, Layout.LAYER_FIRST), device, nbytes, times))
     return rows
 

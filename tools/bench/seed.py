@@ -17,7 +17,9 @@ claim is about (see :mod:`hicache.tools.bench.seed_cache` and
 * ``decode_by_context``: a list, one point per ``--contexts`` value: decode tok/s of one request
   without and with HiSparse (``hicache bench hisparse``), and each rate over the first
   context's;
-* ``io_kernel``: the CUDA I/O kernel against per-page copies, skipped without CUDA.
+* ``io_kernel``: the CUDA I/O kernel's gather and scatter against a loop of one
+  ``cudaMemcpyAsync`` per page, layer and K/V (``ratio``: the lower of the two; seed 3x),
+  skipped without CUDA (:mod:`hicache.tools.bench.io_kernel`).
 
 Every object (each point of ``decode_by_context``) carries ``seed``, the seed's figure or claim,
 and ``command``, the command line that measures it alone at the same sizes.
@@ -45,6 +47,15 @@ __all__ = ["MEASUREMENTS", "add_bench_seed_parser", "run_bench_seed"]
 
 _MAX_CONTEXTS = 16
 _IO_PAGE_BYTES = 2 << 20  # seed_cache's L3 pages
+_KERNEL_PAGE_BYTES = 4 << 20  # io_kernel's pages: Llama-3-8B's KV of 32 tokens
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 Result = dict[str, Any] | list[dict[str, Any]]
 
 
@@ -92,7 +103,7 @@ def _decode_by_context(args: argparse.Namespace) -> Result:
 def _io_kernel(args: argparse.Namespace) -> Result:
     from hicache.tools.bench.seed_cache import io_kernel
 
-    return io_kernel()
+    return io_kernel(args.kernel_pages, args.repeats)
 
 
 def _ranged(r: dict[str, Any], name: str) -> str:
@@ -139,9 +150,14 @@ MEASUREMENTS: dict[str, Measurement] = {
     ),
     "io_kernel": Measurement(
         3.0,
-        (),
+        ("kernel_pages", "repeats"),
         _io_kernel,
-        lambda r: f"skipped: {r['skipped']}",
+        lambda r: (
+            f"skipped: {r['skipped']}"
+            if "skipped" in r
+            else f"x{r['ratio']} (gather {_ranged(r['gather'], 'ratio')}, "
+            f"scatter {_ranged(r['scatter'], 'ratio')})"
+        ),
     ),
 }
 
@@ -179,6 +195,10 @@ def add_bench_seed_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
         "--dir", type=input_dir,
         help="layout_host_io: where the disk:// L3 lives (default: /dev/shm when there is one, "
         "so the figure is the layouts', not a disk's writeback; else the temp directory)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kernel-pages", type=int_range(1, 1 << 12), default=128,
+        help="io_kernel: 4 MiB pages (Llama-3-8B's KV, 32 tokens) each copy moves",
     )  # fmt: skip
     _add_workload_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object")
@@ -227,6 +247,8 @@ def _check(names: Sequence[str], args: argparse.Namespace) -> None:
     """Refuse what a measurement cannot run, before any runs."""
     if "layout_host_io" in names:  # two layouts' host pools of 2 x pages each
         check_memory(4 * args.io_pages * _IO_PAGE_BYTES, "4 x --io-pages x 2 MiB")
+    if "io_kernel" in names and torch_cuda():  # a pool and a pinned buffer of 2 x pages
+        check_memory(2 * args.kernel_pages * _KERNEL_PAGE_BYTES, "2 x --kernel-pages x 4 MiB")
     if "delayer" in names:
         from hicache.tools.bench.seed_serve import check_burst
 

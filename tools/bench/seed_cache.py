@@ -141,19 +141,11 @@ def slru_vs_lru(clients: int, rounds: int, capacity_share: float) -> dict[str, A
     }
 
 
-def io_kernel() -> dict[str, Any]:
-    """The CUDA I/O kernel: skipped without CUDA. With CUDA, ``bench layouts``' gather and
-    scatter rows, which time the kernel against one pinned block copy; no bench here times a
-    per-page ``cudaMemcpyAsync`` loop, the seed's baseline, so no ratio to it is given."""
+def io_kernel(pages: int, repeats: int) -> dict[str, Any]:
+    """The CUDA I/O kernel against a per-page ``cudaMemcpyAsync`` loop (``ratio``: the lower
+    of gather's and scatter's; :mod:`hicache.tools.bench.io_kernel`); skipped without CUDA."""
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA"}
-    from hicache.tools.bench.layouts import LayoutBenchConfig, run_layout_bench
+    from hicache.tools.bench.io_kernel import kernel_vs_page_loop
 
-    rows = run_layout_bench(LayoutBenchConfig(devices=("cuda",), repeats=3))
-    moves = [r for r in rows if r["op"] in ("gather", "scatter")]
-    return {
-        "skipped": "no bench times a per-page cudaMemcpyAsync loop (the seed's baseline)",
-        "kernel_vs_block_copy": [
-            {k: r[k] for k in ("op", "from", "to", "gbps", "baseline_gbps", "ratio")} for r in moves
-        ],
-    }
+    return kernel_vs_page_loop("cuda", pages, repeats)
