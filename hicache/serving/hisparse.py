@@ -181,6 +181,9 @@ class HiSparseRequests:
             hot = request.hot
             assert hot is not None and request.cached is not None
             entry = self.enter(request, commit)
+            if entry is HotEntry.HOST_BUSY and self.tree.prefetcher.yield_reserved():
+                # host memory that queued requests' prefetches kept may go to a running one
+                entry = self.enter(request, commit)
             if entry is HotEntry.ENTERED:
                 continue
             if hot.waiting_since is None:

@@ -49,11 +49,11 @@ from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.pools.device import DevicePool
 from hicache.pools.host import HostPool
-from hicache.pools.pool_spec import ModelPools, common_usable_prefix
+from hicache.pools.pool_spec import ModelPools
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.node import TreeNode
 from hicache.radix.shadow import ShadowMatchResult, ShadowRadixCache
-from hicache.radix.shadow_rules import path_presence, peek_path, pool_indices
+from hicache.radix.shadow_rules import peek_path, pool_indices
 from hicache.radix.slots import concat_slots
 from hicache.radix.tier_peek import TierPeek
 from hicache.radix.tree import MatchResult, RadixCacheConfig
@@ -68,7 +68,7 @@ from hicache.tiering.metrics import HiCacheMetrics
 from hicache.tiering.parts import TierPools
 from hicache.tiering.peek import tiered_peek
 from hicache.tiering.policies import TerminationReason, WritePolicy, backup_on_hit
-from hicache.tiering.pool_host import held_anywhere, split_host
+from hicache.tiering.pool_host import split_host
 from hicache.tiering.prefetch_insert import PrefetchInserter
 from hicache.tiering.prefetcher import Prefetcher
 
@@ -232,25 +232,18 @@ class HiRadixCache(ShadowRadixCache):
         return tiered_peek(self.roles, self.page_size, root, data, unit)
 
     def _tiered_path(self, root: TreeNode, data: bytes, unit: int) -> tuple[list[TreeNode], int]:
-        """The nodes of the prefix usable on device or host, split at its end and at the
-        device-usable end; and how many of them are the device part."""
-        ps = self.page_size
-        path, last_bytes = peek_path(root, data, ps * unit)
-        anywhere = path_presence(
-            self.roles, path, ps, last_bytes // unit, held_anywhere,
-            lambda n: n.value is not None or n.host_value is not None,
-        )  # fmt: skip
-        total = common_usable_prefix(anywhere) * ps
-        self._cut(path, total, unit)
-        path, _ = peek_path(root, data[: total * unit], ps * unit)
-        last = path[-1].length if path else 0
-        device = common_usable_prefix(path_presence(self.roles, path, ps, last)) * ps
-        self._cut(path, device, unit)
-        path, _ = peek_path(root, data[: total * unit], ps * unit)
+        """The nodes of the prefix usable on device or host (:func:`tiered_peek`'s lengths),
+        split at its end and at the device-usable end; and how many of them are the device
+        part."""
+        peek = tiered_peek(self.roles, self.page_size, root, data, unit)
+        usable, span = data[: peek.total * unit], self.page_size * unit
+        for units in (peek.total, peek.device):  # a split changes no page's presence
+            self._cut(peek_path(root, usable, span)[0], units, unit)
+        path, _ = peek_path(root, usable, span)
         depth, count = 0, 0
         for node in path:
             depth += node.length
-            if depth > device:
+            if depth > peek.device:
                 break
             count += 1
         return path, count

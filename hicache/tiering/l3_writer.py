@@ -5,7 +5,8 @@ every node (``ALL``), or one reused by enough requests (``HIT_THRESHOLD``, check
 every hit). What is written is what of the node's host copy L3 lacks: the anchor's pages (with
 their sidecars) until the node is ``in_storage``, and each extra pool's host copy (an SWA window's
 pages, a state snapshot at the node's last page) until the pool is in ``node.pool_stored``. The
-host pages written are protected from host eviction until the write is acknowledged.
+host pages written are protected from host eviction until the write is acknowledged; the writer
+counts its own writes in flight per host page (other holders protect pages too).
 
 With ``storage.window_admission`` REUSED (the default), a window pool's pages (SWA) go to L3
 only once a request has reused the node (``hit_count``, checked again on every hit): a request
@@ -19,7 +20,7 @@ the admission policy alone.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +44,9 @@ class L3Writer:
     storage: StorageTier
     hasher: PageHasher
     config: StorageConfig
+    # Per owner pool, per host page: writes of it in flight. Protection alone cannot say so:
+    # a HiSparse request protects the host pages it decodes from, which L3 may still lack.
+    _writing: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def after_backup(self, node: TreeNode) -> None:
         """``node`` just reached host memory: write it to L3 if admitted."""
@@ -76,17 +80,25 @@ class L3Writer:
         if not self.storage.enabled or node.host_value is None:
             return
         hosts = self.pools.hosts
-        plan = {  # what is not on its way to L3 already (protected until acknowledged)
+        plan = {  # what is not on its way to L3 already
             pool: pages
             for pool, pages in self._unwritten(node).items()
-            if not bool(hosts[pool].is_protected(pages).any())
+            if not bool(self._in_flight(pool)[pages].any())
         }
         if not plan:
             return
         bundle = self.hasher.node_bundle(node, self._per_page(node, plan))
         for pool, pages in plan.items():
-            hosts[pool].protect(pages)
+            hosts[pool].protect(pages)  # not evicted before the write is acknowledged
+            self._in_flight(pool)[pages] += 1
         self.storage.submit_write(WriteJob(bundle, float(node.hit_count), (node, plan)))
+
+    def _in_flight(self, pool: str) -> torch.Tensor:
+        counts = self._writing.get(pool)
+        if counts is None:
+            counts = torch.zeros(self.pools.hosts[pool].num_pages, dtype=torch.int32)
+            self._writing[pool] = counts
+        return counts
 
     def _per_page(self, node: TreeNode, plan: dict[str, torch.Tensor]) -> list[dict[str, int]]:
         """Each token page's host page per pool to write (sidecars share their owner's)."""
@@ -109,6 +121,7 @@ class L3Writer:
             node, plan = job.owner
             for pool, pages in plan.items():
                 hosts[pool].release(pages)
+                self._in_flight(pool)[pages] -= 1
             if not (job.ok and all(job.ok)):
                 continue
             if anchor in plan:

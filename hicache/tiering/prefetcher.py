@@ -146,6 +146,22 @@ class Prefetcher:
         self._shortfall.pop(rid, None)
         return self.inserted_tokens.pop(rid, 0)
 
+    def yield_reserved(self) -> int:
+        """Let host eviction take what finished prefetches keep for waiting requests, because
+        a running request needs the host memory (the pages stay in L3); how many pages they
+        kept. Later prefetches of those requests reserve again; one whose pages went before
+        its turn reads them again only if its cached prefix then is shorter than when it first
+        read (:class:`~hicache.serving.l3_reads.L3Reads`), else computes them."""
+        pages = 0
+        for rid in list(self._reserved):
+            for node, kept in self._reserved.pop(rid):
+                self.anchors[node.id] -= 1
+                if self.anchors[node.id] <= 0:
+                    del self.anchors[node.id]
+                self.pages_in_use -= kept
+                pages += kept
+        return pages
+
     def grant(
         self,
         candidates: list[BundlePage],

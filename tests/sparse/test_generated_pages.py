@@ -119,6 +119,10 @@ async def test_the_generated_pages_are_written_to_l3(tmp_path: pathlib.Path) -> 
         output_nodes = [n for n in path if n.value is None and n.parent is not None]
         assert sum(n.length for n in output_nodes) == whole - PROMPT // PAGE * PAGE
         assert all(n.in_storage for n in output_nodes)
+        # the prompt's pages too: they were protected on host while the request decoded from
+        # them, which must not pass for a write to L3 in flight
+        prompt_nodes = [n for n in path if n.value is not None and n.parent is not None]
+        assert prompt_nodes and all(n.in_storage for n in prompt_nodes), prompt_nodes
         written = tree.metrics.as_dict()["pages_written_l3"]
         assert written >= (whole - PROMPT // PAGE * PAGE) // PAGE
     finally:

@@ -75,6 +75,30 @@ async def test_reserved_pages_survive_host_eviction_until_released() -> None:
         await h.close()
 
 
+async def test_yielded_reservations_may_be_evicted_and_later_ones_still_reserve() -> None:
+    """A running request short of host memory makes the prefetches of queued ones give up
+    what they keep (it stays in L3): host eviction may take it then; the request's credit
+    (its L3 hit) stays, and a later prefetch of it keeps its pages again."""
+    h = await build(MemoryBackend())
+    try:
+        await seed_l3(h, SEQ)
+        start(h, "queued", SEQ, reserve=True)
+        await settled(h, "queued")
+        prefetcher = h.tree.prefetcher
+        assert prefetcher.yield_reserved() == 8 and prefetcher.pages_in_use == 0
+        assert prefetcher.yield_reserved() == 0
+        h.tree.host_evictor.evict(10**6)
+        assert host_hit(h, SEQ) == 0 and h.host["kv"].used_pages == 0
+        start(h, "queued", SEQ, reserve=True)  # its turn comes: read again, kept again
+        await settled(h, "queued")
+        h.tree.host_evictor.evict(10**6)
+        assert host_hit(h, SEQ) == len(SEQ)
+        assert prefetcher.release("queued") == 2 * len(SEQ)  # both reads' tokens
+        await quiesce(h)
+    finally:
+        await h.close()
+
+
 async def test_a_prefetch_short_of_host_room_leaves_a_shortfall() -> None:
     # capacity_share 0.25 of 16 host pages: room for 4 of the 8 pages L3 holds
     h = await build(MemoryBackend(), host_pages=16, capacity_share=0.25)

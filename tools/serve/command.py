@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -21,13 +20,7 @@ from typing import Any
 
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
 from hicache.errors import BackendError, InvalidArgumentError
-from hicache.models.config import (
-    MODEL_LIMITS,
-    SEED_MAX,
-    ModelPreset,
-    default_index_topk,
-)
-from hicache.models.hf.loader import COMPUTE_DTYPES, CheckpointPlan
+from hicache.models.hf.loader import CheckpointPlan
 from hicache.models.hf.tokenizer import load_tokenizer, tokenize_trace
 from hicache.models.tiny import TinyTransformer
 from hicache.models.types import ServingModel
@@ -40,7 +33,6 @@ from hicache.tools.cli_parsing import (
     CommandFailed,
     arg_type,
     float_range,
-    input_file,
     int_range,
     output_file,
     path_arg,
@@ -49,7 +41,6 @@ from hicache.tools.config_flags import add_hicache_flags
 from hicache.tools.serve.config import (
     add_hisparse_flags,
     add_policy_flags,
-    add_pool_flags,
     checked_model,
     engine_config_of,
     hicache_config,
@@ -58,6 +49,7 @@ from hicache.tools.serve.config import (
     write_outputs,
 )
 from hicache.tools.serve.online import add_online_flags, run_online
+from hicache.tools.serve.serve_flags import add_model_and_workload_flags, plot_file
 from hicache.urls import redact_url
 from hicache.workloads.arrivals import TraceReplay
 from hicache.workloads.pool_report import pool_bytes
@@ -77,92 +69,11 @@ __all__ = ["add_serve_parser", "run_serve"]
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hicache", "disk")
 
 
-# Upper bounds of the workload: far past a benchmark, low enough that a typo is refused.
-_MAX_CLIENTS = 100_000
-_MAX_TOKENS = 1 << 20  # per span: system prompt, turn, answer
-_MIN_RATE = 1e-3  # a lower rate than one arrival per 1000 s is a typo, and never ends
-
-
-def _rate(text: str) -> float:
-    value = float(text.strip())
-    if value == 0 or (math.isfinite(value) and _MIN_RATE <= value <= 1e6):
-        return abs(value)  # -0.0 is 0
-    raise ValueError(f"must be 0 (all at once) or in [{_MIN_RATE:g}, 1e6] arrivals/s, got {text!r}")
-
-
-def _plot_file(text: str) -> str:
-    """A .png, .svg or .pdf file to write (matplotlib picks the format from the suffix, and
-    would add ``.png`` to a name without one, so a name without one is refused)."""
-    path = str(output_file(text))
-    if os.path.splitext(path)[1].lower() not in (".png", ".svg", ".pdf"):
-        raise ValueError(f"name a .png, .svg or .pdf file, got {text!r}")
-    return path
-
-
-def _add_model_and_workload(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        type=path_arg,
-        help="serve a Hugging Face checkpoint directory (config.json and *.safetensors; "
-        "Llama, Qwen2, Qwen3, DeepSeek-V3, Jamba); its config replaces --preset and the size "
-        "flags",
-    )
-    m.add_argument(
-        "--dtype",
-        choices=sorted(COMPUTE_DTYPES),
-        help="--model: the dtype of compute and cached K/V (default: the checkpoint's on CUDA, "
-        "float32 on a CPU)",
-    )
-    m.add_argument("--preset", choices=[x.value for x in ModelPreset], default="dense")
-    m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    sizes = {"layers": 4, "hidden": 256, "heads": 8, "kv-heads": 2, "head-dim": 32}
-    for flag, default in {**sizes, "vocab": 32000, "page-size": 16}.items():
-        limit = MODEL_LIMITS["vocab_size" if flag == "vocab" else flag.replace("-", "_")]
-        m.add_argument(f"--{flag}", type=int_range(1, limit), default=default)
-    m.add_argument("--seed", type=int_range(0, SEED_MAX), default=0)
-    m.add_argument(
-        "--index-topk",
-        type=int_range(1, MODEL_LIMITS["index_topk_pages"]),
-        help="dsa preset: pages each query attends to (its own included; default "
-        f"{default_index_topk(ModelPreset.DSA, 1)}); dsv4: C4 entries each query attends to "
-        f"(default: the seed's top-512 per 128-token window scaled to --window, "
-        f"{default_index_topk(ModelPreset.DSV4, 128)} at the default window of 128); at most "
-        "what the device pool holds",
-    )
-    add_pool_flags(m)
-    w = p.add_argument_group("workload")
-    w.add_argument(
-        "--trace",
-        type=input_file,
-        help="replay a JSONL trace ({id, namespace, tokens, output_tokens})",
-    )
-    w.add_argument(
-        "--workload",
-        choices=["chat", "fewshot", "longdoc"],
-        default="chat",
-        help="chat: multi-turn; fewshot: shared templates; longdoc: documents asked several "
-        "questions (clients x rounds requests, Poisson arrivals at --rate)",
-    )
-    # Defaults: 40 chats of 4 turns over 2 system prompts, about 21.5k distinct tokens: over 4x
-    # the device pool and 1.5x the host pool. Short answers keep the run prefill-bound, as the
-    # reference HiCache benchmarks run (their output length 1 simulates a prefill node).
-    w.add_argument("--clients", type=int_range(1, _MAX_CLIENTS), default=40)
-    w.add_argument("--rounds", type=int_range(1, 10_000), default=4)
-    w.add_argument("--system-tokens", type=int_range(0, _MAX_TOKENS), default=512)
-    w.add_argument("--turn-tokens", type=int_range(1, _MAX_TOKENS), default=128)
-    w.add_argument("--output-tokens", type=int_range(1, _MAX_TOKENS), default=2)
-    w.add_argument("--tenants", type=int_range(1, _MAX_CLIENTS), default=1)
-    w.add_argument(
-        "--rate", type=arg_type(_rate), default=0.0, help="arrivals/s (Poisson); 0: at once"
-    )
-
-
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         "serve", help="serve a workload with the tiered cache (L3 on local disk by default)"
     )
-    _add_model_and_workload(p)
+    add_model_and_workload_flags(p)
     e = p.add_argument_group("engine")
     e.add_argument(
         "--device-tokens", type=int_range(1, 1 << 30), default=4608, help="device pool, in tokens"
@@ -209,7 +120,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="one JSON object")
     o.add_argument(
         "--plot",
-        type=arg_type(_plot_file),
+        type=arg_type(plot_file),
         help="write TTFT per round per configuration to this file (.png, .svg or .pdf)",
     )
     o.add_argument(
