@@ -298,8 +298,8 @@ class HiSparseRequests:
             if pages is None:
                 self._free_extras(out)
                 return None
-            device_slots = slots.to(self.pool_slots.pools[name].buffer.device)
-            self.tree.backups.copies.write(device_slots, pages, owner=name).synchronize()
+            # slots on the CPU, as every backup passes them: the copy plan checks them there
+            self.tree.backups.copies.write(slots, pages, owner=name).synchronize()
             out[name] = (first, pages)
         return out
 
