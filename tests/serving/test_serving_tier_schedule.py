@@ -7,6 +7,7 @@ request's prefix with one match, the plan's being a peek kept on the request.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from cli_kit import run
-from serving_helpers import VOCAB, hicache_config, tiny_model
+from serving_helpers import PAGE, VOCAB, hicache_config, tiny_model
 
 from hicache.keys import RadixKey
 from hicache.models.config import ModelPreset
@@ -117,6 +118,10 @@ async def test_lpm_admits_the_longer_host_hit_first_matching_each_request_once(
     source = Phased([long_doc, filler1, filler2, short_doc], [short_doc + q1, long_doc + q2])
     mode = CacheMode.DEVICE_HOST_L3 if with_l3 else CacheMode.DEVICE_HOST
     config = hicache_config(tmp_path / "l3" if with_l3 else None)
+    # Each question is under a page past its document: no read starts (L3 lacks it anyway),
+    # so the order depends on the peeks alone, not on when an empty read would end.
+    prefetch = dataclasses.replace(config.prefetch, threshold_tokens=4 * PAGE)
+    config = dataclasses.replace(config, prefetch=prefetch)
     setup = await open_engine(tiny_model(ModelPreset.DENSE), mode, config, 128, ONE_AT_A_TIME)
     tree = setup.engine.tree
     assert isinstance(tree, HiRadixCache) and tree.storage.enabled is with_l3
