@@ -3,7 +3,9 @@
 A request prefetches what device and host lack when it is queued. When it is about to be
 scheduled it prefetches again if what was cached then has been evicted meanwhile, or, once, if
 its last prefetch left pages in L3 for lack of host room (then as an ``urgent`` prefetch, which
-may go past the prefetch share of host memory as a load-back would). The requests next in line
+may go past the prefetch share of host memory as a load-back would), or if what its prefetch
+kept for it was given up to a running request
+(:meth:`~hicache.tiering.prefetcher.Prefetcher.yield_reserved`). The requests next in line
 after those of an admission round start that read then ("ahead": while the step before their
 turn computes, and only where the prefetch share of host memory has room for all of it), so
 that their pages are on the host when their turn comes rather than a step later. What a
@@ -48,7 +50,10 @@ class L3Reads:
         threshold = prefetcher.config.threshold_tokens
         short = prefetcher.shortfall_tokens(request.rid)
         short = short if (admitting or ahead) and not request.had_turn else 0
-        if missing < threshold or (cached >= request.cached_at_submit and short < threshold):
+        # pages its last read kept that a running request's need took back (yield_reserved)
+        gone = (admitting or ahead) and prefetcher.yielded(request.rid)
+        unchanged = cached >= request.cached_at_submit and not gone
+        if missing < threshold or (unchanged and short < threshold):
             request.cached_at_submit = min(request.cached_at_submit, cached)
             return False
         request.cached_at_submit = cached

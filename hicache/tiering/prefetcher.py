@@ -74,6 +74,7 @@ class Prefetcher:
         self._reserving: set[str] = set()  # rids whose prefetches keep what they insert
         self._reserved: dict[str, list[tuple[TreeNode, int]]] = {}  # rid -> (node, pages)
         self._shortfall: dict[str, int] = {}  # rid -> pages L3 held that were not read
+        self._yielded: set[str] = set()  # rids whose kept pages went (yield_reserved)
 
     # ----- starting -------------------------------------------------------------------------
     def start(
@@ -97,6 +98,7 @@ class Prefetcher:
         if not self._storage.enabled or not self.config.enabled or rid in self.running:
             return False
         self._shortfall.pop(rid, None)
+        self._yielded.discard(rid)
         start = match.prefix_len + match.host_hit_length
         end = len(key) - len(key) % self.page_size
         if end - start < self.config.threshold_tokens:
@@ -144,16 +146,18 @@ class Prefetcher:
             self.pages_in_use -= pages
         self._reserving.discard(rid)
         self._shortfall.pop(rid, None)
+        self._yielded.discard(rid)
         return self.inserted_tokens.pop(rid, 0)
 
     def yield_reserved(self) -> int:
         """Let host eviction take what finished prefetches keep for waiting requests, because
         a running request needs the host memory (the pages stay in L3); how many pages they
-        kept. Later prefetches of those requests reserve again; one whose pages went before
-        its turn reads them again only if its cached prefix then is shorter than when it first
-        read (:class:`~hicache.serving.l3_reads.L3Reads`), else computes them."""
+        kept. Those requests are marked (:meth:`yielded`) until their next prefetch: when their
+        turn comes they read again what host eviction took
+        (:class:`~hicache.serving.l3_reads.L3Reads`), and reserve again."""
         pages = 0
         for rid in list(self._reserved):
+            self._yielded.add(rid)
             for node, kept in self._reserved.pop(rid):
                 self.anchors[node.id] -= 1
                 if self.anchors[node.id] <= 0:
@@ -161,6 +165,10 @@ class Prefetcher:
                 self.pages_in_use -= kept
                 pages += kept
         return pages
+
+    def yielded(self, rid: str) -> bool:
+        """Whether ``rid``'s kept pages went to :meth:`yield_reserved` since its last prefetch."""
+        return rid in self._yielded
 
     def grant(
         self,

@@ -14,6 +14,8 @@ from tier_harness import PAGE, Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.keys import RadixKey
+from hicache.serving.l3_reads import L3Reads
+from hicache.serving.request import ServeRequest
 from hicache.tiering.config import PrefetchConfig
 from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason
 
@@ -94,6 +96,33 @@ async def test_yielded_reservations_may_be_evicted_and_later_ones_still_reserve(
         h.tree.host_evictor.evict(10**6)
         assert host_hit(h, SEQ) == len(SEQ)
         assert prefetcher.release("queued") == 2 * len(SEQ)  # both reads' tokens
+        await quiesce(h)
+    finally:
+        await h.close()
+
+
+async def test_a_queued_request_reads_yielded_pages_again_at_its_turn() -> None:
+    """The engine's read-back decision: a queued request whose kept pages were yielded and
+    evicted reads them again when it is next to run (its cached prefix is no shorter than at
+    its first read, which alone would not start one); without the yield it would not."""
+    h = await build(MemoryBackend())
+    try:
+        await seed_l3(h, SEQ)
+        reads = L3Reads(h.tree, skip_slow=False)
+        request = ServeRequest("queued", [*SEQ, 7], 1)  # its key: SEQ
+        assert reads.maybe_prefetch(request)  # at arrival
+        await settled(h, "queued")
+        prefetcher = h.tree.prefetcher
+        assert not prefetcher.yielded("queued")
+        assert not reads.maybe_prefetch(request, admitting=True)  # all on host: nothing to read
+        prefetcher.yield_reserved()
+        h.tree.host_evictor.evict(10**6)
+        assert host_hit(h, SEQ) == 0 and prefetcher.yielded("queued")
+        assert reads.maybe_prefetch(request, admitting=True)
+        assert not prefetcher.yielded("queued")
+        await settled(h, "queued")
+        assert host_hit(h, SEQ) == len(SEQ)
+        prefetcher.release("queued")
         await quiesce(h)
     finally:
         await h.close()
