@@ -73,8 +73,8 @@ def _chunk(
     assert group is not None
     name, ratio = group
     sizes, rotation = HeadSizes(c.heads, c.kv_heads, c.head_dim), step.rotation_of(rows)
-    kv = tuple(projected_heads(w, h, x, sizes, rotation, 0.0) for x in "kv")
-    window = window_read(pools["swa"], layers["swa"], chunk, (kv[0], kv[1]), c.window, ctx.dtype)
+    k, v = (projected_heads(w, h, x, sizes, rotation, 0.0) for x in "kv")
+    window = window_read(pools["swa"], layers["swa"], chunk, (k, v), c.window, ctx.dtype)
     hot = step.hot if chunk.hot_row is not None and kind is LayerKind.COMPRESSED_SPARSE else None
     written = _compress_groups(ctx, w, pools, layers, chunk, kind, window.slots, hot)
     count = chunk.end // ratio  # groups complete by the chunk's end

@@ -139,11 +139,7 @@ class Prefetcher:
     def release(self, rid: str) -> int:
         """``rid`` was admitted or is gone: drop what its prefetches reserved; the tokens they
         inserted (its L3 hit)."""
-        for node, pages in self._reserved.pop(rid, []):
-            self.anchors[node.id] -= 1
-            if self.anchors[node.id] <= 0:
-                del self.anchors[node.id]
-            self.pages_in_use -= pages
+        self._drop_reserved(rid)
         self._reserving.discard(rid)
         self._shortfall.pop(rid, None)
         self._yielded.discard(rid)
@@ -155,15 +151,18 @@ class Prefetcher:
         kept. Those requests are marked (:meth:`yielded`) until their next prefetch: when their
         turn comes they read again what host eviction took
         (:class:`~hicache.serving.l3_reads.L3Reads`), and reserve again."""
+        self._yielded.update(self._reserved)
+        return sum(self._drop_reserved(rid) for rid in list(self._reserved))
+
+    def _drop_reserved(self, rid: str) -> int:
+        """Let go of what ``rid``'s finished prefetches keep; how many pages that was."""
         pages = 0
-        for rid in list(self._reserved):
-            self._yielded.add(rid)
-            for node, kept in self._reserved.pop(rid):
-                self.anchors[node.id] -= 1
-                if self.anchors[node.id] <= 0:
-                    del self.anchors[node.id]
-                self.pages_in_use -= kept
-                pages += kept
+        for node, kept in self._reserved.pop(rid, []):
+            self.anchors[node.id] -= 1
+            if self.anchors[node.id] <= 0:
+                del self.anchors[node.id]
+            self.pages_in_use -= kept
+            pages += kept
         return pages
 
     def yielded(self, rid: str) -> bool:

@@ -14,8 +14,8 @@ from hicache.tools.bench.io_kernel import _buffers, _kernel, _page_loop, kernel_
 def test_the_kernel_and_the_page_loop_move_the_same_bytes() -> None:
     b = _buffers("cpu", pages=3, page_size=8, layers=2)
     stream = TransferStream("cpu")
-    pages = b["host_pages"]
-    host = b["host"].view(torch.int16)  # random bytes: bf16 NaNs would never compare equal
+    pages = b.host_pages
+    host = b.host.view(torch.int16)  # random bytes: bf16 NaNs would never compare equal
     _kernel(stream, b, to_host=True)
     by_kernel = host[pages].clone()
     host[pages] = 0
@@ -23,7 +23,7 @@ def test_the_kernel_and_the_page_loop_move_the_same_bytes() -> None:
     assert torch.equal(host[pages], by_kernel)
     others = sorted(set(range(len(host))) - set(pages))
     before = host[others].clone()  # pages neither side names are left alone
-    pool = b["pool"].view(torch.int16)
+    pool = b.pool.view(torch.int16)
     pool.zero_()
     _kernel(stream, b, to_host=False)
     loaded = pool.clone()

@@ -13,7 +13,8 @@ layer) block is contiguous on both ends, so the loop is the best a per-page copy
   loop's issue rate, not only its copies, is in its time).
 
 The two alternate round by round after a warm-up; ``ratio`` is the median of the rounds'
-``page_loop`` seconds over ``kernel`` seconds, with its range. It runs on the CPU too (the tests
+``page_loop`` seconds over ``kernel`` seconds, with its range; ``kernel_gbps`` and
+``page_loop_gbps`` are each side's best round. It runs on the CPU too (the tests
 do), where it says little: both sides are memcpy.
 """
 
@@ -22,11 +23,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hicache.layouts import Layout, SpecPreset, TransferStream, buffer_shape
+from hicache.layouts import Layout, LayoutSpec, SpecPreset, TransferStream, buffer_shape
 from hicache.tools.bench.layouts import paired_rounds
 from hicache.tools.bench.rounds import paired_ratio
 
@@ -35,7 +37,20 @@ __all__ = ["kernel_vs_page_loop"]
 _HOST = Layout.PAGE_FIRST_DIRECT  # (page, component, layer, token): a block per copy
 
 
-def _buffers(device: str, pages: int, page_size: int, layers: int | None) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class _Buffers:
+    """Both sides' buffers and the random pages they move: ``pool_pages`` (and their
+    ``slots``) of the device pool, ``host_pages`` of the host buffer."""
+
+    spec: LayoutSpec
+    pool: torch.Tensor
+    host: torch.Tensor
+    slots: torch.Tensor
+    pool_pages: list[int]
+    host_pages: list[int]
+
+
+def _buffers(device: str, pages: int, page_size: int, layers: int | None) -> _Buffers:
     spec = SpecPreset.MHA.spec(page_size, layers)
     dtype = spec.dtype.to_torch()
     pool = torch.empty(buffer_shape(spec, Layout.LAYER_FIRST, 2 * pages), dtype=dtype)
@@ -48,28 +63,26 @@ def _buffers(device: str, pages: int, page_size: int, layers: int | None) -> dic
     pool_pages = torch.randperm(2 * pages, generator=gen)[:pages]
     host_pages = torch.randperm(2 * pages, generator=gen)[:pages]
     slots = (pool_pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
-    return {"spec": spec, "pool": pool.to(device), "host": host, "slots": slots,
-            "pool_pages": pool_pages.tolist(), "host_pages": host_pages.tolist()}  # fmt: skip
+    return _Buffers(spec, pool.to(device), host, slots, pool_pages.tolist(), host_pages.tolist())
 
 
-def _kernel(stream: TransferStream, b: dict[str, Any], to_host: bool) -> None:
+def _kernel(stream: TransferStream, b: _Buffers, to_host: bool) -> None:
     if to_host:
-        stream.gather(b["pool"], b["slots"], b["host"], b["host_pages"], b["spec"], _HOST)
+        stream.gather(b.pool, b.slots, b.host, b.host_pages, b.spec, _HOST)
     else:
-        stream.scatter(b["host"], b["host_pages"], b["pool"], b["slots"], b["spec"], _HOST)
+        stream.scatter(b.host, b.host_pages, b.pool, b.slots, b.spec, _HOST)
     stream.synchronize()
 
 
-def _page_loop(stream: TransferStream, b: dict[str, Any], to_host: bool) -> None:
-    spec, pool, host = b["spec"], b["pool"], b["host"]
-    ps = spec.page_size
+def _page_loop(stream: TransferStream, b: _Buffers, to_host: bool) -> None:
+    spec, ps = b.spec, b.spec.page_size
     with torch.cuda.stream(stream.stream) if stream.stream is not None else nullcontext():
-        for pool_page, host_page in zip(b["pool_pages"], b["host_pages"], strict=True):
+        for pool_page, host_page in zip(b.pool_pages, b.host_pages, strict=True):
             lo = pool_page * ps
             for c in range(spec.num_components):
                 for layer in range(spec.layers):
-                    device_block = pool[c, layer, lo : lo + ps]
-                    host_block = host[host_page, c, layer]
+                    device_block = b.pool[c, layer, lo : lo + ps]
+                    host_block = b.host[host_page, c, layer]
                     if to_host:
                         host_block.copy_(device_block, non_blocking=True)
                     else:
@@ -84,7 +97,7 @@ def kernel_vs_page_loop(
     overrides its 32): the kernel against the per-page loop, ``repeats`` paired rounds."""
     b = _buffers(device, pages, page_size, layers)
     stream = TransferStream(device)
-    spec = b["spec"]
+    spec = b.spec
     out: dict[str, Any] = {
         "device": device,
         "pages": pages,
@@ -97,7 +110,7 @@ def kernel_vs_page_loop(
             "page_loop": functools.partial(_page_loop, stream, b, to_host),
         }
         times = paired_rounds(steps, device, repeats)
-        nbytes = pages * b["spec"].page_bytes
+        nbytes = pages * spec.page_bytes
         out[op] = {
             **paired_ratio("ratio", times["kernel"], times["page_loop"]),
             "kernel_gbps": round(nbytes / min(times["kernel"]) / 1e9, 2),
