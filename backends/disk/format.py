@@ -90,6 +90,10 @@ class LogOp(IntEnum):
     DELETE = 2
     RECLAIM = 3  # ``segment``: every entry in that segment is gone
     ROTATE = 4  # ``segment``: the generation appends continue in
+    # A live record appended anew by a reclaim or a compaction. It keeps the sequence of the
+    # put that wrote it, so a DELETE or a newer PUT of the key that another process made
+    # meanwhile still wins; of two records of one sequence, the moved one is taken.
+    MOVE = 5
 
 
 @dataclass(frozen=True, slots=True)

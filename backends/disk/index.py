@@ -6,11 +6,13 @@ dict build. Rows of deleted keys are reused.
 
 Every change goes through :meth:`KeyIndex.apply` with the newest-sequence-wins rule, which makes
 replaying several writers' logs order-independent: the same records in any order give the same
-index. A DELETE leaves a tombstone (key -> its sequence) in memory, so an older PUT read after it
-(another slot's log, replayed later) does not bring the key back. Tombstones are not part of
-snapshots: a put that raced a delete in another process may come back after a reopen, with its
-own bytes, which is one of the two orders the race allowed; and at most the last 1,048,576 are
-kept, so a long-lived process that deletes much does not grow without bound.
+index. A MOVE (a record appended anew by a reclaim or a compaction) keeps its sequence and
+replaces the entry of that sequence. A DELETE leaves a tombstone (key -> its sequence) in
+memory, so an older PUT read after it (another slot's log, replayed later) does not bring the
+key back. Tombstones are not part of snapshots: a put that raced a delete in another process
+may come back after a reopen, with its own bytes, which is one of the two orders the race
+allowed; and at most the last 1,048,576 are kept, so a long-lived process that deletes much
+does not grow without bound.
 
 Not thread-safe by itself: the backend holds its lock around every change.
 """
@@ -76,16 +78,21 @@ class KeyIndex:
         """One log record, under the newest-sequence-wins rule."""
         if rec.seq > self.clock:
             self.clock = rec.seq
-        if rec.op is LogOp.PUT:
+        if rec.op is LogOp.PUT or rec.op is LogOp.MOVE:
             if rec.segment not in self.reclaimed:
-                self.put(rec.key, rec.segment, rec.offset, rec.length, rec.seq)
+                moved = rec.op is LogOp.MOVE
+                self.put(rec.key, rec.segment, rec.offset, rec.length, rec.seq, moved)
         elif rec.op is LogOp.DELETE:
             self.remove(rec.key, rec.seq)
         elif rec.op is LogOp.RECLAIM:
             self.drop_segment(rec.segment)
 
-    def put(self, key: str, segment: int, offset: int, length: int, seq: int) -> bool:
-        """Point ``key`` at a record unless a newer one is indexed; whether it took."""
+    def put(
+        self, key: str, segment: int, offset: int, length: int, seq: int, moved: bool = False
+    ) -> bool:
+        """Point ``key`` at a record unless a newer one is indexed; whether it took. A
+        ``moved`` record (a MOVE) also replaces the entry of its own sequence: the same
+        object, now somewhere else."""
         dead = self._dead.get(key)
         if dead is not None:
             if dead >= seq:
@@ -95,7 +102,7 @@ class KeyIndex:
         if row is None:
             row = self._free.pop() if self._free else self._grow()
             self._rows[key] = row
-        elif self._seq[row] >= seq:
+        elif self._seq[row] > seq or (self._seq[row] == seq and not moved):
             return False
         else:
             self._unaccount(key, row)

@@ -161,15 +161,15 @@ class Reclaimer:
         fd = self.catalog.files.fd(code)
         if fd is None or not records:
             return 0
-        batch: list[tuple[str, memoryview]] = []
+        batch: list[tuple[Found, memoryview]] = []
         moved = 0
         for rec in records:
             data = _read_checked(fd, rec)
             if data is not None:
-                batch.append((rec.key, data))
+                batch.append((rec, data))
             if batch and (len(batch) >= 64 or rec is records[-1]):
-                done = self.appender.append([k for k, _ in batch], [[d] for _, d in batch])
-                moved += sum(done)
+                keys, seqs = [r.key for r, _ in batch], [r.seq for r, _ in batch]
+                moved += sum(self.appender.move(keys, [d for _, d in batch], seqs))
                 batch = []
         return moved
 

@@ -121,18 +121,34 @@ class Appender:
     def append(
         self, keys: list[str], values: list[list[memoryview]], lengths: list[int] | None = None
     ) -> list[bool]:
-        """Write, log and index records (no room check: reclaim's reinsertion calls this).
+        """Write, log and index records (no room check: the caller made room).
 
         The loop below is the per-object cost of a put, so it is kept to plain local work: one
         header pack, one xxh3, list appends; the system calls are one per run and one per log.
         """
         if lengths is None:
             lengths = [sum(s.nbytes for s in segs) for segs in values]
+        return self._append(keys, values, lengths, None)
+
+    def move(self, keys: list[str], payloads: list[memoryview], seqs: list[int]) -> list[bool]:
+        """Append live records anew under the sequences they were written with (a reclaim's
+        reinsertion, a compaction): logged as MOVE, so a DELETE or a newer PUT that another
+        process made meanwhile still wins over the copy (see ``LogOp.MOVE``)."""
+        values = [[p] for p in payloads]
+        return self._append(keys, values, [p.nbytes for p in payloads], seqs)
+
+    def _append(
+        self,
+        keys: list[str],
+        values: list[list[memoryview]],
+        lengths: list[int],
+        moved_seqs: list[int] | None,
+    ) -> list[bool]:
         results = [False] * len(keys)
         placed: list[tuple[int, int, int, int]] = []  # item, segment, offset, seq
         run: list[memoryview | bytes] = []
         run_items: list[tuple[int, int, int, int]] = []
-        seq = self._reserve_seqs(len(keys))
+        seq = self._reserve_seqs(len(keys)) if moved_seqs is None else 0
         end, limit, code = self._seg_end, self.segment_bytes, self._seg_code
         run_start = end
         for i, key in enumerate(keys):
@@ -148,6 +164,8 @@ class Appender:
                     return results
                 end = run_start = self._seg_end
                 code = self._seg_code
+            if moved_seqs is not None:
+                seq = moved_seqs[i]
             digest = xxh3_64_intdigest(segs[0]) if len(segs) == 1 else payload_hash(segs)
             run.append(pack_record_header(kb, length, seq, digest))
             run.append(kb)
@@ -163,13 +181,18 @@ class Appender:
             placed.extend(run_items)
         if not placed:
             return results
-        put = LogOp.PUT
+        op = LogOp.PUT if moved_seqs is None else LogOp.MOVE
         self._log(
-            encode_log_frame([(put, keys[i], q, c, off, lengths[i]) for i, c, off, q in placed]),
+            encode_log_frame([(op, keys[i], q, c, off, lengths[i]) for i, c, off, q in placed]),
             len(placed),
         )
+        index = self.catalog.index
         with self.catalog.lock:
-            self.catalog.index.put_many([(keys[i], c, o, lengths[i], q) for i, c, o, q in placed])
+            if moved_seqs is None:
+                index.put_many([(keys[i], c, o, lengths[i], q) for i, c, o, q in placed])
+            else:
+                for i, c, o, q in placed:
+                    index.put(keys[i], c, o, lengths[i], q, moved=True)
         for i, *_ in placed:
             results[i] = True
         return results

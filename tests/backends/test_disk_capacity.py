@@ -149,3 +149,73 @@ async def test_reinsertion_under_load_stays_within_capacity(tmp_path: pathlib.Pa
     alive = await found(backend, keys)
     assert keys[-1] in alive and len(alive) == stats["objects"]
     await backend.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("other", ["delete", "newer_put"])
+async def test_a_compaction_does_not_undo_another_writers_change(
+    tmp_path: pathlib.Path, other: str
+) -> None:
+    """Writer B deletes (or writes anew) an object after writer A looked it up for a
+    compaction and before A appended its copy (the interleaving is forced: B acts from
+    inside A's copy step). A's copy keeps the object's old sequence, so B's change wins in
+    A's index, in B's, and in a store reopened from the logs; before, the copy took a new
+    sequence and brought the deleted object back, or hid B's newer bytes."""
+    a = await open_disk(tmp_path, segment_bytes=SEG)
+    keys = keys_of(12)
+    await put_each(a, tmp_path, keys)
+    first = [k for k in keys if segment_of(a, k) == segment_of(a, keys[0])]
+    survivor, rest = first[0], first[1:]
+    assert await a.delete(rest) == [True] * len(rest)
+    b = await open_disk(tmp_path, segment_bytes=SEG)
+    assert await found(b, [survivor]) == [survivor]
+    newer = b"newer bytes of " + survivor.encode()
+    assert a._reclaimer is not None and b._appender is not None
+    copy = a._reclaimer._copy
+
+    def b_acts_then_copy(code: int, records: list) -> int:  # type: ignore[type-arg]
+        if other == "delete":
+            assert b._locked(b._appender.delete, [survivor]) == [True]
+        else:
+            assert b._locked(b._appender.put, [survivor], [[memoryview(newer)]]) == [True]
+        return copy(code, records)
+
+    a._reclaimer._copy = b_acts_then_copy  # type: ignore[method-assign]
+    assert await a.compact_segments(min_dead=0.5) == (1, SEG)
+    assert a._reclaimer.counts["reinserted"] == 0  # a compaction moves, it does not reinsert
+    want = None if other == "delete" else newer
+    a.catalog.last_refresh = 0.0  # A reads B's log at its next call, as after REFRESH_S
+    for backend in (a, b):
+        assert await backend.get([survivor], size_hint=OBJ) == [want]
+    await a.close()
+    await b.close()
+    for read_only in (True, False):
+        reopened = await open_disk(tmp_path, read_only=read_only)
+        assert await reopened.get([survivor], size_hint=OBJ) == [want]
+        assert await found(reopened, [k for k in keys if k not in first]) == [
+            k for k in keys if k not in first
+        ]
+        await reopened.close()
+
+
+@pytest.mark.asyncio
+async def test_a_reader_open_during_a_compaction_follows_the_moved_records(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A reader that indexed the records where they were finds them where the compaction
+    moved them: a MOVE of a record's own sequence replaces the entry it had."""
+    writer = await open_disk(tmp_path, segment_bytes=SEG)
+    keys = keys_of(24)
+    await put_each(writer, tmp_path, keys)
+    doomed = [k for k in keys if int(k[1:]) % 6]  # five of every six records
+    assert await writer.delete(doomed) == [True] * len(doomed)
+    live = [k for k in keys if k not in doomed]
+    reader = await open_disk(tmp_path, read_only=True)
+    before = {k: segment_of(reader, k) for k in live}
+    count, _ = await writer.compact_segments(min_dead=0.5)
+    assert count >= 3
+    reader.catalog.last_refresh = 0.0  # reads the writer's log at its next call
+    assert await found(reader, keys) == live
+    assert any(segment_of(reader, k) != before[k] for k in live)
+    await writer.close()
+    await reader.close()
