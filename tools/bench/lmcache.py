@@ -25,7 +25,12 @@ The bytes read are compared with the bytes written once per side (the first roun
 reads land in memory no chunk was written from), outside the timing.
 Throughputs are medians over rounds; ``put_ratio`` and ``get_ratio`` are the median over
 rounds of ours / LMCache's throughput in that round (above 1: ours is faster), with their
-range. Runs only where LMCache is installed (the LMCache venv).
+range. A third side runs in the same rotation, the page-cache floor
+(:class:`~hicache.tools.bench.raw_disk.PageCacheFloor`: as many chunks of the same size written
+into one allocated file and read back, by four threads, nothing else): ``floor_put_ratio`` and
+``floor_get_ratio`` are its throughput over LMCache's in each round, the highest ratio a store
+that copies the chunks through the page cache can reach on the machine it ran on.
+Runs only where LMCache is installed (the LMCache venv).
 """
 
 from __future__ import annotations
@@ -42,12 +47,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import ConfigError
+from hicache.tools.bench.raw_disk import KEEP_ROUNDS, PageCacheFloor
 from hicache.tools.bench.rounds import paired_ratio, rotated
 from hicache.tools.cli_parsing import check_memory, input_dir, int_range
 
 __all__ = ["ChunkShape", "add_bench_lmcache_parser", "run_bench_lmcache"]
 
-_OURS, _THEIRS = "hicache", "lmcache"
+_OURS, _THEIRS, _FLOOR = "hicache", "lmcache", "floor"
 _TIERS = {_OURS: "RemoteBackend-hicache", _THEIRS: "LocalDiskBackend"}  # LMCache's names
 _MODEL = "bench/model"
 _POLL_S = 0.0005
@@ -104,14 +110,15 @@ def add_bench_lmcache_parser(bench_sub: Any) -> argparse.ArgumentParser:
 def run_bench_lmcache(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row: both sides over ``args.rounds`` rounds of ``args.chunks`` chunks."""
     shape = ChunkShape(args.layers, args.heads, args.head_dim, args.chunk_tokens, args.chunks)
-    # Two CPU buffers of two rounds' chunks each, and the chunks' source bytes.
-    check_memory(5 * shape.round_bytes, "--chunks x the chunk's size x 5")
+    # Two CPU buffers of two rounds' chunks each, the chunks' source bytes, and the floor's
+    # source and target.
+    check_memory(7 * shape.round_bytes, "--chunks x the chunk's size x 7")
     _require_lmcache()
     with contextlib.ExitStack() as stack:
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-lmc-"))
         _check_room(root, shape, args.rounds)
         sides = stack.enter_context(_sides(root, shape, args.rounds))
-        return [_compare(sides, shape, args.rounds)]
+        return [_compare(sides, shape, args.rounds, root)]
 
 
 def _require_lmcache() -> None:
@@ -134,7 +141,7 @@ def _check_room(root: str, shape: ChunkShape, rounds: int) -> None:
         path = os.path.join(root, name)
         if os.path.exists(path):
             raise ConfigError(f"{path} exists; give --dir a directory without it")
-    need = 2 * rounds * shape.round_bytes + _SEGMENT_SLACK
+    need = (2 * rounds + KEEP_ROUNDS) * shape.round_bytes + _SEGMENT_SLACK  # and the floor's
     free = shutil.disk_usage(root).free
     if need > free:
         raise ConfigError(
@@ -216,19 +223,29 @@ def _metadata(shape: ChunkShape) -> Any:
     )
 
 
-def _compare(sides: tuple[_Side, _Side], shape: ChunkShape, rounds: int) -> dict[str, Any]:
+def _compare(
+    sides: tuple[_Side, _Side], shape: ChunkShape, rounds: int, root: str
+) -> dict[str, Any]:
     import torch
 
     # Random bytes (as bf16 they include NaNs: compared as bytes); each chunk its own.
     source = torch.randint(0, 256, (shape.chunks, shape.chunk_bytes), dtype=torch.uint8)
     by_name = {side.name: side for side in sides}
-    timings: dict[str, dict[str, list[float]]] = {s.name: {"put": [], "get": []} for s in sides}
-    for round_no in range(rounds):
-        for name in rotated([_OURS, _THEIRS], round_no):
-            keys = _keys(round_no, name == _THEIRS, shape.chunks)
-            put_s, get_s = _round_trip(by_name[name], keys, source, check=round_no == 0)
-            timings[name]["put"].append(put_s)
-            timings[name]["get"].append(get_s)
+    names = [_OURS, _THEIRS, _FLOOR]
+    timings: dict[str, dict[str, list[float]]] = {n: {"put": [], "get": []} for n in names}
+    floor = PageCacheFloor(root, shape.chunks, shape.chunk_bytes)
+    try:
+        for round_no in range(rounds):
+            for name in rotated(names, round_no):
+                if name == _FLOOR:
+                    put_s, get_s = floor.round_trip()
+                else:
+                    keys = _keys(round_no, name == _THEIRS, shape.chunks)
+                    put_s, get_s = _round_trip(by_name[name], keys, source, round_no == 0)
+                timings[name]["put"].append(put_s)
+                timings[name]["get"].append(get_s)
+    finally:
+        floor.close()
     row: dict[str, Any] = {
         "chunks": shape.chunks, "chunk_tokens": shape.tokens, "layers": shape.layers,
         "heads": shape.heads, "head_dim": shape.head_dim, "dtype": "bfloat16",
@@ -239,6 +256,9 @@ def _compare(sides: tuple[_Side, _Side], shape: ChunkShape, rounds: int) -> dict
         row[f"hicache_{op}_gb_s"] = _gb_s(shape.round_bytes, ours[op])
         row[f"lmcache_{op}_gb_s"] = _gb_s(shape.round_bytes, theirs[op])
         row.update(paired_ratio(f"{op}_ratio", ours[op], theirs[op]))
+        # What a store that only copied the chunks through the page cache would reach.
+        row[f"floor_{op}_gb_s"] = _gb_s(shape.round_bytes, timings[_FLOOR][op])
+        row.update(paired_ratio(f"floor_{op}_ratio", timings[_FLOOR][op], theirs[op]))
     row["checked"] = True
     return row
 

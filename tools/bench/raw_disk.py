@@ -23,6 +23,13 @@ round to round, by that alone. Overwriting pages
 the cache already holds is a different, cheaper operation (7.4 GB/s for 2 MiB writes here, in
 a round where appends into a growing file ran at 0.45 GB/s and into an allocated file at 6.1).
 Gets read the round's file.
+
+:class:`PageCacheFloor` is the same idea for the engine benchmarks (``bench sglang``, ``bench
+lmcache``): each round, the round's pages written into a new allocated file by ``pwritev``
+and read back by ``preadv``, split over a few threads as the disk backend splits a large
+batch, with nothing else (no files per page, headers, checksums, index). It is what a put and
+a get cost a store that does only the page-cache copy, so the engine's own store's time over
+the floor's is the highest ratio any store writing through the page cache can reach here.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["KEEP_ROUNDS", "raw_baseline"]
+__all__ = ["KEEP_ROUNDS", "PageCacheFloor", "raw_baseline"]
 
 KEEP_ROUNDS = 3  # the bench's disk capacity holds three copies of the objects (backends.py)
 
@@ -97,3 +106,81 @@ def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
             views = views[1:]
         if views and done:
             views[0] = views[0][done:]
+
+
+class PageCacheFloor:
+    """``pages`` pages of ``page_bytes`` random bytes through the page cache and back, timed,
+    from and into memory of its own; a new file in ``scratch`` each round, the last
+    ``KEEP_ROUNDS`` kept (see the module docstring)."""
+
+    def __init__(self, scratch: str, pages: int, page_bytes: int, threads: int = 4) -> None:
+        import numpy as np
+
+        self.scratch = scratch
+        self.threads = threads
+        self._source = np.random.default_rng().integers(0, 256, (pages, page_bytes), np.uint8)
+        self._target = np.zeros_like(self._source)
+        self._rounds = itertools.count()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="floor")
+
+    def round_trip(self) -> tuple[float, float]:
+        """(put, get) seconds: the pages written back to back, then read into the target;
+        the bytes read are compared with the pages, untimed."""
+        number = next(self._rounds)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.scratch, f"floor.{number - KEEP_ROUNDS}"))
+        self._target.fill(0)
+        pages = [memoryview(row) for row in self._source]
+        targets = [memoryview(row) for row in self._target]
+        sizes = [p.nbytes for p in pages]
+        fd = _fresh_file(os.path.join(self.scratch, f"floor.{number}"), sum(sizes))
+        stretches = _stretches(sizes, self.threads)
+
+        def write(part: tuple[int, int, int]) -> None:
+            _pwritev_all(fd, pages[part[0] : part[1]], part[2])
+
+        def read(part: tuple[int, int, int]) -> int:
+            return _preadv_all(fd, targets[part[0] : part[1]], part[2])
+
+        try:
+            started = time.perf_counter()
+            list(self._pool.map(write, stretches))
+            put_s = time.perf_counter() - started
+            started = time.perf_counter()
+            got = sum(self._pool.map(read, stretches))
+            get_s = time.perf_counter() - started
+        finally:
+            os.close(fd)
+        if got != sum(sizes) or not (self._source == self._target).all():
+            raise RuntimeError("page-cache floor: the bytes read back differ from those written")
+        return put_s, get_s
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        for name in os.listdir(self.scratch):
+            if name.startswith("floor."):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.scratch, name))
+
+
+def _stretches(sizes: list[int], parts: int) -> list[tuple[int, int, int]]:
+    """``(first, end, offset)`` of about ``parts`` runs of consecutive pages."""
+    step = -(-len(sizes) // max(1, parts))
+    out, offset = [], 0
+    for lo in range(0, len(sizes), step):
+        hi = min(lo + step, len(sizes))
+        out.append((lo, hi, offset))
+        offset += sum(sizes[lo:hi])
+    return out
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Read into ``views`` back to back from ``offset``; the bytes read (short at the end of
+    the file only)."""
+    total = 0
+    for view in views:
+        got = os.preadv(fd, [view], offset + total)
+        total += got
+        if got < view.nbytes:
+            break
+    return total

@@ -11,7 +11,12 @@ Mooncake store through its zero-copy ones, as SGLang picks them. Each round writ
 slots; the bytes read are compared with the pages written once per side, outside the timing.
 Throughputs are medians over the rounds; ``put_ratio`` and ``get_ratio`` are the median over
 rounds of ours / SGLang's throughput in that round (the two ran back to back), so above 1 is
-faster. Runs only where SGLang is installed (the SGLang venv).
+faster. For the file stores a third side runs in the rotation, the page-cache floor
+(:class:`~hicache.tools.bench.raw_disk.PageCacheFloor`: the same number of pages of the same
+size written into one allocated file and read back, nothing else): ``floor_put_ratio`` and
+``floor_get_ratio`` are the floor's throughput over SGLang's in each round, the highest ratio
+a store that copies the pages through the page cache can reach on the machine it ran on.
+Runs only where SGLang is installed (the SGLang venv).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import ConfigError
+from hicache.tools.bench.raw_disk import PageCacheFloor
+from hicache.tools.bench.rounds import paired_ratio, rotated
 from hicache.tools.cli_parsing import int_range
 
 __all__ = ["add_bench_sglang_parser", "run_bench_sglang"]
@@ -41,6 +48,7 @@ _LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 _SEGMENT_BYTES = 3 << 30
 _LEASE_MS = 500
 _NO_LF = "SGLang's Mooncake backend supports layer_first for MLA pools only"
+_FLOOR = "floor"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +92,18 @@ def run_bench_sglang(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     with contextlib.ExitStack() as stack:
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-sglang-"))
-        for backend in args.backend or _BACKENDS:
+        for number, backend in enumerate(args.backend or _BACKENDS):
             if backend == "mooncake" and shape.layout == "layer_first":
                 # SGLang's Mooncake store raises for an MHA layer_first pool ("only supported
                 # for MLA host KV pool"): there is nothing to compare with.
                 rows.append({"backend": backend, "layout": shape.layout, "skipped": _NO_LF})
                 continue
-            sides = stack.enter_context(_sides(backend, root, shape))
-            rows.append(_compare(backend, sides, shape, args.rounds))
+            # Stores of their own: a backend named twice would find the first one's pages
+            # under the same keys (the rounds' token ids repeat) and skip writing them.
+            where = os.path.join(root, f"comparison-{number}")
+            os.makedirs(where, exist_ok=True)
+            sides = stack.enter_context(_sides(backend, where, shape))
+            rows.append(_compare(backend, sides, shape, args.rounds, where))
     return rows
 
 
@@ -204,26 +216,48 @@ def _side(name: str, shape: PageShape, backend: str, extra: dict[str, Any]) -> _
 
 
 def _compare(
-    backend: str, sides: tuple[_Side, _Side], shape: PageShape, rounds: int
+    backend: str, sides: tuple[_Side, _Side], shape: PageShape, rounds: int, root: str
 ) -> dict[str, Any]:
     from sglang.srt.managers.cache_controller import get_storage_hash_str
 
-    timings: dict[str, dict[str, list[float]]] = {s.name: {"put": [], "get": []} for s in sides}
-    for round_no in range(rounds):
-        order = sides if round_no % 2 == 0 else sides[::-1]
-        for side in order:
-            start = (round_no * 2 + (side.name == "sglang")) * 1_000_000
-            tokens = list(range(start, start + shape.pages * shape.page_size))
-            hashes = get_storage_hash_str(tokens, None, page_size=shape.page_size)
-            put_s, get_s = _round_trip(side, hashes, shape, check=round_no == 0)
-            timings[side.name]["put"].append(put_s)
-            timings[side.name]["get"].append(get_s)
-        if backend == "mooncake":
-            # Empty the cluster (SGLang's clear is Mooncake's remove_all) once the reads'
-            # leases are over: every round then writes into segment memory the store has used
-            # before, as a store in service does, instead of timing first-touch page faults.
-            time.sleep(1.2 * _LEASE_MS / 1000)
-            sides[1].controller.storage_backend.clear()
+    by_name: dict[str, _Side | None] = {s.name: s for s in sides}
+    if backend != "mooncake":  # the page-cache floor: for the file stores only
+        by_name[_FLOOR] = None
+    timings: dict[str, dict[str, list[float]]] = {n: {"put": [], "get": []} for n in by_name}
+    floor = PageCacheFloor(root, shape.pages, shape.page_bytes) if _FLOOR in by_name else None
+    try:
+        for round_no in range(rounds):
+            for name in rotated(list(by_name), round_no):
+                side = by_name[name]
+                if side is None:
+                    assert floor is not None
+                    put_s, get_s = floor.round_trip()
+                else:
+                    start = (round_no * 2 + (side.name == "sglang")) * 1_000_000
+                    tokens = list(range(start, start + shape.pages * shape.page_size))
+                    hashes = get_storage_hash_str(tokens, None, page_size=shape.page_size)
+                    put_s, get_s = _round_trip(side, hashes, shape, check=round_no == 0)
+                timings[name]["put"].append(put_s)
+                timings[name]["get"].append(get_s)
+            _end_round(backend, sides)
+    finally:
+        if floor is not None:
+            floor.close()
+    return _row(backend, shape, rounds, timings)
+
+
+def _end_round(backend: str, sides: tuple[_Side, _Side]) -> None:
+    if backend == "mooncake":
+        # Empty the cluster (SGLang's clear is Mooncake's remove_all) once the reads'
+        # leases are over: every round then writes into segment memory the store has used
+        # before, as a store in service does, instead of timing first-touch page faults.
+        time.sleep(1.2 * _LEASE_MS / 1000)
+        sides[1].controller.storage_backend.clear()
+
+
+def _row(
+    backend: str, shape: PageShape, rounds: int, timings: dict[str, dict[str, list[float]]]
+) -> dict[str, Any]:
     nbytes = shape.pages * shape.page_bytes
     row: dict[str, Any] = {"backend": backend, "layout": shape.layout, "pages": shape.pages,
                            "page_bytes": shape.page_bytes, "rounds": rounds}  # fmt: skip
@@ -234,6 +268,12 @@ def _compare(
         # Each round's two sides ran back to back: their ratio cancels the machine's drift.
         paired = [t / o for o, t in zip(ours[op], theirs[op], strict=True)]
         row[f"{op}_ratio"] = round(statistics.median(paired), 3)
+        if _FLOOR in timings:
+            # What a store that only copied the pages through the page cache would reach.
+            row[f"floor_{op}_gb_s"] = round(
+                nbytes / statistics.median(timings[_FLOOR][op]) / 1e9, 3
+            )
+            row.update(paired_ratio(f"floor_{op}_ratio", timings[_FLOOR][op], theirs[op]))
     row["checksummed"] = True
     return row
 

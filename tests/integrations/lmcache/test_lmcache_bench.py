@@ -25,8 +25,10 @@ def test_bench_lmcache_reports_both_sides(tmp_path: Path) -> None:
     assert row["chunk_bytes"] == 2 * 2 * 16 * 2 * 16 * 2 and row["chunks"] == 4
     assert row["rounds"] == 2 and row["checked"] is True
     for op in ("put", "get"):
-        for field in (f"hicache_{op}_gb_s", f"lmcache_{op}_gb_s", f"{op}_ratio"):
+        for field in (f"hicache_{op}_gb_s", f"lmcache_{op}_gb_s", f"{op}_ratio",
+                      f"floor_{op}_gb_s", f"floor_{op}_ratio"):  # fmt: skip
             assert row[field] > 0, field
+    assert not list(tmp_path.glob("floor.*"))  # the page-cache floor's files are removed
     # Both stores were written, each in its own format: a disk:// store and one file a chunk.
     assert (tmp_path / "hicache" / "hicache-disk.json").is_file()
     assert any((tmp_path / "hicache" / "segments").iterdir())

@@ -26,9 +26,15 @@ def test_bench_sglang_reports_every_backend(tmp_path) -> None:
         assert row["page_bytes"] == 2 * 2 * 2 * 16 * 4 * 2 and row["checksummed"] is True
         for op in ("put", "get"):
             assert row[f"{op}_ratio"] > 0 and row[f"hicache_{op}_gb_s"] > 0
-    names = {p.name for p in tmp_path.iterdir()}
-    assert {"hicache-disk", "hicache-file"} <= names
-    assert (tmp_path / "hicache-disk" / "hicache-disk.json").is_file()  # a disk store
+            # The page-cache floor runs beside the file stores only.
+            floor = row["backend"] != "mooncake"
+            assert (f"floor_{op}_ratio" in row) is floor
+            assert not floor or row[f"floor_{op}_gb_s"] > 0 < row[f"floor_{op}_ratio_min"]
+    # Each comparison has stores of its own, and the floor's files are gone.
+    disk, file = tmp_path / "comparison-0", tmp_path / "comparison-1"
+    assert (disk / "hicache-disk" / "hicache-disk.json").is_file()  # a disk store
+    assert (file / "hicache-file").is_dir()
+    assert not list(tmp_path.rglob("floor.*"))
 
 
 def test_bench_sglang_without_sglang_says_where_to_run_it(tmp_path) -> None:
