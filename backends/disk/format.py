@@ -35,6 +35,7 @@ import xxhash
 __all__ = [
     "FORMAT_VERSION",
     "LOG_HEADER",
+    "LOG_RECORD",
     "RECORD_HEADER",
     "SEGMENT_HEADER",
     "LogOp",
@@ -47,6 +48,7 @@ __all__ = [
     "encode_log_frame",
     "encode_log_record",
     "encode_snapshot",
+    "log_frame",
     "log_header",
     "pack_record_header",
     "parse_log_header",
@@ -78,7 +80,7 @@ LOG_HEADER = 32
 # Log frame: CRC32 of its body, body length, record count; then the records, each an op, a key
 # length, sequence, segment code, offset and length, then the key.
 _FRAME = struct.Struct("<IIH")
-_LREC_BODY = struct.Struct("<BBQQQQ")
+LOG_RECORD = struct.Struct("<BBQQQQ")
 # Snapshot header: magic, version, entries, logs, keys blob bytes; xxh3 of everything after.
 _SNAP = struct.Struct("<8sHIQQQ")
 _SNAP_MAGIC = b"HDSKSNP1"
@@ -160,10 +162,13 @@ def payload_hash(segs: list[memoryview]) -> int:
     return h.intdigest()
 
 
+_pack_rec, _pack_rec_crc, _crc32 = _REC.pack, _REC_CRC.pack, zlib.crc32  # bound once: hot
+
+
 def pack_record_header(key: bytes, length: int, seq: int, digest: int) -> bytes:
     """The 40-byte header of a record whose key and payload follow it."""
-    body = _REC.pack(_REC_MAGIC, len(key), 0, length, seq, digest)
-    return body + _REC_CRC.pack(zlib.crc32(key, zlib.crc32(body)))
+    body = _pack_rec(_REC_MAGIC, len(key), 0, length, seq, digest)
+    return body + _pack_rec_crc(_crc32(key, _crc32(body)))
 
 
 def parse_record_header(data: memoryview | bytes, key: bytes | None = None) -> RecordHeader | None:
@@ -208,14 +213,19 @@ def encode_log_frame(records: list[tuple[LogOp, str, int, int, int, int]]) -> by
     A frame is what one call appends (a put batch's records), so it is whole or torn as one:
     a torn frame was never acknowledged to anyone.
     """
-    pack = _LREC_BODY.pack
+    pack = LOG_RECORD.pack
     parts = []
     for op, key, seq, segment, offset, length in records:
         kb = key.encode("ascii")
         parts.append(pack(op, len(kb), seq, segment, offset, length))
         parts.append(kb)
-    body = b"".join(parts)
-    return _FRAME.pack(zlib.crc32(body), len(body), len(records)) + body
+    return log_frame(b"".join(parts), len(records))
+
+
+def log_frame(body: bytes, count: int) -> bytes:
+    """A frame of ``count`` records whose packed bytes (``LOG_RECORD`` then the key, each)
+    are ``body``."""
+    return _FRAME.pack(zlib.crc32(body), len(body), count) + body
 
 
 def encode_log_record(
@@ -253,11 +263,11 @@ def decode_log(data: bytes | memoryview, start: int = 0) -> tuple[list[LogRecord
 def _decode_frame(body: bytes | memoryview, count: int) -> list[LogRecord] | None:
     """A frame body's ``count`` records, or None when they do not fill it exactly."""
     out = []
-    pos, end, size = 0, len(body), _LREC_BODY.size
+    pos, end, size = 0, len(body), LOG_RECORD.size
     for _ in range(count):
         if pos + size > end:
             return None
-        op, key_len, seq, segment, offset, length = _LREC_BODY.unpack_from(body, pos)
+        op, key_len, seq, segment, offset, length = LOG_RECORD.unpack_from(body, pos)
         pos += size
         if op not in _OPS or pos + key_len > end:
             return None

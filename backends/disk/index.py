@@ -124,15 +124,21 @@ class KeyIndex:
             if dead:  # newer than any DELETE seen: its tombstone is of no more use
                 dead.pop(key, None)
             row = rows.get(key)
+            head = RECORD_HEADER + len(key) + 7
             if row is None:
                 row = free.pop() if free else self._grow()
                 rows[key] = row
             elif seq_c[row] >= seq:
                 continue
-            else:
-                self._unaccount(key, row)
+            else:  # _unaccount, inline: an overwrite is the common case of a busy cache
+                old = seg_c[row]
+                left = live.get(old, 0) - ((head + len_c[row]) & ~7)
+                if left > 0:
+                    live[old] = left
+                else:
+                    live.pop(old, None)
             seg_c[row], off_c[row], len_c[row], seq_c[row] = segment, offset, length, seq
-            live[segment] = live.get(segment, 0) + ((RECORD_HEADER + len(key) + length + 7) & ~7)
+            live[segment] = live.get(segment, 0) + ((head + length) & ~7)
 
     def remove(self, key: str, seq: int | None = None) -> bool:
         """Forget ``key`` (only if its entry is not newer than ``seq``); whether it was there.

@@ -25,11 +25,12 @@ from hicache.backends.disk.config import DiskConfig
 from hicache.backends.disk.direct import DirectTail, open_direct
 from hicache.backends.disk.format import (
     LOG_HEADER,
+    LOG_RECORD,
     RECORD_HEADER,
     SEGMENT_HEADER,
     LogOp,
-    encode_log_frame,
     encode_log_record,
+    log_frame,
     pack_record_header,
     payload_hash,
     record_bytes,
@@ -144,13 +145,19 @@ class Appender:
         lengths: list[int],
         moved_seqs: list[int] | None,
     ) -> list[bool]:
+        """Records for ``keys`` in runs (one a segment), each run's log records and index
+        entries built beside its iovecs and kept only if its write succeeded."""
+        op = LogOp.PUT if moved_seqs is None else LogOp.MOVE
+        pack_log, header = LOG_RECORD.pack, pack_record_header
         results = [False] * len(keys)
-        placed: list[tuple[int, int, int, int]] = []  # item, segment, offset, seq
+        logged: list[bytes] = []  # the log records of the runs written
+        entries: list[tuple[str, int, int, int, int]] = []  # their index entries
         run: list[memoryview | bytes] = []
-        run_items: list[tuple[int, int, int, int]] = []
+        run_log: list[bytes] = []
+        run_entries: list[tuple[str, int, int, int, int]] = []
         seq = self._reserve_seqs(len(keys)) if moved_seqs is None else 0
         end, limit, code = self._seg_end, self.segment_bytes, self._seg_code
-        run_start = end
+        run_start, first = end, 0
         for i, key in enumerate(keys):
             kb = key.encode("ascii")
             length, segs = lengths[i], values[i]
@@ -158,44 +165,50 @@ class Appender:
             if self._seg_fd < 0 or end + size > limit:
                 self._seg_end = end
                 if run and self._write(run, run_start, end - run_start):
-                    placed.extend(run_items)
-                run, run_items = [], []
+                    logged += run_log
+                    entries += run_entries
+                    results[first:i] = [True] * (i - first)
+                run, run_log, run_entries, first = [], [], [], i
                 if not self._new_segment():
-                    return results
+                    break
                 end = run_start = self._seg_end
                 code = self._seg_code
             if moved_seqs is not None:
                 seq = moved_seqs[i]
             digest = xxh3_64_intdigest(segs[0]) if len(segs) == 1 else payload_hash(segs)
-            run.append(pack_record_header(kb, length, seq, digest))
+            run.append(header(kb, length, seq, digest))
             run.append(kb)
-            run.extend(segs)
+            run += segs
             pad = size - RECORD_HEADER - len(kb) - length
             if pad:
                 run.append(_PAD[:pad])
-            run_items.append((i, code, end, seq))
+            run_log.append(pack_log(op, len(kb), seq, code, end, length))
+            run_log.append(kb)
+            run_entries.append((key, code, end, length, seq))
             end += size
             seq += 1
-        self._seg_end = end
-        if run and self._write(run, run_start, end - run_start):
-            placed.extend(run_items)
-        if not placed:
-            return results
-        op = LogOp.PUT if moved_seqs is None else LogOp.MOVE
-        self._log(
-            encode_log_frame([(op, keys[i], q, c, off, lengths[i]) for i, c, off, q in placed]),
-            len(placed),
-        )
+        else:
+            self._seg_end = end
+            if run and self._write(run, run_start, end - run_start):
+                logged += run_log
+                entries += run_entries
+                results[first:] = [True] * (len(keys) - first)
+        if entries:
+            self._index(log_frame(b"".join(logged), len(entries)), entries, moved_seqs is not None)
+        return results
+
+    def _index(
+        self, frame: bytes, entries: list[tuple[str, int, int, int, int]], moved: bool
+    ) -> None:
+        """Log the written records (one frame), then index them."""
+        self._log(frame, len(entries))
         index = self.catalog.index
         with self.catalog.lock:
-            if moved_seqs is None:
-                index.put_many([(keys[i], c, o, lengths[i], q) for i, c, o, q in placed])
+            if not moved:
+                index.put_many(entries)
             else:
-                for i, c, o, q in placed:
-                    index.put(keys[i], c, o, lengths[i], q, moved=True)
-        for i, *_ in placed:
-            results[i] = True
-        return results
+                for entry in entries:
+                    index.put(*entry, moved=True)
 
     def _write(self, iov: list[memoryview | bytes], offset: int, nbytes: int) -> bool:
         """One run of ``nbytes`` of records at ``offset`` of the open segment; False (counted)

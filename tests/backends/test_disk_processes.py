@@ -201,21 +201,27 @@ def hammer(root: str, me: int, inboxes: list[Any], together: Any, results: Any) 
             assert await backend.put([scratch], [b"scratch"]) == [True]
             assert await backend.delete([scratch]) == [True]
         await asyncio.to_thread(together.wait, 30)  # everybody's puts have returned
-        checked += await check_told(backend, inboxes[me], exists_first=True)
+        # A queue's messages travel through a feeder thread: the last ones may still be on
+        # their way after the barrier, so wait for as many as the others sent.
+        rest = (WORKERS - 1) * STEPS * 3 - checked
+        checked += await check_told(backend, inboxes[me], exists_first=True, at_least=rest)
         results.put((me, backend._appender.slot, own, checked))
         await backend.close()
 
     asyncio.run(main())
 
 
-async def check_told(backend: Any, inbox: Any, exists_first: bool) -> int:
-    """The pages the inbox told of are found by the next call (exists or a read), exact."""
+async def check_told(backend: Any, inbox: Any, exists_first: bool, at_least: int = 0) -> int:
+    """The pages the inbox told of are found by the next call (exists or a read), exact;
+    with ``at_least``, the inbox is waited on until that many pages came."""
     told: list[str] = []
     while True:
         try:
             told += inbox.get_nowait()
         except queue.Empty:
-            break
+            if len(told) >= at_least:
+                break
+            told += await asyncio.to_thread(inbox.get, timeout=30)
     if told and exists_first:
         assert await backend.exists(told) == [True] * len(told), told
     if told:
