@@ -13,15 +13,17 @@ index:
 What is fair about the file: the backend appends every put at fresh offsets of segments it
 allocates ahead (a log-structured store writes new blocks by design), so each round's first
 put batch here starts a new file, allocated to the whole round (``posix_fallocate``, timed, as
-the backend's segment allocation is), and the round's puts fill it. The files of the last
-``KEEP_ROUNDS`` rounds are kept and older ones unlinked, as the backend under the bench's
-capacity (three copies of the objects) keeps its newest segments and reclaims older ones:
-both sides then write into new page-cache pages in every timed put, and reuse pages freed by
-their deletions at about the same rate. That matters on this VM, where a page the guest never
-touched costs a hypervisor fault: the same loop ran from 340 to 4,600 us per 2 MiB object,
-round to round, by that alone. Overwriting pages
-the cache already holds is a different, cheaper operation (7.4 GB/s for 2 MiB writes here, in
-a round where appends into a growing file ran at 0.45 GB/s and into an allocated file at 6.1).
+the backend's segment allocation is), and the round's puts fill it. The files of as many
+rounds as the backend's capacity holds (at least ``KEEP_ROUNDS``) are kept and older ones
+unlinked, as the backend keeps its newest segments and reclaims older ones: both sides then
+write into new page-cache pages in every timed put, and reuse pages freed by their deletions
+from about the same round on. (Keeping fewer rounds than the store holds gave the raw side
+pages freed a few rounds earlier while the store still wrote into pages never used, and the
+2 MiB put ratio went from 0.17 to 10 within one run.) That matters on this VM, where a page
+the guest never touched costs a hypervisor fault: the same loop ran from 340 to 4,600 us per
+2 MiB object, round to round, by that alone. Overwriting pages the cache already holds is a
+different, cheaper operation (7.4 GB/s for 2 MiB writes here, in a round where appends into a
+growing file ran at 0.45 GB/s and into an allocated file at 6.1).
 Gets read the round's file.
 
 :class:`PageCacheFloor` is the same idea for the engine benchmarks (``bench sglang``, ``bench
@@ -45,7 +47,7 @@ from typing import Any
 
 __all__ = ["KEEP_ROUNDS", "PageCacheFloor", "raw_baseline"]
 
-KEEP_ROUNDS = 3  # the bench's disk capacity holds three copies of the objects (backends.py)
+KEEP_ROUNDS = 3  # the fewest rounds kept (the bench's disk capacity holds three copies at least)
 
 BatchMove = Callable[[Any, int, int], None]
 
@@ -55,6 +57,8 @@ def raw_baseline(backend: Any, scratch: str, work: Any) -> tuple[BatchMove, Batc
     rows, row_bytes = (int(n) for n in work.source.shape)
     fsync = bool(getattr(getattr(backend, "config", None), "fsync", False))
     rounds = itertools.count()
+    capacity = getattr(getattr(backend, "config", None), "capacity", None)
+    keep = max(KEEP_ROUNDS, int(capacity or 0) // (rows * row_bytes))
     state = {"fd": _fresh_file(os.path.join(scratch, "raw-disk.0"), rows * row_bytes)}
 
     def put(w: Any, lo: int, hi: int) -> None:
@@ -62,7 +66,7 @@ def raw_baseline(backend: Any, scratch: str, work: Any) -> tuple[BatchMove, Batc
             os.close(state["fd"])
             number = next(rounds) + 1
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(scratch, f"raw-disk.{number - KEEP_ROUNDS}"))
+                os.unlink(os.path.join(scratch, f"raw-disk.{number - keep}"))
             path = os.path.join(scratch, f"raw-disk.{number}")
             state["fd"] = _fresh_file(path, rows * row_bytes)
         fd = state["fd"]
