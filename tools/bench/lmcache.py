@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import ConfigError
-from hicache.tools.bench.raw_disk import KEEP_ROUNDS, PageCacheFloor
+from hicache.tools.bench.raw_disk import PageCacheFloor
 from hicache.tools.bench.rounds import paired_ratio, rotated
 from hicache.tools.cli_parsing import check_memory, input_dir, int_range
 
@@ -141,12 +141,12 @@ def _check_room(root: str, shape: ChunkShape, rounds: int) -> None:
         path = os.path.join(root, name)
         if os.path.exists(path):
             raise ConfigError(f"{path} exists; give --dir a directory without it")
-    need = (2 * rounds + KEEP_ROUNDS) * shape.round_bytes + _SEGMENT_SLACK  # and the floor's
+    need = 3 * rounds * shape.round_bytes + _SEGMENT_SLACK  # the two stores and the floor
     free = shutil.disk_usage(root).free
     if need > free:
         raise ConfigError(
-            f"the two stores need {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} "
-            "GiB free there; lower --chunks, --rounds or the chunk's shape"
+            f"the two stores and the floor need {need / 2**30:.1f} GiB, more than the "
+            f"{free / 2**30:.1f} GiB free there; lower --chunks, --rounds or the chunk's shape"
         )
 
 

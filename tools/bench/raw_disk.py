@@ -29,9 +29,11 @@ Gets read the round's file.
 :class:`PageCacheFloor` is the same idea for the engine benchmarks (``bench sglang``, ``bench
 lmcache``): each round, the round's pages written into a new allocated file by ``pwritev``
 and read back by ``preadv``, split over a few threads as the disk backend splits a large
-batch, with nothing else (no files per page, headers, checksums, index). It is what a put and
-a get cost a store that does only the page-cache copy, so the engine's own store's time over
-the floor's is the highest ratio any store writing through the page cache can reach here.
+batch, with nothing else (no files per page, headers, checksums, index); every round's file
+kept until the end, as the stores compared there keep every round's pages. It is what a put
+and a get cost a store that does only the page-cache copy, in the same memory state as the
+stores beside it, so the engine's own store's time over the floor's is about the highest
+ratio a store writing through the page cache can reach there.
 """
 
 from __future__ import annotations
@@ -114,8 +116,10 @@ def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
 
 class PageCacheFloor:
     """``pages`` pages of ``page_bytes`` random bytes through the page cache and back, timed,
-    from and into memory of its own; a new file in ``scratch`` each round, the last
-    ``KEEP_ROUNDS`` kept (see the module docstring)."""
+    from and into memory of its own; a new file in ``scratch`` each round, every one kept
+    until :meth:`close`, as the engine benchmarks' stores keep every round's pages (a floor
+    that freed its files would write into pages it freed while the stores write into pages
+    never used: see the module docstring)."""
 
     def __init__(self, scratch: str, pages: int, page_bytes: int, threads: int = 4) -> None:
         import numpy as np
@@ -131,8 +135,6 @@ class PageCacheFloor:
         """(put, get) seconds: the pages written back to back, then read into the target;
         the bytes read are compared with the pages, untimed."""
         number = next(self._rounds)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.scratch, f"floor.{number - KEEP_ROUNDS}"))
         self._target.fill(0)
         pages = [memoryview(row) for row in self._source]
         targets = [memoryview(row) for row in self._target]
