@@ -7,6 +7,7 @@ They are re-exported by :mod:`hicache.backends.base`, where backends import them
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
@@ -14,6 +15,7 @@ from typing import Any, TypeAlias
 from hicache.errors import InvalidArgumentError
 
 __all__ = [
+    "IOV_MAX",
     "BufferLike",
     "CopyFn",
     "Segments",
@@ -23,6 +25,7 @@ __all__ = [
     "join_segments",
     "segments_after",
     "segments_nbytes",
+    "split_iov",
 ]
 
 BufferLike: TypeAlias = "bytes | bytearray | memoryview | Any"
@@ -30,6 +33,8 @@ Segments: TypeAlias = "BufferLike | Sequence[BufferLike]"
 #: How a helper copies one piece, ``copy(destination, source)`` of equal size.
 CopyFn: TypeAlias = Callable[[memoryview, memoryview], None]
 _FIELD_NAME_RE = re.compile(r":[^:]*:")
+#: The most pieces one ``pwritev``/``preadv`` takes (Linux's limit, and POSIX's minimum).
+IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
 def as_segments(value: Segments, writable: bool) -> list[memoryview]:
@@ -109,3 +114,21 @@ def copy_into_segments(
         n = min(seg.nbytes, total - offset)
         copy(seg[:n], source[offset : offset + n])
         offset += n
+
+
+def split_iov(
+    iov: list[memoryview | bytes], offset: int, parts: int
+) -> list[tuple[list[memoryview | bytes], int, int]]:
+    """``iov`` at file ``offset`` cut into about ``parts`` stretches of similar size (and at
+    most ``IOV_MAX`` pieces each): each stretch's pieces, its offset and its size."""
+    sizes = [memoryview(p).nbytes for p in iov]
+    target = max(1, sum(sizes) // max(1, parts))
+    out: list[tuple[list[memoryview | bytes], int, int]] = []
+    start = size = 0
+    for i, n in enumerate(sizes):
+        size += n
+        if size >= target or i + 1 - start >= IOV_MAX or i == len(sizes) - 1:
+            out.append((iov[start : i + 1], offset, size))
+            offset += size
+            start, size = i + 1, 0
+    return out

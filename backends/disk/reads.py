@@ -28,10 +28,10 @@ from hicache.backends.disk.format import RECORD_HEADER, payload_hash
 from hicache.backends.disk.index import Entry
 from hicache.backends.disk.segments import SegmentFiles
 from hicache.backends.disk.writer import PARALLEL_BYTES
+from hicache.backends.segments import IOV_MAX
 
 __all__ = ["NOWAIT", "ReadItem", "read_records", "read_spread", "trim"]
 
-_IOV_MAX = 1024
 _REC = struct.Struct("<4sHHQQQ")  # format.py's record header, without its CRC
 _MAGIC = b"HDSR"
 # RWF_NOWAIT where the platform has it (Linux 4.14+); 0 turns the first pass off.
@@ -95,7 +95,7 @@ def read_records(
     for i in order:
         code, off, length, _ = items[i][1]
         need = 2 + len(items[i][2])
-        if run and ((code, off) != next_at or iov + need > _IOV_MAX):
+        if run and ((code, off) != next_at or iov + need > IOV_MAX):
             _read_run(files, items, run, results, bad, later, flags)
             run, iov = [], 0
         run.append(i)

@@ -39,14 +39,13 @@ from hicache.backends.disk.format import (
 )
 from hicache.backends.disk.logs import LogWriter
 from hicache.backends.disk.segments import create_segment, next_number, segment_name
-from hicache.backends.segments import segments_after, segments_nbytes
+from hicache.backends.segments import IOV_MAX, segments_after, segments_nbytes, split_iov
 from hicache.keys import KEY_MAX_LEN
 
 __all__ = ["Appender"]
 
 logger = logging.getLogger(__name__)
 
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 # A run at least this large is written by several threads, each a stretch of it: new pages of
 # the page cache cost a fault each on a VM, and two cores take them twice as fast as one
 # (128 pages of 1 MiB: 0.42 GB/s from one thread here, where a file per page over four
@@ -222,10 +221,10 @@ class Appender:
                 if self.config.fsync:
                     os.fdatasync(self._direct_fd)
                 return True
-            if len(iov) <= _IOV_MAX and (nbytes < PARALLEL_BYTES or self.io is None):
+            if len(iov) <= IOV_MAX and (nbytes < PARALLEL_BYTES or self.io is None):
                 self._pwrite_all(iov, offset, nbytes)
             else:
-                parts = _split(iov, offset, self.io.threads if self.io else 1)
+                parts = split_iov(iov, offset, self.io.threads if self.io else 1)
                 if self.io is None:
                     for part, at, want in parts:
                         self._pwrite_all(part, at, want)
@@ -390,21 +389,3 @@ class Appender:
         self._seal()
         self.log.close()
         os.close(self.lock_fd)
-
-
-def _split(
-    iov: list[memoryview | bytes], offset: int, parts: int
-) -> list[tuple[list[memoryview | bytes], int, int]]:
-    """``iov`` at ``offset`` cut into about ``parts`` stretches of similar size (and at most
-    ``_IOV_MAX`` pieces each): each stretch's pieces, its offset and its size."""
-    sizes = [memoryview(p).nbytes for p in iov]
-    target = max(1, sum(sizes) // max(1, parts))
-    out: list[tuple[list[memoryview | bytes], int, int]] = []
-    start = size = 0
-    for i, n in enumerate(sizes):
-        size += n
-        if size >= target or i + 1 - start >= _IOV_MAX or i == len(sizes) - 1:
-            out.append((iov[start : i + 1], offset, size))
-            offset += size
-            start, size = i + 1, 0
-    return out

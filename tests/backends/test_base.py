@@ -16,6 +16,7 @@ from hicache.backends.base import (
     segments_nbytes,
 )
 from hicache.backends.memory import MemoryBackend, MemoryConfig
+from hicache.backends.segments import IOV_MAX, split_iov
 from hicache.errors import ConfigError, InvalidArgumentError, InvalidKeyError
 from hicache.typed_config import build_config, parse_bool, parse_size
 
@@ -99,6 +100,20 @@ def test_join_segments_copies_back_to_back() -> None:
     source[:] = b"HELLO"
     assert joined == b"hello world"  # a copy, not a view
     assert join_segments([]) == bytearray()
+
+
+@pytest.mark.parametrize(("pieces", "parts"), [(12, 4), (5, 8), (2500, 2), (1, 1)])
+def test_split_iov_cuts_runs_that_cover_the_pieces_in_order(pieces: int, parts: int) -> None:
+    """Stretches in order and back to back from the offset, each at most IOV_MAX pieces, and
+    no more of them than needed for ``parts`` (or for the piece limit)."""
+    iov: list[memoryview | bytes] = [bytes([i % 251]) * (1 + i % 7) for i in range(pieces)]
+    stretches = split_iov(iov, 4096, parts)
+    assert [p for part, _, _ in stretches for p in part] == iov
+    at = 4096
+    for part, offset, size in stretches:
+        assert offset == at and size == sum(len(p) for p in part) and len(part) <= IOV_MAX
+        at += size
+    assert len(stretches) <= max(parts, -(-pieces // IOV_MAX)) + 1
 
 
 def test_copy_into_segments_spreads_across_boundaries() -> None:
