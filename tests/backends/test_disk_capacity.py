@@ -212,10 +212,14 @@ async def test_a_reader_open_during_a_compaction_follows_the_moved_records(
     live = [k for k in keys if k not in doomed]
     reader = await open_disk(tmp_path, read_only=True)
     before = {k: segment_of(reader, k) for k in live}
+    written = {i.key: i.mtime async for i in writer.scan("")}
     count, _ = await writer.compact_segments(min_dead=0.5)
     assert count >= 3
     reader.catalog.last_refresh = 0.0  # reads the writer's log at its next call
     assert await found(reader, keys) == live
     assert any(segment_of(reader, k) != before[k] for k in live)
+    # A move is not a write: the write time (what --max-age expires by) stays.
+    for backend in (writer, reader):
+        assert {i.key: i.mtime async for i in backend.scan("")} == written
     await writer.close()
     await reader.close()
