@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from xxhash import xxh3_64_intdigest
 
@@ -52,6 +53,19 @@ logger = logging.getLogger(__name__)
 # threads wrote 0.70).
 PARALLEL_BYTES = 8 << 20
 _PAD = bytes(8)
+
+
+@dataclass(slots=True)
+class _Run:
+    """Records of a batch bound for one stretch of one segment: the iovecs to write at
+    ``start``, their log records and their index entries; ``first`` is the batch position
+    of its first record."""
+
+    start: int
+    first: int
+    iov: list[memoryview | bytes] = field(default_factory=list)
+    log: list[bytes] = field(default_factory=list)
+    entries: list[tuple[str, int, int, int, int]] = field(default_factory=list)
 
 
 class Appender:
@@ -149,52 +163,51 @@ class Appender:
         op = LogOp.PUT if moved_seqs is None else LogOp.MOVE
         pack_log, header = LOG_RECORD.pack, pack_record_header
         results = [False] * len(keys)
-        logged: list[bytes] = []  # the log records of the runs written
-        entries: list[tuple[str, int, int, int, int]] = []  # their index entries
-        run: list[memoryview | bytes] = []
-        run_log: list[bytes] = []
-        run_entries: list[tuple[str, int, int, int, int]] = []
+        done = _Run(0, 0)  # the log records and index entries of the runs written
         seq = self._reserve_seqs(len(keys)) if moved_seqs is None else 0
         end, limit, code = self._seg_end, self.segment_bytes, self._seg_code
-        run_start, first = end, 0
+        run = _Run(end, 0)
+        iov, log, entries = run.iov, run.log, run.entries  # locals: this loop is the hot path
         for i, key in enumerate(keys):
             kb = key.encode("ascii")
             length, segs = lengths[i], values[i]
             size = (RECORD_HEADER + len(kb) + length + 7) & ~7
             if self._seg_fd < 0 or end + size > limit:
-                self._seg_end = end
-                if run and self._write(run, run_start, end - run_start):
-                    logged += run_log
-                    entries += run_entries
-                    results[first:i] = [True] * (i - first)
-                run, run_log, run_entries, first = [], [], [], i
+                self._flush(run, end, i, done, results)
                 if not self._new_segment():
                     break
-                end = run_start = self._seg_end
-                code = self._seg_code
+                end, code = self._seg_end, self._seg_code
+                run = _Run(end, i)
+                iov, log, entries = run.iov, run.log, run.entries
             if moved_seqs is not None:
                 seq = moved_seqs[i]
             digest = xxh3_64_intdigest(segs[0]) if len(segs) == 1 else payload_hash(segs)
-            run.append(header(kb, length, seq, digest))
-            run.append(kb)
-            run += segs
+            iov.append(header(kb, length, seq, digest))
+            iov.append(kb)
+            iov += segs
             pad = size - RECORD_HEADER - len(kb) - length
             if pad:
-                run.append(_PAD[:pad])
-            run_log.append(pack_log(op, len(kb), seq, code, end, length))
-            run_log.append(kb)
-            run_entries.append((key, code, end, length, seq))
+                iov.append(_PAD[:pad])
+            log.append(pack_log(op, len(kb), seq, code, end, length))
+            log.append(kb)
+            entries.append((key, code, end, length, seq))
             end += size
             seq += 1
         else:
-            self._seg_end = end
-            if run and self._write(run, run_start, end - run_start):
-                logged += run_log
-                entries += run_entries
-                results[first:] = [True] * (len(keys) - first)
-        if entries:
-            self._index(log_frame(b"".join(logged), len(entries)), entries, moved_seqs is not None)
+            self._flush(run, end, len(keys), done, results)
+        if done.entries:
+            frame = log_frame(b"".join(done.log), len(done.entries))
+            self._index(frame, done.entries, moved_seqs is not None)
         return results
+
+    def _flush(self, run: _Run, end: int, upto: int, done: _Run, results: list[bool]) -> None:
+        """Write ``run`` (batch items ``run.first`` to ``upto``, ending at ``end``); on success
+        its log records and entries go to ``done`` and its items' results are True."""
+        self._seg_end = end
+        if run.iov and self._write(run.iov, run.start, end - run.start):
+            done.log += run.log
+            done.entries += run.entries
+            results[run.first : upto] = [True] * (upto - run.first)
 
     def _index(
         self, frame: bytes, entries: list[tuple[str, int, int, int, int]], moved: bool
@@ -267,9 +280,7 @@ class Appender:
                 self.catalog.dirs.segments, self.slot, number, time.time_ns(), self.segment_bytes
             )
         except OSError as exc:
-            self.counts["put_errors"] += 1
-            self.counts["enospc"] += exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            logger.warning("disk store %s: cannot start a segment: %s", self.catalog.dirs.root, exc)
+            self._count_error(exc, "cannot start a segment")
             return False
         self._seg_code, self._seg_fd, self._seg_end = (
             segment_code(self.slot, number),
@@ -302,9 +313,6 @@ class Appender:
             os.close(self._seg_fd)
         self._seg_fd, self._seg_code = -1, -1
 
-    def _next_seq(self) -> int:
-        return self._reserve_seqs(1)
-
     def _reserve_seqs(self, n: int) -> int:
         """The first of ``n`` consecutive sequences, newer than any this process has seen."""
         index = self.catalog.index
@@ -323,7 +331,7 @@ class Appender:
         found = [e is not None for e in entries]
         gone = [k for k, f in zip(keys, found, strict=True) if f]
         if gone:
-            seqs = [self._next_seq() for _ in gone]
+            seqs = [self._reserve_seqs(1) for _ in gone]
             records = zip(gone, seqs, strict=True)
             self._log(b"".join(encode_log_record(LogOp.DELETE, k, s, 0, 0, 0) for k, s in records),
                       len(gone))  # fmt: skip
@@ -345,7 +353,7 @@ class Appender:
                 os.unlink(segment_name(code), dir_fd=self.catalog.dirs.segments)
 
     def log_reclaim(self, code: int) -> None:
-        self._log(encode_log_record(LogOp.RECLAIM, "", self._next_seq(), code, 0, 0), 1)
+        self._log(encode_log_record(LogOp.RECLAIM, "", self._reserve_seqs(1), code, 0, 0), 1)
         with self.catalog.lock:
             self.catalog.index.drop_segment(code)
         self.catalog.files.forget(code)
