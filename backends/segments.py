@@ -1,7 +1,8 @@
 """Buffers as backends see them: a value is one buffer or a list of them (scatter-gather segments).
 
 :func:`as_segments` turns what a caller passes into flat, C-contiguous byte views (the base class
-calls it once per value); the other helpers copy between such views and plain byte buffers.
+calls it once per value); the other helpers copy between such views and plain byte buffers, and
+:func:`split_iov` cuts a vectored write into stretches for several threads.
 They are re-exported by :mod:`hicache.backends.base`, where backends import them from.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 from hicache.errors import InvalidArgumentError
 
@@ -33,8 +34,9 @@ Segments: TypeAlias = "BufferLike | Sequence[BufferLike]"
 #: How a helper copies one piece, ``copy(destination, source)`` of equal size.
 CopyFn: TypeAlias = Callable[[memoryview, memoryview], None]
 _FIELD_NAME_RE = re.compile(r":[^:]*:")
-#: The most pieces one ``pwritev``/``preadv`` takes (Linux's limit, and POSIX's minimum).
+#: The most pieces one ``pwritev``/``preadv`` is given here (Linux takes 1024).
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+Piece = TypeVar("Piece", bound="memoryview | bytes")
 
 
 def as_segments(value: Segments, writable: bool) -> list[memoryview]:
@@ -116,14 +118,13 @@ def copy_into_segments(
         offset += n
 
 
-def split_iov(
-    iov: list[memoryview | bytes], offset: int, parts: int
-) -> list[tuple[list[memoryview | bytes], int, int]]:
+def split_iov(iov: list[Piece], offset: int, parts: int) -> list[tuple[list[Piece], int, int]]:
     """``iov`` at file ``offset`` cut into about ``parts`` stretches of similar size (and at
-    most ``IOV_MAX`` pieces each): each stretch's pieces, its offset and its size."""
+    most ``IOV_MAX`` pieces each): each stretch's pieces, its offset and its size. Lists of
+    pieces of the same sizes are cut at the same places."""
     sizes = [memoryview(p).nbytes for p in iov]
     target = max(1, sum(sizes) // max(1, parts))
-    out: list[tuple[list[memoryview | bytes], int, int]] = []
+    out: list[tuple[list[Piece], int, int]] = []
     start = size = 0
     for i, n in enumerate(sizes):
         size += n

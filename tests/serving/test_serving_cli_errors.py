@@ -13,12 +13,11 @@ from typing import Any
 
 import pytest
 from cli_kit import run
-from serving_helpers import VOCAB
+from serving_helpers import VOCAB, keep_setups
 from test_serving_bad_input import CHAT, TINY
 
 from hicache.backends import registry
 from hicache.backends.wrappers import FaultConfig, FaultInjectionBackend, FaultMode
-from hicache.tools.serve import command as serve_module
 from hicache.workloads.traces import TraceRequest, dump_trace
 
 # One client of one round: the smallest run that serves a request.
@@ -48,15 +47,8 @@ def test_l3_failures_in_the_row_equal_the_controllers_counters(
     async def failing(url: str, **config: Any) -> FaultInjectionBackend:
         return FaultInjectionBackend(await opened(url, **config), faults)
 
-    setups: list[Any] = []
-    open_engine = serve_module.open_engine
-
-    async def keep(*args: Any, **kwargs: Any) -> Any:
-        setups.append(await open_engine(*args, **kwargs))
-        return setups[-1]
-
+    setups = keep_setups(monkeypatch)
     monkeypatch.setattr(registry, "open_backend", failing)
-    monkeypatch.setattr(serve_module, "open_engine", keep)
     argv = [*TINY, *CHAT, "--cache-dir", str(tmp_path / "l3")]
     code, out, err = run(capsys, *argv, "--json")
     assert code == 0, err  # every request was served, from device and host

@@ -28,8 +28,8 @@ rounds of ours / LMCache's throughput in that round (above 1: ours is faster), w
 range. A third side runs in the same rotation, the page-cache floor
 (:class:`~hicache.tools.bench.raw_disk.PageCacheFloor`: as many chunks of the same size written
 into one allocated file and read back, by four threads, nothing else): ``floor_put_ratio`` and
-``floor_get_ratio`` are its throughput over LMCache's in each round, the highest ratio a store
-that copies the chunks through the page cache can reach on the machine it ran on.
+``floor_get_ratio`` are its throughput over LMCache's in each round, about the highest ratio
+a store that copies the chunks through the page cache can reach on the machine it ran on.
 Runs only where LMCache is installed (the LMCache venv).
 """
 

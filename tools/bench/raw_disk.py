@@ -47,6 +47,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from hicache.backends.segments import split_iov
+
 __all__ = ["KEEP_ROUNDS", "PageCacheFloor", "raw_baseline"]
 
 KEEP_ROUNDS = 3  # the fewest rounds kept (the bench's disk capacity holds three copies at least)
@@ -138,26 +140,20 @@ class PageCacheFloor:
         self._target.fill(0)
         pages = [memoryview(row) for row in self._source]
         targets = [memoryview(row) for row in self._target]
-        sizes = [p.nbytes for p in pages]
-        fd = _fresh_file(os.path.join(self.scratch, f"floor.{number}"), sum(sizes))
-        stretches = _stretches(sizes, self.threads)
-
-        def write(part: tuple[int, int, int]) -> None:
-            _pwritev_all(fd, pages[part[0] : part[1]], part[2])
-
-        def read(part: tuple[int, int, int]) -> int:
-            return _preadv_all(fd, targets[part[0] : part[1]], part[2])
-
+        nbytes = self._source.nbytes
+        fd = _fresh_file(os.path.join(self.scratch, f"floor.{number}"), nbytes)
+        # The targets have the pages' sizes, so both lists are cut at the same places.
+        writes, reads = split_iov(pages, 0, self.threads), split_iov(targets, 0, self.threads)
         try:
             started = time.perf_counter()
-            list(self._pool.map(write, stretches))
+            list(self._pool.map(lambda part: _pwritev_all(fd, part[0], part[1]), writes))
             put_s = time.perf_counter() - started
             started = time.perf_counter()
-            got = sum(self._pool.map(read, stretches))
+            got = sum(self._pool.map(lambda part: _preadv_all(fd, part[0], part[1]), reads))
             get_s = time.perf_counter() - started
         finally:
             os.close(fd)
-        if got != sum(sizes) or not (self._source == self._target).all():
+        if got != nbytes or not (self._source == self._target).all():
             raise RuntimeError("page-cache floor: the bytes read back differ from those written")
         return put_s, get_s
 
@@ -167,17 +163,6 @@ class PageCacheFloor:
             if name.startswith("floor."):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.scratch, name))
-
-
-def _stretches(sizes: list[int], parts: int) -> list[tuple[int, int, int]]:
-    """``(first, end, offset)`` of about ``parts`` runs of consecutive pages."""
-    step = -(-len(sizes) // max(1, parts))
-    out, offset = [], 0
-    for lo in range(0, len(sizes), step):
-        hi = min(lo + step, len(sizes))
-        out.append((lo, hi, offset))
-        offset += sum(sizes[lo:hi])
-    return out
 
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:

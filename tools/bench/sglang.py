@@ -14,8 +14,8 @@ rounds of ours / SGLang's throughput in that round (the two ran back to back), s
 faster. For the file stores a third side runs in the rotation, the page-cache floor
 (:class:`~hicache.tools.bench.raw_disk.PageCacheFloor`: the same number of pages of the same
 size written into one allocated file and read back, nothing else): ``floor_put_ratio`` and
-``floor_get_ratio`` are the floor's throughput over SGLang's in each round, the highest ratio
-a store that copies the pages through the page cache can reach on the machine it ran on.
+``floor_get_ratio`` are the floor's throughput over SGLang's in each round, about the highest
+ratio a store that copies the pages through the page cache can reach on the machine it ran on.
 Runs only where SGLang is installed (the SGLang venv).
 """
 
