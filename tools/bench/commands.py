@@ -39,6 +39,7 @@ __all__ = [
     "add_bench_sglang",
     "add_bench_tools",
     "add_bench_vllm",
+    "add_bench_vllm_serve",
 ]
 
 _HERE = "hicache.tools.bench.commands"
@@ -83,6 +84,10 @@ BENCHMARKS: dict[str, Command] = {
     ),
     "vllm": Command(
         "vLLM's tier API over HiCacheTier vs vLLM's own fs tier", f"{_HERE}:add_bench_vllm"
+    ),
+    "vllm-serve": Command(
+        "vllm serve with hicache: warm restart and a multi-turn trace vs vLLM alone",
+        f"{_HERE}:add_bench_vllm_serve",
     ),
     "seed": Command(
         "each measured claim of the seed design, beside the seed's figure",
@@ -308,6 +313,16 @@ def add_bench_vllm(bench_sub: Any) -> argparse.ArgumentParser:
 
     p = add_bench_vllm_parser(bench_sub)
     p.set_defaults(bench_run=run_bench_vllm)
+    return p
+
+
+def add_bench_vllm_serve(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add ``bench vllm-serve`` from :mod:`hicache.tools.bench.vllm_serve` (needs vLLM's CPU
+    build installed: it starts `vllm serve`)."""
+    from hicache.tools.bench.vllm_serve import add_bench_vllm_serve_parser, run_bench_vllm_serve
+
+    p = add_bench_vllm_serve_parser(bench_sub)
+    p.set_defaults(bench_run=run_bench_vllm_serve)
     return p
 
 

@@ -76,7 +76,7 @@ def _spec(config: dict[str, Any], chunk_bytes: int, num_chunks: int) -> Any:
             "secondary_tiers": [config],
         },
         engine_id=f"hicache-bench-{os.getpid()}-{next(_ENGINE_IDS)}",
-        model=OffloadingModelConfig(name="bench-model", dtype="bfloat16", max_model_len=1 << 20),
+        model=OffloadingModelConfig(name="bench-model", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
     )

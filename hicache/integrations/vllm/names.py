@@ -1,8 +1,9 @@
 """Storage names for vLLM offload keys.
 
 A name is ``vllm-<format digest>-<offload key hex>``. The format digest covers everything that
-makes a chunk's bytes differ (model, dtype, chunking, chunk size, layout, parallelism, rank), so
-an engine with another format never reads a chunk it would misread.
+makes a chunk's bytes differ (model, dtype, chunking, chunk size, the KV cache layout and the
+kind of device whose KV it is, parallelism, rank), so an engine with another format never reads
+a chunk it would misread: a CUDA engine's blocks are laid out unlike a CPU engine's.
 
 No vLLM import here: the config is read by attribute.
 """
@@ -20,12 +21,16 @@ __all__ = ["StorageNames", "format_fields"]
 _DIGEST_CHARS = 16  # 64 bits: formats of one deployment, not an adversary's choice
 
 
-def format_fields(config: Any, chunk_bytes: int) -> dict[str, object]:
-    """The fields of a vLLM ``OffloadingConfig`` that change a chunk's stored bytes."""
+def format_fields(config: Any, chunk_bytes: int, device: str) -> dict[str, object]:
+    """The fields of a vLLM ``OffloadingConfig`` that change a chunk's stored bytes, with the
+    kind of ``device`` the engine computes on (``cpu``, ``cuda``, ...)."""
     parallel = config.parallel
     return {
         "model": str(config.model.name),
         "dtype": str(config.model.dtype),
+        "device": device,
+        # vLLM 0.32 names the resolved layout here; 0.33 does not (None for all its engines).
+        "kv_cache_layout": getattr(config, "kv_cache_layout", None),
         "tokens_per_hash": int(config.cache.tokens_per_hash),
         "blocks_per_chunk": int(config.cache.blocks_per_chunk),
         "chunk_bytes": int(chunk_bytes),

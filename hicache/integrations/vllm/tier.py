@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, 
 from typing import Any
 from urllib.parse import urlsplit
 
+from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -147,7 +148,8 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         chunk = self._block_size_bytes
         self._bytes = primary_kv_view.cast("B")  # chunk c = bytes [c*chunk, (c+1)*chunk)
         self._num_chunks = self._bytes.nbytes // chunk if chunk else 0
-        self._names = StorageNames(format_fields(offloading_spec.config, chunk))
+        device = str(current_platform.device_type)
+        self._names = StorageNames(format_fields(offloading_spec.config, chunk, device))
         self._meta = PageMeta("vllm", DType.UINT8, (chunk,))
         self._verdicts = Verdicts(_MISS_TTL_S)
         self._board: JobBoard[JobResult] = JobBoard()

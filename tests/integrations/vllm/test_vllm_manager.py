@@ -5,6 +5,7 @@ GPU worker's copies are played by the test (vLLM's worker side needs CUDA)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,16 +37,18 @@ class Engine:
         view = self.manager.primary_tier.get_kv_memoryview()
         self.primary = np.asarray(view).view(np.uint8)  # zero-copy over the shared region
         self._requests = 0
+        # vLLM 0.33's manager has a lock its callers hold; 0.32's has none (one thread).
+        self.lock = getattr(self.manager, "lock", contextlib.nullcontext())
 
     def step(self) -> None:
         """One scheduler step's end: the manager collects the tier's finished jobs."""
-        with self.manager.lock:
+        with self.lock:
             self.manager.on_schedule_end(END)
 
     def offload(self, keys: list[bytes], data: np.ndarray) -> None:
         """One request's chunks written GPU -> primary, then cascaded to the hicache tier."""
         ctx = self._request()
-        with self.manager.lock:
+        with self.lock:
             out = self.manager.prepare_store(keys, ctx)
             assert out is not None
             slots = list(out.store_spec.chunk_ids)
@@ -57,7 +60,7 @@ class Engine:
         self.step()
 
     def lookups(self, keys: list[bytes], ctx: ReqContext) -> list[LookupResult]:
-        with self.manager.lock:
+        with self.lock:
             return [self.manager.lookup(k, ctx) for k in keys]
 
     def fetch(self, keys: list[bytes], steps: int = 200) -> tuple[np.ndarray, list[list[str]]]:
@@ -73,7 +76,7 @@ class Engine:
             self.step()
             self.tier.drain_jobs()
             time.sleep(0.005)
-        with self.manager.lock:
+        with self.lock:
             slots = self.manager.prepare_load(keys, ctx).chunk_ids
             rows = self.primary[slots].copy()
             self.manager.complete_load(keys, ctx)
@@ -81,15 +84,16 @@ class Engine:
         return rows, seen
 
     def reset_primary(self) -> None:
-        with self.manager.lock:
+        with self.lock:
             self.manager.reset_cache()
-            self.manager.on_reset_flushed()
+            if hasattr(self.manager, "on_reset_flushed"):  # vLLM 0.33 splits the reset in two
+                self.manager.on_reset_flushed()
         self.primary[:] = 0
 
     def _request(self) -> ReqContext:
         self._requests += 1
         ctx = ReqContext(req_id=f"req-{self._requests}")
-        with self.manager.lock:
+        with self.lock:
             self.manager.on_new_request(ctx)
         return ctx
 
@@ -138,7 +142,7 @@ def test_evicted_from_the_primary_found_in_hicache(store_url: str, engines: list
     engine.offload(first, data)
     engine.offload([key(n) for n in range(100, 100 + NUM_CHUNKS)], chunks(NUM_CHUNKS, width, 3))
     ctx = ReqContext(req_id="probe")
-    with engine.manager.lock:
+    with engine.lock:
         engine.manager.on_new_request(ctx)
     assert LookupResult.HIT not in engine.lookups(first[:4], ctx)  # all gone from the primary
     rows, _ = engine.fetch(first[:4])

@@ -55,7 +55,7 @@ def make_spec(
             "secondary_tiers": [tier_config],
         },
         engine_id=f"hicache-test-{os.getpid()}-{next(_ENGINES)}",
-        model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=4096),
+        model=OffloadingModelConfig(name=model, dtype=dtype),  # no max_model_len: 0.32 has none
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(rank, tp, tp, 1, 1, 1, 0, 1, None, False),
     )
