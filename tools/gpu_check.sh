@@ -51,6 +51,17 @@ main() {
         -c "$repo/pyproject.toml" --rootdir "$repo" "${dirs[@]}")
     local tests_rc=$?
 
+    echo "== vLLM: HiCacheOffloadingSpec on CUDA gives vLLM's own GPU worker (issue 44)"
+    # Only where vLLM's CUDA build is installed: the GPU image has none, and its wheel (over
+    # 300 MB) is more than a device call carries.
+    if (cd "$src" && "$py" -c 'import vllm.v1.kv_offload.tiering.spec' >/dev/null 2>&1); then
+        (cd "$src" && timeout 120 "$py" -m pytest -m cuda -q -p no:cacheprovider \
+            -c "$repo/pyproject.toml" --rootdir "$repo" \
+            "$repo/tests/integrations/vllm/test_vllm_spec.py") || echo "vLLM spec on CUDA: FAILED"
+    else
+        echo "SKIP: vLLM is not installed here"
+    fi
+
     echo "== bench layouts --json (limit ${bench_limit}s)"
     local bench=(-m hicache.tools.bench.layouts)
     if (cd "$src" && "$py" -m hicache.tools.cli bench layouts --help >/dev/null 2>&1); then

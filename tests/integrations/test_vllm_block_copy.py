@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from hicache.errors import InvalidArgumentError
-from hicache.integrations.vllm.block_copy import BlockCopier, TensorPair, sub_block_positions
+from hicache.integrations.vllm.block_copy import (
+    BlockCopier,
+    TensorPair,
+    contiguous_runs,
+    sub_block_positions,
+)
 
 PAGE = 64  # bytes per block row of a KV tensor
 BLOCKS = 12
@@ -27,10 +32,10 @@ def kv_tensor(seed: int, stride: int = PAGE) -> torch.Tensor:
     return base.as_strided((BLOCKS, PAGE), (stride, 1))
 
 
-def host_tensor(blocks_per_chunk: int, row_stride: int) -> torch.Tensor:
+def host_tensor(blocks_per_chunk: int, row_stride: int, chunks: int = CHUNKS) -> torch.Tensor:
     """A row-strided host view as vLLM's shared region makes one (rows further apart)."""
-    base = torch.zeros(CHUNKS * row_stride, dtype=torch.int8)
-    return base.as_strided((CHUNKS, PAGE * blocks_per_chunk), (row_stride, 1))
+    base = torch.zeros(chunks * row_stride, dtype=torch.int8)
+    return base.as_strided((chunks, PAGE * blocks_per_chunk), (row_stride, 1))
 
 
 def test_positions_start_inside_the_first_chunk() -> None:
@@ -109,3 +114,37 @@ def test_bad_jobs_and_tensors_are_refused() -> None:
         BlockCopier([TensorPair(device.float(), host, PAGE)], [[0]], 2)
     with pytest.raises(InvalidArgumentError, match="data bytes"):
         BlockCopier([TensorPair(device, host, PAGE + 1)], [[0]], 2)
+
+
+def test_runs_break_where_either_side_jumps() -> None:
+    blocks = np.array([4, 5, 6, 9, 10, 11])
+    rows = np.array([0, 1, 2, 3, 7, 8])
+    assert contiguous_runs(blocks, rows, np.zeros(6, dtype=np.int64), 1) == [(0, 3), (3, 4), (4, 6)]
+    rows2, within2 = sub_block_positions(np.array([3, 4]), 2, 3, 1)  # (3,1) (4,0) (4,1)
+    assert contiguous_runs(np.array([7, 8, 9]), rows2[:3], within2[:3], 2) == [(0, 1), (1, 3)]
+    assert contiguous_runs(np.array([], dtype=np.int64), rows[:0], rows[:0], 1) == []
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_copies_in_runs_match_a_block_by_block_copy(blocks_per_chunk: int, seed: int) -> None:
+    """Ids mixing runs and jumps, as an engine's allocators hand them out, both directions."""
+    rng = np.random.default_rng(seed)
+    count = 9
+    start = int(rng.integers(0, blocks_per_chunk))
+    n_chunks = -(-(count + start) // blocks_per_chunk)
+    blocks = np.sort(rng.choice(BLOCKS, count, replace=False))  # sorted: runs appear
+    # Chunk ids with a run in them too: a rotation of 0..n_chunks-1, placed at an offset.
+    chunks = np.roll(np.arange(n_chunks), int(rng.integers(0, n_chunks))) + 2
+    device = kv_tensor(seed, stride=PAGE + 32)
+    original = device.clone()
+    host = host_tensor(blocks_per_chunk, PAGE * blocks_per_chunk + 128, chunks=n_chunks + 2)
+    copier = BlockCopier([TensorPair(device, host, PAGE)], [[0]], blocks_per_chunk)
+    copier.copy(blocks, chunks, [count], [start], to_host=True)
+    rows, within = sub_block_positions(chunks, blocks_per_chunk, count, start)
+    host_blocks = host.view(n_chunks + 2, blocks_per_chunk, PAGE)
+    for block, row, w in zip(blocks, rows, within, strict=True):
+        assert torch.equal(host_blocks[row, w], original[block])
+    device.zero_()
+    copier.copy(blocks, chunks, [count], [start], to_host=False)
+    assert torch.equal(device[blocks], original[blocks])

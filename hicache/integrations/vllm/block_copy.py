@@ -16,6 +16,7 @@ No vLLM import here: the worker (:mod:`.host_worker`) hands in tensors and plain
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import torch
 
 from hicache.errors import InvalidArgumentError
 
-__all__ = ["BlockCopier", "TensorPair", "sub_block_positions"]
+__all__ = ["BlockCopier", "TensorPair", "contiguous_runs", "sub_block_positions"]
 
 
 @dataclass(frozen=True)
@@ -116,15 +117,44 @@ class BlockCopier:
         to_host: bool,
     ) -> int:
         data = self._pairs[t].data_bytes
-        device = self._pairs[t].device[:, :data]
-        host = self._host_blocks[t][:, :, :data]
-        block_index = torch.from_numpy(blocks.astype(np.int64))
-        host_index = (torch.from_numpy(rows), torch.from_numpy(within))
-        if to_host:
-            host.index_put_(host_index, device.index_select(0, block_index))
-        else:
-            device.index_copy_(0, block_index, host[host_index])
+        device = self._pairs[t].device
+        host = self._pairs[t].host if self._blocks_per_chunk == 1 else None
+        host_blocks = self._host_blocks[t]
+        for start, end in contiguous_runs(blocks, rows, within, self._blocks_per_chunk):
+            kv = device[int(blocks[start]) : int(blocks[start]) + end - start, :data]
+            if host is not None:  # one block a chunk: a run of consecutive chunk rows
+                stored = host[int(rows[start]) : int(rows[start]) + end - start, :data]
+            else:  # a run of consecutive blocks inside one chunk row
+                first = int(within[start])
+                stored = host_blocks[int(rows[start]), first : first + end - start, :data]
+            if to_host:
+                stored.copy_(kv)
+            else:
+                kv.copy_(stored)
         return len(blocks) * data
+
+
+def contiguous_runs(
+    blocks: np.ndarray, rows: np.ndarray, within: np.ndarray, blocks_per_chunk: int
+) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of the job's blocks that are consecutive on both sides, so each
+    moves in one strided copy: block ids one apart, and host positions one apart (the next
+    chunk row when a chunk holds one block, else the next block of the same chunk row).
+
+    torch's index ops move wide int8 rows several times slower than a copy of a slice (about
+    8x for 48 KiB rows here), so a job is cut into as few slices as its ids allow; a fresh
+    engine allocates blocks and host chunks mostly in runs.
+    """
+    if len(blocks) == 0:
+        return []
+    block_next = np.diff(blocks.astype(np.int64)) == 1
+    if blocks_per_chunk == 1:
+        host_next = np.diff(rows) == 1
+    else:
+        host_next = (np.diff(rows) == 0) & (np.diff(within) == 1)
+    breaks = np.flatnonzero(~(block_next & host_next)) + 1
+    edges = [0, *breaks.tolist(), len(blocks)]
+    return list(itertools.pairwise(edges))
 
 
 def _check_pair(pair: TensorPair, blocks_per_chunk: int) -> None:

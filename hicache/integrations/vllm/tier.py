@@ -52,6 +52,7 @@ from hicache.errors import (
 )
 from hicache.integrations.sync_loop import SyncLoop
 from hicache.integrations.vllm.jobs import JobBoard
+from hicache.integrations.vllm.mapping import populate_writable
 from hicache.integrations.vllm.names import StorageNames, format_fields
 from hicache.integrations.vllm.verdicts import Verdict, Verdicts
 from hicache.urls import redact_url, scrub
@@ -147,6 +148,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         self._info = (urlsplit(url).scheme, n_read_threads, n_write_threads)
         chunk = self._block_size_bytes
         self._bytes = primary_kv_view.cast("B")  # chunk c = bytes [c*chunk, (c+1)*chunk)
+        populate_writable(self._bytes)  # loads write here: no page faults on a request's path
         self._num_chunks = self._bytes.nbytes // chunk if chunk else 0
         device = str(current_platform.device_type)
         self._names = StorageNames(format_fields(offloading_spec.config, chunk, device))

@@ -37,8 +37,9 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from hicache.integrations.vllm import HiCacheOffloadingSpec, HiCacheTier
 from hicache.integrations.vllm.host_worker import HostCopyWorker
 
-if not current_platform.is_cpu():
-    pytest.skip("the host copy worker is the CPU platform's", allow_module_level=True)
+cpu_only = pytest.mark.skipif(
+    not current_platform.is_cpu(), reason="the host copy worker is the CPU platform's"
+)
 
 PAGE = 4096  # bytes of one KV block of the one layer
 NUM_BLOCKS = 16
@@ -111,6 +112,7 @@ def engine(tmp_path: Path) -> Iterator[tuple[Any, HostCopyWorker, torch.Tensor]]
         manager.shutdown()
 
 
+@cpu_only
 def test_the_cpu_worker_copies_into_the_region_the_tier_reads(
     engine: tuple[Any, HostCopyWorker, torch.Tensor],
 ) -> None:
@@ -132,6 +134,7 @@ def test_the_cpu_worker_copies_into_the_region_the_tier_reads(
     assert not kv[:9].any() and not kv[11:].any()
 
 
+@cpu_only
 def test_jobs_end_in_submission_order(engine: tuple[Any, HostCopyWorker, torch.Tensor]) -> None:
     _manager, worker, kv = engine
     for job in range(6):  # each store overwrites chunk 0; the last load reads the last store
@@ -149,7 +152,7 @@ def test_jobs_end_in_submission_order(engine: tuple[Any, HostCopyWorker, torch.T
     [
         ({"n_raed_threads": 2}, "no option 'n_raed_threads'"),
         ({"url": ""}, "'url' is required"),
-        ({"canonical_layout": True}, "'canonical_layout'"),
+        pytest.param({"canonical_layout": True}, "'canonical_layout'", marks=cpu_only),
     ],
 )
 def test_a_bad_option_stops_the_spec(options: dict[str, Any], named: str) -> None:
@@ -169,3 +172,22 @@ def test_a_bad_tier_value_stops_the_scheduler_side(options: dict[str, Any], name
     spec = HiCacheOffloadingSpec(make_config(extra_config("memory://") | options))
     with pytest.raises(ValueError, match=named):
         spec.get_manager()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_spec_gives_vllms_own_worker(tmp_path: Path) -> None:
+    """Run by tools/gpu_check.sh where vLLM's CUDA build is installed: the spec builds, its
+    manager has the hicache tier, and its worker is vLLM's GPU worker (not the host one)."""
+    spec = HiCacheOffloadingSpec(make_config(extra_config(f"disk://{tmp_path}")))
+    manager = spec.get_manager()
+    kv = torch.zeros((NUM_BLOCKS, PAGE), dtype=torch.int8, device="cuda")
+    refs = [[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=PAGE)]]
+    worker = spec.get_worker(CanonicalKVCaches([CanonicalKVCacheTensor(kv, PAGE)], refs))
+    try:
+        assert isinstance(manager.secondary_tiers[0], HiCacheTier)
+        assert not isinstance(worker, HostCopyWorker)
+        assert type(worker).__name__ == "CPUOffloadingWorker"
+    finally:
+        worker.shutdown()
+        manager.shutdown()
