@@ -13,6 +13,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from hicache.errors import HiCacheError
 from hicache.tools.cli_parsing import Command, CommandFailed, add_commands
@@ -50,9 +51,20 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+class ExactFlagParser(argparse.ArgumentParser):
+    """A parser that takes only whole flag names: ``--rate-l 5`` is an error, not
+    ``--rate-limit 5``. The ``serve --workers`` launcher drops the router's own flags from
+    its workers' command line by name, and an abbreviation would pass that filter. Subcommand
+    parsers are made of the same class (argparse uses its parent's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     """The ``hicache`` parser, with the subcommand ``argv`` names built in full."""
-    parser = argparse.ArgumentParser(prog="hicache", description=(__doc__ or "").partition("\n")[0])
+    parser = ExactFlagParser(prog="hicache", description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = parser.add_subparsers(dest="command", required=True)
     add_commands(sub, COMMANDS, argv)

@@ -14,7 +14,6 @@ whose key alone opens them (:mod:`~hicache.server.auth`).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from aiohttp import web
 
 from hicache.errors import BackendError, ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
-from hicache.server.request_body import ApiError, ServedModel, prompt_ids
+from hicache.server.request_body import ApiError, ServedModel, parse_json, prompt_ids
 from hicache.serving.engine import Engine
 from hicache.urls import allowed_by, redact_url, scrub
 
@@ -116,12 +115,9 @@ def _ttl(value: Any) -> float:
 async def _answer(action: Any, request: web.Request) -> web.Response:
     try:
         raw = await request.read()
-        body = json.loads(raw) if raw.strip() else {}
+        body = parse_json(raw) if raw.strip() else {}
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object")
         return web.json_response(await action(body))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        error = ApiError(f"the request body is not JSON: {exc}")
-        return web.json_response(error.body(), status=400)
     except ApiError as exc:
         return web.json_response(exc.body(), status=exc.status)

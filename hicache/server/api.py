@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +39,13 @@ from hicache.server.auth import (
 from hicache.server.chat import parse_chat
 from hicache.server.limits import CallerLimiter, Limits, caller_of
 from hicache.server.metrics import ServingMetrics
-from hicache.server.request_body import ApiError, CompletionArgs, ServedModel, parse_completion
+from hicache.server.request_body import (
+    ApiError,
+    CompletionArgs,
+    ServedModel,
+    parse_completion,
+    parse_json,
+)
 from hicache.serving.engine import Engine
 from hicache.serving.online import Admission, OnlineSource, RequestOptions, SourceClosedError
 from hicache.serving.request import ServeRequest
@@ -161,13 +166,11 @@ class CompletionsApi:
     async def _json(self, request: web.Request) -> Any:
         try:
             raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
-            return json.loads(raw)
         except TimeoutError:
             raise ApiError("the request body did not arrive in time", None, 408) from None
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(f"the request body is too large: {exc.text}", None, 413) from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ApiError(f"the request body is not JSON: {exc}") from None
+        return parse_json(raw)
 
     def _submit(self, args: CompletionArgs, namespace: str | None) -> Admission:
         probe = ServeRequest("probe", args.prompt, args.max_tokens)

@@ -20,7 +20,9 @@ import contextvars
 import hashlib
 import hmac
 import logging
+import os
 import pathlib
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -42,6 +44,7 @@ __all__ = [
     "key_id",
     "key_of",
     "parse_key_file",
+    "warn_if_others_can_read",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,6 +89,17 @@ def parse_key_file(text: str, source: str) -> dict[str, str]:
     return keys
 
 
+def warn_if_others_can_read(fd: int, path: pathlib.Path) -> None:
+    """Log a warning for a secret file that its group or other users may read."""
+    mode = os.fstat(fd).st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning(
+            "%s is readable by other users (mode %o): keep secrets in a 0600 file",
+            path,
+            stat.S_IMODE(mode),
+        )
+
+
 class KeyRing:
     """The configured keys: those given directly, and those of a key file (reloadable)."""
 
@@ -101,20 +115,31 @@ class KeyRing:
         return bool(self._keys)
 
     def reload(self) -> None:
-        """Reread the key file (SIGHUP); a file that does not parse keeps the keys in force."""
+        """Reread the key file (SIGHUP). A file that does not parse, or one that would leave no
+        key where there were keys (emptied, or caught half-written by a rotation), keeps the
+        keys in force: a server that needed a key never comes to need none."""
         if self._file is None:
             return
         try:
-            self._keys = {**self._direct, **self._read_file()}
+            keys = {**self._direct, **self._read_file()}
         except ConfigError as exc:
             logger.error("API keys not reloaded, the previous ones stay: %s", exc)
             return
+        if self._keys and not keys:
+            logger.error(
+                "API keys not reloaded, the previous ones stay: %s holds no key", self._file
+            )
+            return
+        self._keys = keys
         logger.info("API keys reloaded: %d keys", len(self._keys))
 
     def tenant_of(self, presented: str) -> str | None:
         """The tenant of ``presented``, or None; every key is compared, in constant time."""
         found: str | None = None
-        given = presented.encode()
+        try:
+            given = presented.encode()
+        except UnicodeEncodeError:  # a header byte that was not UTF-8: no key is like it
+            return None
         for key, tenant in self._keys.items():
             if hmac.compare_digest(given, key.encode()):
                 found = tenant
@@ -124,6 +149,7 @@ class KeyRing:
         assert self._file is not None
         try:
             with open(self._file, "rb") as f:
+                warn_if_others_can_read(f.fileno(), self._file)
                 raw = f.read(_MAX_KEY_FILE_BYTES + 1)
         except OSError as exc:
             raise ConfigError(

@@ -110,9 +110,10 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         raise ApiError(f"messages must be a list of 1 to {_MAX_MESSAGES} messages", "messages")
     out = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in _ROLES:  # a list or dict is unhashable
             raise ApiError(f"messages[{i}] needs a role of {sorted(_ROLES)}", "messages")
-        out.append({"role": message["role"], "content": _content(message.get("content"), i)})
+        out.append({"role": role, "content": _content(message.get("content"), i)})
     return out
 
 

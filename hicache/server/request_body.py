@@ -8,6 +8,7 @@ that silently lacks them).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ __all__ = [
     "check_fields",
     "completion_args",
     "parse_completion",
+    "parse_json",
     "prompt_ids",
 ]
 
@@ -41,6 +43,18 @@ MAX_PRIORITY = 1 << 20  # priorities are compared, never summed: any range would
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's; 0 is greedy
 MAX_TEMPERATURE = 2.0  # OpenAI's range
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body's JSON; ApiError (400) for anything that is not JSON Python can hold:
+    bad UTF-8 or syntax, nesting deeper than the interpreter's recursion limit, an integer of
+    more digits than Python converts (4,300)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ApiError("the request body is nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError too
+        raise ApiError(f"the request body is not JSON: {exc}") from None
 
 
 class ApiError(InvalidArgumentError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import itertools
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,10 +39,12 @@ from hicache.server.auth import (
 )
 from hicache.server.chat import parse_chat
 from hicache.server.limits import CallerLimiter, Limits, caller_of
-from hicache.server.request_body import ApiError, ServedModel, parse_completion
+from hicache.server.request_body import ApiError, ServedModel, parse_completion, parse_json
 from hicache.server.workers import Worker
 
 __all__ = ["RouterApi", "RouterGate", "RouterKind"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +143,7 @@ class RouterApi:
             raw = await request.read()
             if self.closing:
                 raise ApiError("the server is shutting down and takes no new requests", None, 503)
-            body = _json(raw)
+            body = parse_json(raw)
             chat = request.path == "/v1/chat/completions"
             # The prompt's tokens, to route by; the worker checks the body again, fully.
             args = parse_chat(body, self.model) if chat else parse_completion(body, self.model)
@@ -227,7 +230,9 @@ class RouterApi:
     ) -> web.StreamResponse:
         self._requests.labels(str(worker), "failed").inc()
         self.tree.retire(worker)  # its process died or stopped answering: send it nothing more
-        error = ApiError(f"worker {worker} failed while serving this request ({exc!r}); "
+        # The cause names the worker's internal address: logged here, never sent to a client.
+        logger.warning("worker %d failed while serving a request: %r", worker, exc)
+        error = ApiError(f"worker {worker} failed while serving this request; "
                          "it gets no more requests", None, 502)  # fmt: skip
         if response is None or not response.prepared:
             return web.json_response(error.body(), status=502)
@@ -246,13 +251,6 @@ class RouterApi:
     def _worker_headers(self) -> dict[str, str]:
         token = self.gate.internal_token
         return {"Authorization": f"Bearer {token}"} if token is not None else {}
-
-
-def _json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(f"the request body is not JSON: {exc}") from None
 
 
 class _WorkerMetrics:

@@ -88,3 +88,61 @@ def test_serve_flags_give_the_access_rules(
     assert not _access("--http", "[::1]:0").keys.configured  # type: ignore[attr-defined]
     with pytest.raises(InvalidArgumentError, match="differ"):
         _access("--http", "127.0.0.1:0", "--api-key", SECRET, "--admin-api-key", SECRET)
+
+
+@pytest.mark.parametrize("emptied", ["", "# every key removed\n", "\n\n"])
+def test_a_reload_that_would_leave_no_key_keeps_the_keys_in_force(
+    tmp_path: pathlib.Path, emptied: str
+) -> None:
+    """An emptied key file (or one read half-written by a rotation) must not turn
+    authentication off on a server that started with keys."""
+    path = tmp_path / "keys"
+    path.write_text(f"{SECRET} alice\n")
+    ring = KeyRing({}, path)
+    path.write_text(emptied)
+    ring.reload()  # SIGHUP
+    assert ring.configured and ring.tenant_of(SECRET) == "alice"
+    path.unlink()
+    ring.reload()
+    assert ring.configured and ring.tenant_of(SECRET) == "alice"
+
+
+def test_a_ring_started_without_keys_may_reload_into_keys(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("")
+    ring = KeyRing({}, path)
+    assert not ring.configured
+    path.write_text(f"{SECRET} alice\n")
+    ring.reload()
+    assert ring.tenant_of(SECRET) == "alice"
+
+
+def test_a_presented_key_that_is_not_utf8_matches_nothing() -> None:
+    ring = KeyRing({SECRET: DEFAULT_TENANT})
+    # aiohttp hands a header's undecodable bytes on as surrogates.
+    assert ring.tenant_of(SECRET[:-1] + "\udcff") is None
+
+
+def test_a_secret_file_others_can_read_is_warned_about(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"{SECRET} alice\n")
+    path.chmod(0o600)
+    with caplog.at_level("WARNING", logger="hicache.server.auth"):
+        KeyRing({}, path)
+    assert not caplog.records
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="hicache.server.auth"):
+        KeyRing({}, path)
+    assert "readable by other users (mode 644)" in caplog.text
+    assert SECRET not in caplog.text
+
+
+def test_flags_are_taken_only_by_their_whole_names() -> None:
+    """`--rate-l 5` would pass the router's filter of its own flags and reach the workers."""
+    parser = build_parser(["serve"])
+    with pytest.raises(SystemExit) as refused:
+        parser.parse_args(["serve", "--rate-l", "5"])
+    assert refused.value.code == 2
+    assert parser.parse_args(["serve", "--rate-limit", "5"]).rate_limit == 5.0

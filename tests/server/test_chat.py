@@ -52,6 +52,9 @@ def test_chat_bodies() -> None:
     for body, words in (
         ({"messages": []}, "1 to"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+        ({"messages": [{"role": [], "content": "x"}]}, "role"),  # unhashable: a 500 before
+        ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "role"),
+        ({"messages": ["user"]}, "role"),
         ({"messages": [{"role": "user", "content": 5}]}, "text"),
         ({"messages": USER, "max_tokens": 2, "max_completion_tokens": 2}, "not both"),
         ({"messages": USER, "prompt": "x"}, "unknown field"),

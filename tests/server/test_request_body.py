@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hicache.server.request_body import ApiError, ServedModel, parse_completion
+from hicache.server.request_body import ApiError, ServedModel, parse_completion, parse_json
 
 MODEL = ServedModel("tiny", vocab_size=100)
 
@@ -91,3 +91,18 @@ def test_bad_bodies_name_what_is_wrong(body: Any, param: str | None, words: str)
     assert caught.value.param == param and caught.value.status == 400
     error = caught.value.body()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"n": ' + b"7" * 5000 + b"}", "not JSON"),  # int() refuses over 4,300 digits
+        (b"\xff{}", "not JSON"),
+    ],
+)
+def test_a_body_python_cannot_hold_is_a_400(raw: bytes, words: str) -> None:
+    with pytest.raises(ApiError, match=words) as refused:
+        parse_json(raw)
+    assert refused.value.status == 400

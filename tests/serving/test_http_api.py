@@ -127,6 +127,10 @@ async def test_bad_requests_get_a_400_and_the_server_goes_on(server: HttpServer)
         json.dumps({"prompt": [1, 2], "max_tokens": 0}).encode(),
         json.dumps({"prompt": [1] * 200, "max_tokens": 4}).encode(),  # over the 128-token pool
         json.dumps({"prompt": "text without a tokenizer"}).encode(),
+        b"[" * 100_000 + b"]" * 100_000,  # nested deeper than Python's recursion limit
+        b'{"prompt": [1, 2], "max_tokens": ' + b"9" * 5000 + b"}",  # over int()'s 4,300 digits
+        b'{"prompt": [1, 2], "seed": 1' + b"0" * 4400 + b"}",
+        b"\xff\xfe{}",  # not UTF-8
     ]
     async with client(server) as http:
         for body in bad:

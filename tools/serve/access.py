@@ -13,7 +13,13 @@ import pathlib
 
 from hicache.errors import InvalidArgumentError
 from hicache.server.app import TlsFiles
-from hicache.server.auth import DEFAULT_TENANT, MIN_KEY_CHARS, Access, KeyRing
+from hicache.server.auth import (
+    DEFAULT_TENANT,
+    MIN_KEY_CHARS,
+    Access,
+    KeyRing,
+    warn_if_others_can_read,
+)
 from hicache.server.limits import Limits
 from hicache.tools.cli_parsing import float_range, input_file, int_range, size_range
 
@@ -147,7 +153,9 @@ def access_of(args: argparse.Namespace, router: bool = False) -> Access:
     if args.worker and not args.internal_token_file:
         raise InvalidArgumentError("--worker needs --internal-token-file: the workers' token")
     if args.internal_token_file and not router and not routing:  # a worker behind a router
-        token = pathlib.Path(args.internal_token_file).read_text().strip()
+        with open(args.internal_token_file, encoding="utf-8") as f:
+            warn_if_others_can_read(f.fileno(), pathlib.Path(args.internal_token_file))
+            token = f.read().strip()
         if len(token) < 16:
             raise InvalidArgumentError("the internal token file holds fewer than 16 characters")
         return Access(share_cache=args.share_cache, internal_token=token)
