@@ -58,9 +58,15 @@ _MAX_KEY_FILE_BYTES = 1 << 20
 _MAX_TENANT_CHARS = 128
 
 
+def _raw(key: str) -> bytes:
+    """A presented key's bytes: aiohttp hands a header's bytes that are not UTF-8 on as
+    surrogates, which this turns back into those bytes (a plain encode would raise)."""
+    return key.encode("utf-8", "surrogateescape")
+
+
 def key_id(key: str) -> str:
     """A short, stable name for a key in logs: a hash prefix, never the key."""
-    return hashlib.sha256(key.encode()).hexdigest()[:8]
+    return hashlib.sha256(_raw(key)).hexdigest()[:8]
 
 
 def parse_key_file(text: str, source: str) -> dict[str, str]:
@@ -136,10 +142,7 @@ class KeyRing:
     def tenant_of(self, presented: str) -> str | None:
         """The tenant of ``presented``, or None; every key is compared, in constant time."""
         found: str | None = None
-        try:
-            given = presented.encode()
-        except UnicodeEncodeError:  # a header byte that was not UTF-8: no key is like it
-            return None
+        given = _raw(presented)  # bytes that are not UTF-8 match no configured key
         for key, tenant in self._keys.items():
             if hmac.compare_digest(given, key.encode()):
                 found = tenant

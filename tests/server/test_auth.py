@@ -121,6 +121,7 @@ def test_a_presented_key_that_is_not_utf8_matches_nothing() -> None:
     ring = KeyRing({SECRET: DEFAULT_TENANT})
     # aiohttp hands a header's undecodable bytes on as surrogates.
     assert ring.tenant_of(SECRET[:-1] + "\udcff") is None
+    assert len(key_id(SECRET[:-1] + "\udcff")) == 8  # logged by its id, no UnicodeEncodeError
 
 
 def test_a_secret_file_others_can_read_is_warned_about(

@@ -65,6 +65,19 @@ async def test_requests_without_a_valid_key_get_a_401_that_does_not_echo_it() ->
         await stop(server)
 
 
+async def test_a_key_that_is_not_utf8_is_a_401_not_a_500() -> None:
+    """httpx sends header bytes as given: an Authorization with bytes that are not UTF-8."""
+    server = await start(None, access=Access(KEYS))
+    try:
+        async with httpx.AsyncClient(base_url=server.url or "", timeout=30.0) as client:
+            for raw in (ALICE[:-1].encode() + b"\xff", b"\xff\xfe", b"\xc3\x28"):
+                headers = [(b"Authorization", b"Bearer " + raw)]
+                answer = await client.post("/v1/completions", json={"prompt": [1]}, headers=headers)
+                assert answer.status_code == 401, (raw, answer.text)
+    finally:
+        await stop(server)
+
+
 async def test_metrics_can_be_public() -> None:
     server = await start(None, access=Access(KEYS, metrics_public=True))
     try:
