@@ -67,26 +67,22 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM is untyped
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         """Queue a copy of KV blocks into host chunks."""
-        return self._submit(job_id, src_spec, dst_spec.block_ids, src_spec, to_host=True)
+        return self._submit(job_id, src_spec, dst_spec.block_ids, to_host=True)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         """Queue a copy of host chunks into KV blocks."""
-        return self._submit(job_id, dst_spec, src_spec.block_ids, dst_spec, to_host=False)
+        return self._submit(job_id, dst_spec, src_spec.block_ids, to_host=False)
 
     def _submit(
-        self,
-        job_id: int,
-        blocks: GPULoadStoreSpec,
-        chunk_ids: np.ndarray,
-        layout: GPULoadStoreSpec,
-        to_host: bool,
+        self, job_id: int, kv: GPULoadStoreSpec, chunk_ids: np.ndarray, to_host: bool
     ) -> bool:
+        """Queue one job: ``kv`` names the KV blocks and how they split into groups."""
         future = self._pool.submit(
             self._run,
             job_id,
-            np.asarray(blocks.block_ids),
+            np.asarray(kv.block_ids),
             np.asarray(chunk_ids),
-            (list(layout.group_sizes), list(layout.block_indices)),
+            (list(kv.group_sizes), list(kv.block_indices)),
             to_host,
         )
         self._jobs.append((job_id, future))
