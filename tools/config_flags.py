@@ -23,7 +23,7 @@ from hicache.tiering.config import (
 from hicache.tools.cli_parsing import arg_type, input_file, url_arg
 from hicache.typed_config import build_config
 
-__all__ = ["add_hicache_flags", "config_from_args"]
+__all__ = ["add_hicache_flags", "config_from_args", "l3_url"]
 
 # CLI flag -> (table, field). Flags name their table only where a name would be ambiguous.
 _FLAGS: dict[str, tuple[str, str, str]] = {
@@ -69,14 +69,19 @@ def _number_type(table: str, name: str) -> Callable[[str], Any] | None:
     return convert
 
 
-def _l3_url(text: str) -> str:
+def l3_url(text: str) -> str:
+    """An ``--l3`` value: a backend URL, checked, or none / off / empty (no L3)."""
     return text if text.strip().lower() in ("", "none", "off") else str(url_arg(text))
 
 
 def add_hicache_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tiered cache")
     group.add_argument("--config", type=input_file, help="a .toml or .json HiCache config file")
-    group.add_argument("--l3", type=_l3_url, help="L3 backend URL, or 'none' to turn L3 off")
+    group.add_argument(
+        "--l3", type=l3_url,
+        help="L3 backend URL, or 'none' to turn L3 off (serve --http: also $HICACHE_L3_URL, "
+        "which keeps credentials off the command line)",
+    )  # fmt: skip
     group.add_argument("--l3-required", action="store_true", help="refuse to start without L3")
     group.add_argument("--no-host", action="store_true", help="no host tier (device only)")
     for flag, (table, name, help_text) in _FLAGS.items():

@@ -185,10 +185,17 @@ class CacheAwareRouter:
             self._remember(w, key)
 
     def retire(self, worker: int) -> None:
-        """Send ``worker`` nothing more (it died); :meth:`route` raises InvalidArgumentError
-        once every worker is retired."""
+        """Send ``worker`` nothing more (it died or stopped answering) until :meth:`readmit`;
+        :meth:`route` raises InvalidArgumentError while every worker is retired."""
         self._retired.add(self._check_worker(worker))
         self._forget(worker)
+
+    def readmit(self, worker: int) -> None:
+        """Route to a retired ``worker`` again (it answers again), with no cached prefix known
+        and no load."""
+        w = self._check_worker(worker)
+        self._retired.discard(w)
+        self._loads[w] = 0.0
 
     @property
     def alive(self) -> list[int]:

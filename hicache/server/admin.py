@@ -7,9 +7,10 @@ whose key alone opens them (:mod:`~hicache.server.auth`).
   from host memory (L3 keeps its pages); answers the tokens dropped.
 - ``POST /admin/l3/detach``: stop using L3 (its queued writes land first, within the server's
   drain time); ``POST /admin/l3/attach`` ``{"url"}``: start using the L3 at ``url``, which must
-  lie under an ``--l3-allow`` prefix (:func:`~hicache.urls.allowed_by`; else a 403 naming the
-  prefixes). A bad URL or an unreachable store is a 400 and changes nothing. Answers and errors
-  show the URL with its credentials redacted.
+  lie under an ``--l3-allow`` rule (:func:`~hicache.server.l3_allow.admitting_rule`; else a 403
+  naming the rules). A URL under a rule's backend, host and path that the backend's config
+  refuses, or an unreachable store, is a 400 and changes nothing. Answers and errors show the
+  URL with its credentials redacted.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from aiohttp import web
 
 from hicache.errors import BackendError, ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
+from hicache.server.l3_allow import L3NotAllowedError, admitting_rule
 from hicache.server.request_body import ApiError, ServedModel, parse_json, prompt_ids
 from hicache.serving.engine import Engine
-from hicache.urls import allowed_by, redact_url, scrub
+from hicache.urls import redact_url, scrub
 
 __all__ = ["AdminApi"]
 
@@ -41,7 +43,7 @@ class AdminApi:
         self.engine = engine
         self.model = model
         self.drain_s = drain_s
-        self.l3_allow = tuple(l3_allow)  # the prefixes an attached L3's URL must lie under
+        self.l3_allow = tuple(l3_allow)  # the rules an attached L3's URL must lie under
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/admin/pin", self.pin)
@@ -89,10 +91,14 @@ class AdminApi:
         if not isinstance(url, str) or not url or len(url) > _MAX_URL_CHARS:
             raise ApiError(f"url must be a backend URL of at most {_MAX_URL_CHARS} characters",
                            "url")  # fmt: skip
-        if allowed_by(url, self.l3_allow) is None:
+        try:
+            admitting_rule(url, self.l3_allow)
+        except L3NotAllowedError as exc:
             rules = ", ".join(redact_url(p) for p in self.l3_allow) or "none given"
-            raise ApiError(f"L3 {redact_url(url)} is under no --l3-allow prefix ({rules})",
-                           "url", status=403)  # fmt: skip
+            why = scrub(f"L3 {url} is under no --l3-allow rule ({exc}; rules: {rules})", url)
+            raise ApiError(why, "url", status=403) from None
+        except (BackendError, ConfigError, InvalidArgumentError) as exc:
+            raise ApiError(scrub(f"L3 {url} not attached: {exc}", url), "url") from None
         try:
             await cache.controller.attach_l3(url)
         except (BackendError, ConfigError, InvalidArgumentError, OSError) as exc:

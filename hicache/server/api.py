@@ -37,14 +37,15 @@ from hicache.server.auth import (
     openai_errors,
 )
 from hicache.server.chat import parse_chat
-from hicache.server.limits import CallerLimiter, Limits, caller_of
+from hicache.server.limits import CallerLimiter, Limits, caller_of, check_priority
 from hicache.server.metrics import ServingMetrics
 from hicache.server.request_body import (
     ApiError,
     CompletionArgs,
     ServedModel,
+    parse_body,
     parse_completion,
-    parse_json,
+    read_body,
 )
 from hicache.serving.engine import Engine
 from hicache.serving.online import Admission, OnlineSource, RequestOptions, SourceClosedError
@@ -130,10 +131,11 @@ class CompletionsApi:
         self, request: web.Request, parse: Callable[[Any], CompletionArgs], shape: Shape
     ) -> web.StreamResponse:
         try:
-            args = parse(await self._json(request))
+            args = await self._json(request, parse)
             if args.max_tokens > self.limits.max_tokens:
                 raise ApiError(f"max_tokens is at most {self.limits.max_tokens} here",
                                "max_tokens")  # fmt: skip
+            check_priority(args.priority, self.access, current_tenant())
             namespace = cache_namespace(current_tenant(), args.cache_salt, self.access.share_cache)
             admission = self._submit(args, namespace)
         except ApiError as exc:
@@ -163,14 +165,11 @@ class CompletionsApi:
                            "server_busy", retry_after_s=1.0)  # fmt: skip
         self.limiter.take(caller)
 
-    async def _json(self, request: web.Request) -> Any:
-        try:
-            raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
-        except TimeoutError:
-            raise ApiError("the request body did not arrive in time", None, 408) from None
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise ApiError(f"the request body is too large: {exc.text}", None, 413) from None
-        return parse_json(raw)
+    async def _json(
+        self, request: web.Request, parse: Callable[[Any], CompletionArgs]
+    ) -> CompletionArgs:
+        """The request's body, decoded and checked by ``parse`` (off the loop when large)."""
+        return await parse_body(await read_body(request, self.limits.body_timeout_s), parse)
 
     def _submit(self, args: CompletionArgs, namespace: str | None) -> Admission:
         probe = ServeRequest("probe", args.prompt, args.max_tokens)
@@ -205,7 +204,9 @@ class CompletionsApi:
             self.source.cancel(admission)
             self.metrics.done(await admission.done)
             if request.transport is not None:
-                request.transport.close()
+                # abort, not close: close would wait to send what the client is not reading,
+                # holding its connection slot for as long as the client likes
+                request.transport.abort()
             return response
         served = await self._ended(admission, text)
         if served.record.error is not None:

@@ -16,13 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 
 from hicache.errors import ConfigError
 from hicache.server.admin import AdminApi
 from hicache.server.api import CompletionsApi
 from hicache.server.auth import Access
-from hicache.server.connections import ConnectionGuard
+from hicache.server.connections import ConnectionGuard, GuardRules, open_listener
 from hicache.server.limits import Limits
 from hicache.server.metrics import ServingMetrics
 from hicache.server.request_body import ServedModel
@@ -85,7 +84,11 @@ class HttpServer:
             setup.engine, self.source, model, self.metrics, self.access, limits
         )
         limits = limits or Limits()
-        self.guard = ConnectionGuard(limits.max_connections, limits.header_timeout_s)
+        # A worker behind its router sees every request come from the router's address.
+        per_client = None if self.access.internal_token else limits.max_connections_per_client
+        rules = GuardRules(limits.max_connections, per_client, limits.header_timeout_s)
+        tls = listen.tls.context() if listen.tls is not None else None
+        self.guard = ConnectionGuard(rules, tls)
         self.metrics.watch_connections(self.guard)
         self.admin = AdminApi(setup.engine, model, listen.drain_s, self.access.l3_allow)
         self._stop = asyncio.Event()
@@ -101,21 +104,17 @@ class HttpServer:
         if self.access.admin_key is not None:  # the admin plane is off without its key
             self.admin.add_routes(app)
         # An idle keep-alive connection is closed after a while, so idle clients hold nothing.
-        app.middlewares.insert(0, _asked(self.guard))
+        app.middlewares.insert(0, self.guard.middleware())
         runner = web.AppRunner(app, handle_signals=False, keepalive_timeout=_KEEPALIVE_S)
         await runner.setup()
         engine = asyncio.create_task(self.setup.engine.run(self.source, wake=self.source.wake))
         listener: asyncio.Server | None = None
         try:
-            tls = self.listen.tls.context() if self.listen.tls is not None else None
-            loop = asyncio.get_running_loop()
             assert runner.server is not None  # set up above
-            protocols = self.guard.factory(runner.server)
-            listener = await loop.create_server(
-                protocols, self.listen.host, self.listen.port, ssl=tls
+            listen = self.listen
+            listener, self.url = await open_listener(
+                runner.server, listen.host, listen.port, self.guard
             )
-            host, port = listener.sockets[0].getsockname()[:2]
-            self.url = f"{'https' if tls else 'http'}://{host}:{port}"
             if ready is not None:
                 ready(self.url)
             stopping = asyncio.create_task(self._stop.wait())
@@ -145,14 +144,3 @@ class HttpServer:
             queued = cache.storage.queued_pages
             logger.warning("shutdown: %d pages still queued for L3 after %.0f s", queued,
                            self.listen.drain_s)  # fmt: skip
-
-
-def _asked(guard: ConnectionGuard) -> Middleware:
-    """A middleware telling ``guard`` that a request head arrived on its connection."""
-
-    @web.middleware
-    async def seen(request: web.Request, handler: Handler) -> web.StreamResponse:
-        guard.asked(request.transport)
-        return await handler(request)
-
-    return seen

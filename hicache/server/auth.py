@@ -1,13 +1,17 @@
 """Who may use the HTTP server, and whose cache a request reads.
 
 - API keys map to tenants: ``--api-key KEY`` (repeatable, or ``HICACHE_API_KEY``) gives the
-  tenant ``default``; ``--api-keys FILE`` holds ``KEY TENANT`` lines (``#`` comments), reread on
-  SIGHUP. With any key configured, every ``/v1/*`` request needs ``Authorization: Bearer KEY``.
+  tenant ``default``; ``--api-keys FILE`` holds ``KEY TENANT [max_priority=N]`` lines
+  (:mod:`~hicache.server.key_file`), reread on SIGHUP. With any key configured, every ``/v1/*``
+  request needs ``Authorization: Bearer KEY``.
+- A request may ask for a ``priority`` up to its tenant's cap (:func:`priority_cap`): the key
+  file's ``max_priority=N`` for the tenant, else the server's ``--max-priority`` (default 0,
+  so a request may lower its priority but raising it takes the operator's word).
 - A presented key is compared with every configured key in constant time, so the time of a
   refusal says nothing about how much of a key was right. Keys are never logged or echoed: a
   log line names the tenant or a short key id (a hash prefix).
-- The admin routes exist only with ``--admin-api-key``, and only that key opens them; a tenant
-  key there is a 403.
+- The admin routes exist only with an admin key (``--admin-api-key``, ``--admin-api-key-file``
+  or ``HICACHE_ADMIN_API_KEY``), and only that key opens them; a tenant key there is a 403.
 - A request's cache namespace (device and host trees, L3 keys) is a digest of its tenant and
   its ``cache_salt``: two tenants, or two salts, share no cached page, so neither
   ``cached_tokens`` nor time to first token says what another tenant's prompts begin with.
@@ -20,9 +24,7 @@ import contextvars
 import hashlib
 import hmac
 import logging
-import os
 import pathlib
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -30,6 +32,15 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from hicache.errors import ConfigError
+from hicache.server.key_file import (
+    MAX_TENANT_CHARS,
+    MIN_KEY_CHARS,
+    KeyFile,
+    parse_key_file,
+    read_key_file,
+    warn_if_others_can_read,
+)
+from hicache.server.request_body import MAX_PRIORITY
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -44,18 +55,16 @@ __all__ = [
     "key_id",
     "key_of",
     "parse_key_file",
+    "priority_cap",
     "warn_if_others_can_read",
 ]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"  # the tenant of keys given without one (--api-key)
-MIN_KEY_CHARS = 8
 TENANT_HEADER = "X-Hicache-Tenant"  # from a router to its workers, with the internal token
 # The request's tenant, set by the middleware around its handler (the handler's own task).
 _TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", default=None)
-_MAX_KEY_FILE_BYTES = 1 << 20
-_MAX_TENANT_CHARS = 128
 
 
 def _raw(key: str) -> bytes:
@@ -69,102 +78,57 @@ def key_id(key: str) -> str:
     return hashlib.sha256(_raw(key)).hexdigest()[:8]
 
 
-def parse_key_file(text: str, source: str) -> dict[str, str]:
-    """``KEY TENANT`` per line (blank lines and ``#`` comments skipped) as key -> tenant.
-
-    Raises :class:`ConfigError` naming the line (never its key) for a line without exactly
-    two fields, a repeated key or an overlong tenant name.
-    """
-    keys: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        fields = line.split("#", 1)[0].split()
-        if not fields:
-            continue
-        if len(fields) != 2:
-            raise ConfigError(f"{source}:{number}: want 'KEY TENANT', got {len(fields)} fields")
-        key, tenant = fields
-        if len(key) < MIN_KEY_CHARS:
-            raise ConfigError(f"{source}:{number}: a key has at least {MIN_KEY_CHARS} characters")
-        if key in keys:
-            raise ConfigError(f"{source}:{number}: this key is listed twice")
-        if len(tenant) > _MAX_TENANT_CHARS or not tenant.isprintable():
-            raise ConfigError(
-                f"{source}:{number}: a tenant is 1-{_MAX_TENANT_CHARS} printable characters"
-            )
-        keys[key] = tenant
-    return keys
-
-
-def warn_if_others_can_read(fd: int, path: pathlib.Path) -> None:
-    """Log a warning for a secret file that its group or other users may read."""
-    mode = os.fstat(fd).st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        logger.warning(
-            "%s is readable by other users (mode %o): keep secrets in a 0600 file",
-            path,
-            stat.S_IMODE(mode),
-        )
-
-
 class KeyRing:
-    """The configured keys: those given directly, and those of a key file (reloadable)."""
+    """The configured keys: those given directly (the tenant of each given with it), and
+    those of a key file with its tenants' priority caps (reloadable)."""
 
     def __init__(self, direct: Mapping[str, str], key_file: pathlib.Path | None = None) -> None:
         self._direct = dict(direct)
         self._file = key_file
-        self._keys = dict(direct)
+        # One object, swapped whole on a reload: keys and caps always come from one file.
+        self._state = KeyFile(self._direct)
         if key_file is not None:
-            self._keys = {**self._direct, **self._read_file()}
+            self._state = self._merged(read_key_file(key_file))
 
     @property
     def configured(self) -> bool:
-        return bool(self._keys)
+        return bool(self._state.keys)
 
     def reload(self) -> None:
-        """Reread the key file (SIGHUP). A file that does not parse, or one that would leave no
-        key where there were keys (emptied, or caught half-written by a rotation), keeps the
-        keys in force: a server that needed a key never comes to need none."""
+        """Reread the key file (SIGHUP), its keys and priority caps. A file that does not
+        parse, or one that would leave no key where there were keys (emptied, or caught
+        half-written by a rotation), keeps the keys and caps in force: a server that needed a
+        key never comes to need none."""
         if self._file is None:
             return
         try:
-            keys = {**self._direct, **self._read_file()}
+            state = self._merged(read_key_file(self._file))
         except ConfigError as exc:
             logger.error("API keys not reloaded, the previous ones stay: %s", exc)
             return
-        if self._keys and not keys:
+        if self._state.keys and not state.keys:
             logger.error(
                 "API keys not reloaded, the previous ones stay: %s holds no key", self._file
             )
             return
-        self._keys = keys
-        logger.info("API keys reloaded: %d keys", len(self._keys))
+        self._state = state
+        logger.info("API keys reloaded: %d keys", len(state.keys))
 
     def tenant_of(self, presented: str) -> str | None:
         """The tenant of ``presented``, or None; every key is compared, in constant time."""
         found: str | None = None
         given = _raw(presented)  # bytes that are not UTF-8 match no configured key
-        for key, tenant in self._keys.items():
+        for key, tenant in self._state.keys.items():
             if hmac.compare_digest(given, key.encode()):
                 found = tenant
         return found
 
-    def _read_file(self) -> dict[str, str]:
-        assert self._file is not None
-        try:
-            with open(self._file, "rb") as f:
-                warn_if_others_can_read(f.fileno(), self._file)
-                raw = f.read(_MAX_KEY_FILE_BYTES + 1)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read the API key file {self._file}: {exc.strerror}"
-            ) from None
-        if len(raw) > _MAX_KEY_FILE_BYTES:
-            raise ConfigError(f"the API key file {self._file} is over {_MAX_KEY_FILE_BYTES} bytes")
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError:
-            raise ConfigError(f"the API key file {self._file} is not UTF-8 text") from None
-        return parse_key_file(text, str(self._file))
+    def priority_cap(self, tenant: str) -> int | None:
+        """The key file's ``max_priority`` for ``tenant``, or None where it sets none."""
+        return self._state.priority_caps.get(tenant)
+
+    def _merged(self, read: KeyFile) -> KeyFile:
+        return KeyFile({**self._direct, **read.keys}, read.priority_caps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +143,24 @@ class Access:
     # A worker behind a router: only the router's token opens it, and the router names the
     # request's tenant (``X-Hicache-Tenant``); tenant keys are the router's to check.
     internal_token: str | None = None
+    # The highest priority a request may ask for where the key file sets no cap for its tenant.
+    max_priority: int = 0
+
+    def __post_init__(self) -> None:
+        cap = self.max_priority
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= MAX_PRIORITY:
+            raise ConfigError(f"max_priority must be an integer in [0, {MAX_PRIORITY}], "
+                              f"got {cap!r}")  # fmt: skip
+
+
+def priority_cap(access: Access, tenant: str | None) -> int:
+    """The highest ``priority`` a request of ``tenant`` may ask for under ``access``: the key
+    file's ``max_priority`` for the tenant, else ``access.max_priority``. A worker behind a
+    router (``access.internal_token``) takes any priority: its router applied the cap."""
+    if access.internal_token is not None:
+        return MAX_PRIORITY
+    own = access.keys.priority_cap(tenant) if tenant is not None else None
+    return access.max_priority if own is None else own
 
 
 def cache_namespace(tenant: str | None, salt: str | None, share_cache: bool) -> str | None:
@@ -254,7 +236,7 @@ async def _internal(
     if token is None or not hmac.compare_digest(token.encode(), internal.encode()):
         return _refused(request, token)  # nobody reaches a worker around its router
     tenant = request.headers.get(TENANT_HEADER)
-    if tenant is not None and not (0 < len(tenant) <= _MAX_TENANT_CHARS and tenant.isprintable()):
+    if tenant is not None and not (0 < len(tenant) <= MAX_TENANT_CHARS and tenant.isprintable()):
         return _error(400, f"a bad {TENANT_HEADER} header", "invalid_request_error", "bad_tenant")
     token_set = _TENANT.set(tenant)
     try:

@@ -7,15 +7,22 @@ sandboxed Jinja environment (no attribute access to Python internals, no file sy
 tokenizer's ``bos_token`` / ``eos_token`` and a ``raise_exception`` function. A model without
 one uses :data:`~hicache.server.request_body.PLAIN_TEMPLATE`: each message as ``<|ROLE|>`` on a
 line of its own followed by its content and a newline, then ``<|assistant|>`` and a newline.
+
+A template is compiled once (the last few sources are kept compiled, a failure included) and
+rendered by every request; a compiled Jinja template renders from several threads at once.
+With a context (``ServedModel.context_tokens``), messages are refused before rendering when
+their text alone (which the rendered prompt holds) has more characters than the context can
+hold, and before the tokenizer when the rendered prompt has.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hicache.errors import CheckpointError
@@ -26,6 +33,8 @@ from hicache.server.request_body import (
     CompletionArgs,
     ServedModel,
     check_fields,
+    check_prompt_ids,
+    check_text_length,
     completion_args,
 )
 
@@ -35,20 +44,43 @@ _FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _MAX_MESSAGES = 4096
 _MAX_CONFIG_BYTES = 16 << 20
+_COMPILED_TEMPLATES = 8  # a server has one; tests and tools may render a few others
 
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, indent=indent)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = _tojson
+    return env
+
+
+@functools.lru_cache(maxsize=_COMPILED_TEMPLATES)
+def _compiled(source: str) -> Template | str:
+    """``source`` compiled, or why it does not compile (kept too: a broken template costs one
+    compilation, not one per request)."""
+    try:
+        return _environment().from_string(source)
+    except TemplateError as exc:
+        return str(exc)
+
+
 def render_chat(template: ChatTemplate, messages: list[dict[str, Any]]) -> str:
     """``messages`` through ``template``; an :class:`ApiError` when the template refuses them
     (its ``raise_exception``) or fails."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
+    compiled = _compiled(template.source)
     try:
-        return env.from_string(template.source).render(
+        if isinstance(compiled, str):
+            raise TemplateError(compiled)
+        return compiled.render(
             messages=messages, add_generation_prompt=True,
             bos_token=template.bos_token, eos_token=template.eos_token,
         )  # fmt: skip
@@ -95,13 +127,11 @@ def parse_chat(body: Any, model: ServedModel) -> CompletionArgs:
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise ApiError("give max_completion_tokens or max_tokens, not both", "max_tokens")
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    ids: list[int] = model.tokenizer.encode(render_chat(model.chat_template, messages)).ids
-    if not ids:
-        raise ApiError("the rendered prompt is empty", "messages")
-    bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
-    if bad is not None:
-        raise ApiError(f"the rendered prompt holds token id {bad}, outside the vocabulary",
-                       "messages")  # fmt: skip
+    check_text_length(sum(len(m["content"]) for m in messages), model, "messages")
+    prompt = render_chat(model.chat_template, messages)
+    check_text_length(len(prompt), model, "messages")  # a template adds text of its own
+    ids: list[int] = model.tokenizer.encode(prompt).ids
+    check_prompt_ids(ids, model, "messages")
     return completion_args(body, ids, field, model)
 
 

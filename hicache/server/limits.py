@@ -1,11 +1,21 @@
-"""Request limits of the HTTP server: body size, tokens asked for, queue depth, and per-caller
-rate and concurrency.
+"""Request limits of the HTTP server: body size, tokens and priority asked for, queue depth,
+and per-caller rate and concurrency.
 
-A caller is an API key (by its key id) or, on a server without keys, a client address. Each
-caller has a token bucket (``rate_per_s`` requests a second, bursts of as many, at least one)
-and a count of its requests in flight (``max_concurrent``). A refusal carries how long to wait
-before a retry can succeed (``Retry-After``). At most ``_MAX_CALLERS`` callers are tracked, the
-longest idle forgotten first, so a flood of addresses cannot grow the table without bound.
+Limited by default: the body (16 MiB), ``max_tokens`` (4096), the requests in flight on the
+server (1024), open connections (1024, and 256 from one client address), the time a request
+head, a body and a stream's chunk may take, and ``priority`` (at most 0, see
+:func:`~hicache.server.auth.priority_cap`). Not limited by default: the rate and concurrency of
+one caller (``rate_per_s`` and ``max_concurrent`` are None until ``--rate-limit`` and
+``--max-concurrent`` set them), so one tenant may take the whole queue.
+
+A caller is a tenant (all of its keys share its limits) or, for a request without one (a
+server without keys, or the admin key on ``/v1``), its client address: on a server without
+keys a presented ``Authorization`` string is ignored, so sending a new one each time escapes
+nothing. Each caller has a token bucket (``rate_per_s`` requests a second, bursts of as many,
+at least one) and a count of its requests in flight (``max_concurrent``). A refusal carries how
+long to wait before a retry can succeed (``Retry-After``). At most ``_MAX_CALLERS`` callers are
+tracked, the longest idle forgotten first, so a flood of addresses cannot grow the table
+without bound.
 """
 
 from __future__ import annotations
@@ -19,10 +29,10 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from hicache.errors import ConfigError
-from hicache.server.auth import key_id, key_of
+from hicache.server.auth import Access, current_tenant, priority_cap
 from hicache.server.request_body import ApiError
 
-__all__ = ["CallerLimiter", "Limits", "caller_of"]
+__all__ = ["CallerLimiter", "Limits", "caller_of", "check_priority"]
 
 _MAX_CALLERS = 65536
 
@@ -35,12 +45,15 @@ class Limits:
     rate_per_s: float | None = None  # requests a second per caller; past it a 429
     max_concurrent: int | None = None  # requests in flight per caller; past it a 429
     max_connections: int = 1024  # open connections; past it a new one is closed at once
+    max_connections_per_client: int = 256  # of them from one client address (not a worker's)
     header_timeout_s: float = 10.0  # a connection's first request head must arrive by then
     body_timeout_s: float = 30.0  # a request body must arrive by then (else a 408)
     write_timeout_s: float = 30.0  # a stream's client must take each chunk by then (else dropped)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_tokens", "max_queue", "max_connections"):
+        positive = ("max_body_bytes", "max_tokens", "max_queue", "max_connections",
+                    "max_connections_per_client")  # fmt: skip
+        for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -91,7 +104,7 @@ class CallerLimiter:
         """:meth:`admit`, raising the 429 (with its retry delay) when refused."""
         wait = self.admit(caller)
         if wait is not None:
-            raise ApiError("too many requests for this key: retry shortly", None, 429,
+            raise ApiError("too many requests from this caller: retry shortly", None, 429,
                            "rate_limit_exceeded", retry_after_s=wait)  # fmt: skip
 
     def release(self, caller: str) -> None:
@@ -121,6 +134,14 @@ class CallerLimiter:
 
 
 def caller_of(request: web.Request) -> str:
-    """Whose limits a request counts against: its key's, else its client address's."""
-    key = key_of(request)
-    return f"key:{key_id(key)}" if key is not None else f"addr:{request.remote}"
+    """Whose limits a request counts against: its tenant's (as the access middleware found it,
+    so this runs inside the handler), else its client address's."""
+    tenant = current_tenant()
+    return f"tenant:{tenant}" if tenant is not None else f"addr:{request.remote}"
+
+
+def check_priority(priority: int, access: Access, tenant: str | None) -> None:
+    """Raise the 400 (param ``priority``) for a ``priority`` over ``tenant``'s cap."""
+    cap = priority_cap(access, tenant)
+    if priority > cap:
+        raise ApiError(f"priority is at most {cap} here", "priority")

@@ -14,7 +14,7 @@ from typing import Any
 from hicache.serving.request import ServeRequest
 from hicache.tiering.metrics import HiCacheMetrics
 
-__all__ = ["ServingMetrics"]
+__all__ = ["ConnectionCounts", "ServingMetrics"]
 
 # Seconds: TTFTs from a cached 10 ms to an uncached long prompt on a CPU.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -55,7 +55,7 @@ class ServingMetrics:
     def watch_connections(self, guard: Any, prefix: str = "hicache") -> None:
         """Export a :class:`~hicache.server.connections.ConnectionGuard`'s counts: connections
         open, closed at once over the cap, and closed for want of a request head in time."""
-        self.registry.register(_ConnectionCounts(guard, prefix))
+        self.registry.register(ConnectionCounts(guard, prefix))
 
     def refused(self) -> None:
         """A request answered 4xx before it reached the engine."""
@@ -87,8 +87,9 @@ class ServingMetrics:
         return self.registry.get_sample_value(name, labels or {})
 
 
-class _ConnectionCounts:
-    """A collector reading the guard's numbers at each scrape."""
+class ConnectionCounts:
+    """A collector reading a :class:`~hicache.server.connections.ConnectionGuard`'s numbers at
+    each scrape (register it on a registry)."""
 
     def __init__(self, guard: Any, prefix: str) -> None:
         self._guard = guard
@@ -100,10 +101,11 @@ class _ConnectionCounts:
         p, guard = self._prefix, self._guard
         yield GaugeMetricFamily(f"{p}_http_connections_open", "connections open", guard.open)
         yield CounterMetricFamily(
-            f"{p}_http_connections_refused", "connections closed at once: the cap was reached",
+            f"{p}_http_connections_refused", "connections closed at once: a cap was reached",
             guard.refused,
         )  # fmt: skip
         yield CounterMetricFamily(
             f"{p}_http_connections_timed_out",
-            "connections closed: no request head within the header timeout", guard.timed_out,
+            "connections closed: no request head (or TLS handshake) within the header timeout",
+            guard.timed_out,
         )  # fmt: skip

@@ -8,21 +8,33 @@ that silently lacks them).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from hicache.errors import InvalidArgumentError
+from hicache.models.byte_tokenizer import ByteTokenizer
 
 __all__ = [
+    "parse_body",
+    "read_body",
     "COMMON_FIELDS",
+    "MIN_CHARS_PER_TOKEN",
+    "PARSE_IN_THREAD_BYTES",
     "PLAIN_TEMPLATE",
     "ApiError",
     "ChatTemplate",
     "CompletionArgs",
     "ServedModel",
+    "chars_per_token",
     "check_fields",
+    "check_prompt_ids",
+    "check_text_length",
     "completion_args",
     "parse_completion",
     "parse_json",
@@ -43,6 +55,16 @@ MAX_PRIORITY = 1 << 20  # priorities are compared, never summed: any range would
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's; 0 is greedy
 MAX_TEMPERATURE = 2.0  # OpenAI's range
+# A body this large is decoded and checked in a worker thread: JSON, templates and the tokenizer
+# take long enough past it to delay every other request on the event loop.
+PARSE_IN_THREAD_BYTES = 64 << 10
+# Characters one token stands for at most, for a tokenizer that can drop text (a whitespace
+# pre-tokenizer, one unknown token for a whole word): no vocabulary bounds those, so this floor
+# is a margin, not a proof. See chars_per_token.
+MIN_CHARS_PER_TOKEN = 32
+# A normalizer may compose characters before the vocabulary sees them (NFC turns up to 4 code
+# points into one 3-byte character): text characters per vocabulary character, rounded up.
+_NORMALIZER_SHRINK = 2
 
 
 def parse_json(raw: bytes) -> Any:
@@ -100,13 +122,37 @@ class ChatTemplate:
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """What the endpoint serves: its name, vocabulary, tokenizer (None: token ids only) and
-    chat template."""
+    """What the endpoint serves: its name, vocabulary, tokenizer (None: token ids only), chat
+    template and context (the most prompt tokens the engine takes; None: left to the engine's
+    own check). With a context, a prompt that cannot fit it is refused before it is tokenized or
+    walked: text of more than ``max_prompt_chars`` characters (``context_tokens`` times
+    :func:`chars_per_token`), a list of more than ``context_tokens`` token ids."""
 
     name: str
     vocab_size: int
     tokenizer: Any = None  # a tokenizers.Tokenizer
     chat_template: ChatTemplate = ChatTemplate()
+    context_tokens: int | None = None
+    max_prompt_chars: int | None = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        chars = None
+        if self.context_tokens is not None and self.tokenizer is not None:
+            chars = self.context_tokens * chars_per_token(self.tokenizer)
+        object.__setattr__(self, "max_prompt_chars", chars)
+
+
+def chars_per_token(tokenizer: Any) -> int:
+    """The most characters of text one token of ``tokenizer`` stands for: 1 for UTF-8 bytes
+    (every character is at least one byte); for a vocabulary that ``get_vocab`` lists, twice its
+    longest entry (a byte-level entry has a character per byte, a SentencePiece one a character
+    per character or ``<0xNN>`` per byte: never fewer than the text it matches; doubled for
+    normalizers, see _NORMALIZER_SHRINK), and at least MIN_CHARS_PER_TOKEN."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return 1
+    vocab = getattr(tokenizer, "get_vocab", None)
+    longest = max(map(len, vocab()), default=0) if callable(vocab) else 0
+    return max(MIN_CHARS_PER_TOKEN, _NORMALIZER_SHRINK * longest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,19 +219,45 @@ def _prompt(prompt: Any, model: ServedModel) -> list[int]:
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise ApiError("this model has no tokenizer: send the prompt as token ids", "prompt")
+        check_text_length(len(prompt), model, "prompt")
         ids: list[int] = model.tokenizer.encode(prompt).ids
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list):
+        _check_token_count(len(prompt), model, "prompt")  # before the list is walked
+        if not all(_is_int(t) for t in prompt):
+            raise ApiError("prompt must be a string or a list of token ids", "prompt")
         ids = list(prompt)
     else:
         raise ApiError("prompt must be a string or a list of token ids", "prompt")
+    check_prompt_ids(ids, model, "prompt")
+    return ids
+
+
+def check_text_length(chars: int, model: ServedModel, param: str) -> None:
+    """Refuse ``chars`` characters of prompt text that no prompt within the model's context
+    holds (see :func:`chars_per_token`)."""
+    most = model.max_prompt_chars
+    if most is not None and chars > most:
+        raise ApiError(f"the prompt's {chars} characters cannot fit the context of "
+                       f"{model.context_tokens} tokens (at most {most} characters)",
+                       param)  # fmt: skip
+
+
+def check_prompt_ids(ids: list[int], model: ServedModel, param: str) -> None:
+    """Refuse an empty prompt, one past the context, or one with ids outside the vocabulary."""
     if not ids:
-        raise ApiError("prompt is empty", "prompt")
+        raise ApiError("prompt is empty", param)
+    _check_token_count(len(ids), model, param)
     bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
     if bad is not None:
-        raise ApiError(
-            f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "prompt"
-        )
-    return ids
+        raise ApiError(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})",
+                       param)  # fmt: skip
+
+
+def _check_token_count(count: int, model: ServedModel, param: str) -> None:
+    context = model.context_tokens
+    if context is not None and count > context:
+        raise ApiError(f"the prompt's {count} tokens do not fit the context of {context} tokens",
+                       param)  # fmt: skip
 
 
 def _max_tokens(value: Any, name: str = "max_tokens") -> int:
@@ -278,3 +350,22 @@ def _flag(value: Any, name: str) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """A request's whole body: a 408 past ``timeout_s``, a 413 past the app's size limit."""
+    try:
+        return await asyncio.wait_for(request.read(), timeout_s)
+    except TimeoutError:
+        raise ApiError("the request body did not arrive in time", None, 408) from None
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ApiError(f"the request body is too large: {exc.text}", None, 413) from None
+
+
+async def parse_body(raw: bytes, parse: Callable[[Any], CompletionArgs]) -> CompletionArgs:
+    """``raw`` decoded and checked by ``parse``: in a worker thread from
+    PARSE_IN_THREAD_BYTES on, so that a large body's JSON, template and tokenizer work does not
+    hold up the event loop every other request (and a single server's engine) shares."""
+    if len(raw) < PARSE_IN_THREAD_BYTES:
+        return parse(parse_json(raw))
+    return await asyncio.to_thread(lambda: parse(parse_json(raw)))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from hicache.errors import HiCacheError
 
 __all__ = [
+    "L3_ENV",
     "RemoteWorker",
     "Worker",
     "WorkerProcess",
@@ -28,29 +29,29 @@ __all__ = [
 ]
 
 # The router's flags, each taking one value, then those without one: a worker listens on
-# loopback for the router alone, which checks keys and per-caller limits itself.
+# loopback for the router alone, which checks keys and per-caller limits itself. ``--l3`` goes
+# to a worker in its environment (L3_ENV), never on its command line, where any user of the
+# machine could read the URL's credentials.
 _ROUTER_FLAGS = (
     "--http", "--workers", "--router", "--api-key", "--api-keys", "--admin-api-key",
-    "--rate-limit", "--max-concurrent", "--l3-allow", "--ssl-certfile", "--ssl-keyfile",
-    "--internal-token-file",
+    "--admin-api-key-file", "--rate-limit", "--max-concurrent", "--max-priority", "--l3-allow",
+    "--ssl-certfile", "--ssl-keyfile", "--internal-token-file", "--worker", "--worker-ca-file",
+    "--max-connections-per-client", "--l3",
 )  # fmt: skip
 _ROUTER_SWITCHES = ("--insecure-no-auth", "--metrics-public")
 _START_TIMEOUT_S = 300.0  # loading a checkpoint can take minutes
 _STOP_TIMEOUT_S = 60.0
+L3_ENV = "HICACHE_L3_URL"  # ``serve``'s --l3 when the flag is not given
 
 
 class WorkerStartError(HiCacheError):
     """A worker exited or said nothing before it listened; its last error line is quoted."""
 
 
-def worker_argv(
-    argv: Sequence[str], l3: str | None = None, token_file: str | None = None
-) -> list[str]:
+def worker_argv(argv: Sequence[str], token_file: str | None = None) -> list[str]:
     """A ``serve`` command line for one worker: ``argv`` less the router's flags (``--flag V``
-    and ``--flag=V`` forms), listening on a free port of 127.0.0.1; ``l3``: the ``--l3`` URL
-    it uses instead of ``argv``'s (the master ``mooncake://auto`` started); ``token_file``:
-    the router's internal token, the only key the worker takes."""
-    dropped = _ROUTER_FLAGS + (("--l3",) if l3 is not None else ())
+    and ``--flag=V`` forms), listening on a free port of 127.0.0.1; ``token_file``: the
+    router's internal token, the only key the worker takes."""
     out: list[str] = []
     skip = False
     for arg in argv:
@@ -60,21 +61,23 @@ def worker_argv(
         name = arg.split("=", 1)[0]
         if name in _ROUTER_SWITCHES:
             continue
-        if name in dropped:
+        if name in _ROUTER_FLAGS:
             skip = "=" not in arg
             continue
         out.append(arg)
     token = ("--internal-token-file", token_file) if token_file is not None else ()
-    return [*out, "--http", "127.0.0.1:0", *(("--l3", l3) if l3 is not None else ()), *token]
+    return [*out, "--http", "127.0.0.1:0", *token]
 
 
 @dataclass(eq=False)
 class WorkerProcess:
-    """One running worker: its index, process and URL."""
+    """One running worker: its index, process and URL, and how to start it again."""
 
     index: int
     process: asyncio.subprocess.Process
     url: str
+    command: list[str] = field(default_factory=list, repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
     _relay: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -85,9 +88,20 @@ class WorkerProcess:
     def pid(self) -> int | None:
         return self.process.pid
 
+    @property
+    def restartable(self) -> bool:
+        return True
+
     def ended(self) -> str:
         """Why it is gone, for the log."""
         return f"exited (status {self.process.returncode})"
+
+    async def restart(self) -> None:
+        """Start it again (a new process on a new port); WorkerStartError if it fails."""
+        if self._relay is not None:
+            await self._relay
+        again = await _start(self.index, self.command, self.env)
+        self.process, self.url, self._relay = again.process, again.url, again._relay
 
     async def stop(self) -> int | None:
         """SIGTERM (the worker drains), then SIGKILL past the timeout; its exit status."""
@@ -108,22 +122,29 @@ class WorkerProcess:
 @dataclass(eq=False)
 class RemoteWorker:
     """A worker started elsewhere (``serve --http ... --internal-token-file FILE``), known by
-    its URL; it is alive while its ``/health`` answers (the router looks, see ``cluster``)."""
+    its URL (``http://`` or ``https://``); the router's health checks decide whether requests
+    go to it."""
 
     index: int
     url: str
-    answering: bool = True
 
     @property
     def alive(self) -> bool:
-        return self.answering
+        return True  # not the router's process: only its answers tell
 
     @property
     def pid(self) -> int | None:
-        return None  # not the router's process
+        return None
+
+    @property
+    def restartable(self) -> bool:
+        return False
 
     def ended(self) -> str:
-        return "stopped answering /health"
+        return "stopped answering"
+
+    async def restart(self) -> None:
+        return None  # its own operator restarts it
 
     async def stop(self) -> int | None:
         return None  # its own operator stops it
@@ -136,12 +157,12 @@ async def start_workers(
     argv: Sequence[str], count: int, gpus: int, l3: str | None = None, token_file: str | None = None
 ) -> list[WorkerProcess]:
     """Start ``count`` workers of the ``serve`` command line ``argv`` (see :func:`worker_argv`);
-    ``gpus``: CUDA devices to spread them over (0: the CPU's cores are shared out instead).
-    Each is listening when this returns; if any fails, the others are stopped and its
-    :class:`WorkerStartError` raised."""
-    command = worker_argv(argv, l3, token_file)
+    ``gpus``: CUDA devices to spread them over (0: the CPU's cores are shared out instead);
+    ``l3``: the L3 URL they use (in their environment). Each is listening when this returns;
+    if any fails, the others are stopped and its :class:`WorkerStartError` raised."""
+    command = worker_argv(argv, token_file)
     results = await asyncio.gather(
-        *(_start(i, command, _env(i, count, gpus)) for i in range(count)),
+        *(_start(i, command, _env(i, count, gpus, l3)) for i in range(count)),
         return_exceptions=True,
     )
     started = [r for r in results if isinstance(r, WorkerProcess)]
@@ -165,7 +186,7 @@ async def _start(index: int, command: list[str], env: dict[str, str]) -> WorkerP
     text = first.decode(errors="replace").strip()
     if " on http://" in text:
         relay = asyncio.create_task(_relay(index, process))
-        return WorkerProcess(index, process, text.rsplit(" ", 1)[1], relay)
+        return WorkerProcess(index, process, text.rsplit(" ", 1)[1], command, env, relay)
     if process.returncode is None:
         process.kill()
     errors = (await process.stderr.read()).decode(errors="replace").strip().splitlines()
@@ -185,8 +206,11 @@ async def _relay(index: int, process: asyncio.subprocess.Process) -> None:
     await asyncio.gather(copy(process.stdout), copy(process.stderr))
 
 
-def _env(index: int, count: int, gpus: int) -> dict[str, str]:
+def _env(index: int, count: int, gpus: int, l3: str | None) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop(L3_ENV, None)
+    if l3 is not None:
+        env[L3_ENV] = l3
     if gpus > 0:
         visible = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
         env["CUDA_VISIBLE_DEVICES"] = visible[index % len(visible)]

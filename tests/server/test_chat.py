@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any
 
 import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from test_request_body import CountingBytes
 
 from hicache.errors import CheckpointError
 from hicache.models.byte_tokenizer import ByteTokenizer
@@ -63,3 +66,40 @@ def test_chat_bodies() -> None:
             parse_chat(body, MODEL)
     with pytest.raises(ApiError, match="no tokenizer"):
         parse_chat({"messages": USER}, ServedModel("tiny", 1000))
+
+
+def test_a_template_is_compiled_once_for_every_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled: list[str] = []
+    from_string = ImmutableSandboxedEnvironment.from_string
+
+    def counted(env: ImmutableSandboxedEnvironment, source: str, *args: Any) -> Any:
+        compiled.append(source)
+        return from_string(env, source, *args)
+
+    monkeypatch.setattr(ImmutableSandboxedEnvironment, "from_string", counted)
+    source = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{# compiled once #}"
+    model = ServedModel("tiny", 1000, ByteTokenizer(), ChatTemplate(source))
+    for i in range(50):
+        body = {"messages": [{"role": "user", "content": f"hi {i}"}]}
+        assert bytes(parse_chat(body, model).prompt).decode() == f"hi {i}|"
+    broken = ChatTemplate("{% for %}{# broken once #}")
+    for _ in range(5):  # its failure is kept too
+        with pytest.raises(ApiError, match="chat template"):
+            render_chat(broken, USER)
+    assert compiled == [source, broken.source]
+
+
+def test_messages_longer_than_the_context_are_refused_before_the_tokenizer() -> None:
+    tokenizer = CountingBytes()
+    model = ServedModel("tiny", 1000, tokenizer, context_tokens=40)
+    long = [{"role": "user", "content": "x" * 30}, {"role": "user", "content": "y" * 11}]
+    with pytest.raises(ApiError, match="41 characters cannot fit the context of 40") as refused:
+        parse_chat({"messages": long}, model)  # the messages' text alone
+    assert refused.value.param == "messages"
+    rendered = [{"role": "user", "content": "x" * 30}]  # 30, and 24 of the template's own
+    with pytest.raises(ApiError, match="54 characters cannot fit"):
+        parse_chat({"messages": rendered}, model)
+    assert tokenizer.encoded == 0
+    fits = [{"role": "user", "content": "x" * 16}]
+    assert len(parse_chat({"messages": fits}, model).prompt) == 40
+    assert tokenizer.encoded == 1

@@ -1,11 +1,18 @@
-"""Per-caller rate and concurrency limits, on a fake clock."""
+"""Per-caller rate and concurrency limits, on a fake clock; whose limits a request counts
+against, through the access middleware; the priority cap's refusal."""
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from hicache.errors import ConfigError
-from hicache.server.limits import CallerLimiter, Limits
+from hicache.server.auth import Access, KeyRing, access_middleware
+from hicache.server.limits import CallerLimiter, Limits, caller_of, check_priority
+from hicache.server.request_body import ApiError
 
 
 class Clock:
@@ -56,3 +63,48 @@ def test_a_refused_request_takes_nothing() -> None:
 def test_bad_limits_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         Limits(**bad)  # type: ignore[arg-type]
+
+
+async def callers(access: Access, keys: list[str | None]) -> list[str]:
+    """The caller each request (presenting each of ``keys``) counts against, as a handler
+    behind the access middleware finds it."""
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(text=caller_of(request))
+
+    app = web.Application(middlewares=[access_middleware(access)])
+    app.router.add_post("/v1/completions", handler)
+    found = []
+    async with TestClient(TestServer(app)) as client:
+        for key in keys:
+            headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+            answer = await client.post("/v1/completions", headers=headers)
+            assert answer.status == 200
+            found.append(await answer.text())
+    return found
+
+
+async def test_the_keys_of_one_tenant_share_its_limits() -> None:
+    keys = KeyRing({"alice-key-0001": "alice", "alice-key-0002": "alice", "bob-key-00003": "bob"})
+    first, second, bob = await callers(
+        Access(keys), ["alice-key-0001", "alice-key-0002", "bob-key-00003"]
+    )
+    assert first == second == "tenant:alice" and bob == "tenant:bob"
+
+
+async def test_without_keys_every_bearer_string_counts_against_the_address() -> None:
+    """On a keyless server a client sending a new random key each time must not get a new
+    bucket each time."""
+    presented = [None, *(secrets.token_hex(8) for _ in range(3))]
+    found = await callers(Access(), presented)
+    assert set(found) == {"addr:127.0.0.1"}
+
+
+def test_a_priority_over_the_cap_is_a_400_naming_it() -> None:
+    check_priority(0, Access(), None)
+    check_priority(-5, Access(), None)  # lowering one's own priority needs no say-so
+    with pytest.raises(ApiError) as refused:
+        check_priority(1, Access(), None)
+    assert refused.value.status == 400 and refused.value.param == "priority"
+    assert "at most 0" in str(refused.value)
+    check_priority(4, Access(max_priority=4), "alice")

@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 
-from hicache.server.request_body import ApiError, ServedModel, parse_completion, parse_json
+from hicache.models.byte_tokenizer import ByteTokenizer
+from hicache.server.request_body import (
+    MIN_CHARS_PER_TOKEN,
+    ApiError,
+    ServedModel,
+    chars_per_token,
+    parse_completion,
+    parse_json,
+)
 
 MODEL = ServedModel("tiny", vocab_size=100)
 
@@ -106,3 +114,52 @@ def test_a_body_python_cannot_hold_is_a_400(raw: bytes, words: str) -> None:
     with pytest.raises(ApiError, match=words) as refused:
         parse_json(raw)
     assert refused.value.status == 400
+
+
+class CountingBytes(ByteTokenizer):
+    """UTF-8 bytes, counting the texts it encodes."""
+
+    def __init__(self) -> None:
+        self.encoded = 0
+
+    def encode(self, text: str) -> Any:
+        self.encoded += 1
+        return super().encode(text)
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_the_tokenizer() -> None:
+    tokenizer = CountingBytes()
+    model = ServedModel("tiny", 256, tokenizer, context_tokens=8)
+    assert model.max_prompt_chars == 8  # a character is at least one byte: one token
+    with pytest.raises(ApiError, match="9 characters cannot fit the context of 8") as refused:
+        parse_completion({"prompt": "x" * 9}, model)
+    assert refused.value.param == "prompt" and tokenizer.encoded == 0
+    assert parse_completion({"prompt": "x" * 8}, model).prompt == [ord("x")] * 8
+    with pytest.raises(ApiError, match="16 tokens do not fit the context of 8"):
+        parse_completion({"prompt": "é" * 8}, model)  # 8 characters, 16 bytes
+    assert tokenizer.encoded == 2
+    with pytest.raises(ApiError, match="9 tokens do not fit"):
+        parse_completion({"prompt": [1] * 8 + ["x"]}, model)  # counted before it is walked
+    assert parse_completion({"prompt": [1] * 8}, model).prompt == [1] * 8
+    unbounded = ServedModel("tiny", 256, CountingBytes())  # no context: the engine's check
+    assert unbounded.max_prompt_chars is None
+    assert len(parse_completion({"prompt": "x" * 100}, unbounded).prompt) == 100
+
+
+def test_a_vocabularys_longest_entry_bounds_the_characters_of_a_token() -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    long_word = "w" * 50
+    vocab = {"<unk>": 0, "a": 1, long_word: 2}
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert chars_per_token(tokenizer) == 100  # doubled for a normalizer's composing
+    model = ServedModel("tiny", 3, tokenizer, context_tokens=2)
+    assert model.max_prompt_chars == 200
+    assert parse_completion({"prompt": f"{long_word} {long_word}"}, model).prompt == [2, 2]
+    with pytest.raises(ApiError, match="characters cannot fit"):
+        parse_completion({"prompt": "a" * 201}, model)
+    tokenizer = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    assert chars_per_token(tokenizer) == MIN_CHARS_PER_TOKEN  # its words may be unknown ones
+    assert chars_per_token(ByteTokenizer()) == 1

@@ -242,6 +242,10 @@ async def test_l3_detach_and_attach_at_run_time(tmp_path: pathlib.Path) -> None:
             assert not any(n.in_storage for n in cache.all_nodes())  # nothing written
             outside = await post(http, "/admin/l3/attach", {"url": "file:///tmp/elsewhere"})
             assert outside.status_code == 403 and "--l3-allow" in outside.text
+            for bypass in ("x?read_only=true", "x?io_threads=1000000", "%252e%252e/x"):
+                url = f"file://{tmp_path}/{bypass}"  # options the rule lacks, an encoded ..
+                refused = await post(http, "/admin/l3/attach", {"url": url})
+                assert refused.status_code == 403, (bypass, refused.text)
             bad = await post(http, "/admin/l3/attach", {"url": f"file://{tmp_path}/x?nosuch=1"})
             assert bad.status_code == 400 and not cache.storage.enabled
             other = tmp_path / "other"
@@ -258,7 +262,9 @@ async def test_l3_detach_and_attach_at_run_time(tmp_path: pathlib.Path) -> None:
 
 async def test_priority_admits_first_and_its_pages_are_evicted_last() -> None:
     engine = dataclasses.replace(ENGINE, eviction=EvictionPolicy.PRIORITY, max_running=1)
-    server = await start(None, device_tokens=96, mode=CacheMode.DEVICE, engine=engine)
+    access = Access(admin_key=ADMIN_KEY, max_priority=5)  # raising priority is the operator's
+    server = await start(None, device_tokens=96, mode=CacheMode.DEVICE, engine=engine,
+                         access=access)  # fmt: skip
     try:
         async with client(server) as http:
             important = [3] * 40

@@ -113,6 +113,11 @@ async def test_a_stream_whose_client_stops_reading_is_dropped() -> None:
         record = engine.records[-1]
         assert server.source.in_flight == 0 and record.error is not None
         assert "cancelled" in record.error and record.output_tokens < 3000
+        for _ in range(100):  # and its connection is gone: it holds no slot
+            if server.guard.open == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert server.guard.open == 0
         sock.close()
     finally:
         await stop(server)

@@ -4,12 +4,15 @@ With keys configured every ``/v1`` request needs one (401 in OpenAI's error shap
 never echoing the key), ``/health`` stays open, ``/metrics`` needs a key unless public. The
 tenant is the key's: two tenants, or two ``cache_salt`` values, share no cached page on any
 tier, L3 across a restart included, unless ``--share-cache``. The admin routes exist only with
-the admin key, and a tenant key on them is a 403.
+the admin key, and a tenant key on them is a 403. A request's ``priority`` is capped (by
+default at 0; the key file raises it for a tenant), and the per-caller limits count a tenant's
+keys together, or on a server without keys the client address whatever key it presents.
 """
 
 from __future__ import annotations
 
 import pathlib
+import secrets
 from typing import Any
 
 import httpx
@@ -196,5 +199,59 @@ async def test_unknown_routes_and_methods_answer_in_openais_shape() -> None:
                 answer = await client.request(method, path)
                 assert answer.status_code == status
                 assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+    finally:
+        await stop(server)
+
+
+async def test_priority_is_capped_per_tenant(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"{ALICE} alice max_priority=3\n{BOB} bob\n")
+    server = await start(None, access=Access(KeyRing({}, path)))
+    try:
+
+        async def ask(key: str, priority: int) -> httpx.Response:
+            async with http(server, key) as client:
+                body = {"prompt": PROMPT[:8], "max_tokens": 1, "priority": priority}
+                return await client.post("/v1/completions", json=body)
+
+        over = await ask(BOB, 1)  # no cap of bob's own: the server's default, 0
+        assert over.status_code == 400, over.text
+        error = over.json()["error"]
+        assert error["param"] == "priority" and "at most 0" in error["message"]
+        assert (await ask(BOB, 0)).status_code == 200
+        assert (await ask(BOB, -7)).status_code == 200  # lowering one's own priority is free
+        assert (await ask(ALICE, 3)).status_code == 200  # the key file raises alice's cap
+        assert (await ask(ALICE, 4)).status_code == 400
+        path.write_text(f"{ALICE} alice max_priority=5\n{BOB} bob\n")
+        server.access.keys.reload()  # SIGHUP: the new cap holds
+        assert (await ask(ALICE, 5)).status_code == 200
+        assert (await ask(BOB, 1)).status_code == 400
+    finally:
+        await stop(server)
+
+
+async def test_a_tenants_keys_share_one_rate_limit() -> None:
+    keys = KeyRing({ALICE: "alice", "alice-key-0004": "alice", BOB: "bob"})
+    server = await start(None, access=Access(keys), limits=Limits(rate_per_s=1.0))
+    try:
+        statuses = []
+        for key in (ALICE, "alice-key-0004", BOB):
+            async with http(server, key) as client:
+                body = {"prompt": PROMPT[:8], "max_tokens": 1}
+                statuses.append((await client.post("/v1/completions", json=body)).status_code)
+        assert statuses == [200, 429, 200]  # alice's second key finds her bucket empty
+    finally:
+        await stop(server)
+
+
+async def test_without_keys_a_new_bearer_string_is_no_new_bucket() -> None:
+    server = await start(None, access=Access(), limits=Limits(rate_per_s=1.0))
+    try:
+        statuses = []
+        for _ in range(3):
+            async with http(server, secrets.token_hex(12)) as client:
+                body = {"prompt": PROMPT[:8], "max_tokens": 1}
+                statuses.append((await client.post("/v1/completions", json=body)).status_code)
+        assert statuses == [200, 429, 429]  # one client address, one bucket
     finally:
         await stop(server)

@@ -4,14 +4,13 @@ makes), and files that do not load are a ConfigError before it listens."""
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import pathlib
 import ssl
 
 import httpx
 import pytest
 from serving_helpers import ENGINE, tiny_model
+from tls_kit import self_signed
 
 from hicache.errors import ConfigError
 from hicache.models.config import ModelPreset
@@ -21,35 +20,10 @@ from hicache.serving.engine import CacheMode
 from hicache.serving.setup import open_engine
 
 x509 = pytest.importorskip("cryptography.x509")
-LOOPBACK = ipaddress.ip_address("127.0.0.1")
-
-
-def _self_signed(directory: pathlib.Path) -> TlsFiles:
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(LOOPBACK)]), critical=False)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    certfile, keyfile = directory / "cert.pem", directory / "key.pem"
-    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    keyfile.write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    ))  # fmt: skip
-    return TlsFiles(str(certfile), str(keyfile))
 
 
 async def test_the_server_answers_https_with_its_certificate(tmp_path: pathlib.Path) -> None:
-    tls = _self_signed(tmp_path)
+    tls = self_signed(tmp_path)
     setup = await open_engine(tiny_model(ModelPreset.DENSE), CacheMode.DEVICE, None, 128, ENGINE)
     server = HttpServer(setup, ServedModel("tiny", 1000), Listen("127.0.0.1", 0, 5.0, tls))
     task = asyncio.create_task(server.serve())
@@ -76,7 +50,7 @@ async def test_the_server_answers_https_with_its_certificate(tmp_path: pathlib.P
 
 
 def test_files_that_do_not_load_are_a_config_error(tmp_path: pathlib.Path) -> None:
-    tls = _self_signed(tmp_path)
+    tls = self_signed(tmp_path)
     for bad in (
         TlsFiles(tls.certfile, str(tmp_path / "none.pem")),
         TlsFiles(tls.keyfile, tls.keyfile),

@@ -1,13 +1,15 @@
 """``hicache serve --http --workers N``: worker processes behind a router process, driven through
 a real HTTP client. A prefix computed on one worker is an L3 hit on another (they share the
-file L3); the cache-aware router keeps a prefix on one worker; a killed worker is retired and
-its streamed request ends with an error naming it while the others are served; a worker that
-cannot start makes ``serve`` exit with its error and leaves no process behind.
+file L3); the cache-aware router keeps a prefix on one worker; a killed worker is set aside and
+started again, its streamed request ending with an error naming it while the others are
+served; a worker that cannot start makes ``serve`` exit with its error and leaves no process
+behind; L3 credentials reach the workers in their environment, not on their command lines.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import pathlib
 import signal
@@ -19,7 +21,7 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from serve_kit import listening, serve_argv, serving
+from serve_kit import Served, serve_argv, serving
 
 from hicache.server.workers import worker_argv
 
@@ -34,7 +36,8 @@ def test_worker_command_lines_drop_the_router_flags() -> None:
 
 def test_worker_command_lines_drop_the_routers_keys_and_take_its_token() -> None:
     argv = ["serve", "--api-key", "k" * 12, "--api-keys=keys", "--insecure-no-auth",
-            "--rate-limit", "5", "--share-cache", "--workers", "2"]  # fmt: skip
+            "--rate-limit", "5", "--share-cache", "--workers", "2", "--l3", "s3://K:S@b",
+            "--admin-api-key-file=f", "--max-priority", "3", "--worker-ca-file", "ca"]  # fmt: skip
     assert worker_argv(argv, token_file="/run/t") == [
         "serve", "--share-cache", "--http", "127.0.0.1:0", "--internal-token-file", "/run/t"
     ]  # fmt: skip
@@ -45,11 +48,12 @@ def cli(*args: str) -> list[str]:
 
 
 @contextmanager
-def cluster(l3: pathlib.Path, workers: int, router: str, *extra: str) -> Iterator[str]:
+def cluster(l3: pathlib.Path, workers: int, router: str, *extra: str) -> Iterator[Served]:
     argv = cli("--http", "127.0.0.1:0", "--workers", str(workers), "--router", router,
                "--l3", f"file://{l3}", *extra)  # fmt: skip
-    with listening(argv, "workers stopped") as url:
-        yield url
+    with serving(argv) as served:
+        yield served
+    assert "workers stopped" in served.stderr, served.stderr
 
 
 def complete(url: str, prompt: list[int], tokens: int = 2) -> dict[str, Any]:
@@ -77,7 +81,8 @@ def wait_until(check: Any, timeout_s: float = 30.0) -> None:
 
 
 def test_round_robin_reads_another_workers_prefix_from_l3(tmp_path: pathlib.Path) -> None:
-    with cluster(tmp_path / "l3", 2, "round_robin") as url:
+    with cluster(tmp_path / "l3", 2, "round_robin") as served:
+        url = served.url
         first = complete(url, PROMPT)  # worker 0 computes it and writes it through to L3
         wait_until(lambda: value(url, "hicache_pages_written_l3_total", worker="0") >= 5)
         second = complete(url, PROMPT)  # worker 1 reads it back
@@ -85,10 +90,19 @@ def test_round_robin_reads_another_workers_prefix_from_l3(tmp_path: pathlib.Path
         assert value(url, "hicache_request_hit_tokens_total", tier="l3", worker="1") >= 64
         assert value(url, "hicache_router_requests_total", worker="0", outcome="answered") == 1
         assert value(url, "hicache_router_requests_total", worker="1", outcome="answered") == 1
+        # The L3 URL (credentials and all, when it has them) is in the worker's environment,
+        # which only its user reads, and not on its command line, which everyone does.
+        proc = pathlib.Path(f"/proc/{served.worker_pid(0)}")
+        assert str(tmp_path / "l3") not in proc.joinpath("cmdline").read_bytes().decode()
+        assert (
+            f"HICACHE_L3_URL=file://{tmp_path / 'l3'}"
+            in proc.joinpath("environ").read_bytes().decode()
+        )
 
 
 def test_cache_aware_keeps_a_prefix_on_one_worker(tmp_path: pathlib.Path) -> None:
-    with cluster(tmp_path / "l3", 2, "cache_aware") as url:
+    with cluster(tmp_path / "l3", 2, "cache_aware") as served:
+        url = served.url
         for _ in range(3):
             complete(url, PROMPT)
         counts = [value(url, "hicache_router_requests_total", worker=str(w), outcome="answered")
@@ -102,10 +116,10 @@ SLOW = ("--hidden", "512", "--layers", "8", "--heads", "8", "--head-dim", "64") 
 # tokens in seconds: a kill lands while the request runs
 
 
-def test_a_killed_worker_is_retired_and_the_rest_are_served(tmp_path: pathlib.Path) -> None:
-    with cluster(tmp_path / "l3", 2, "round_robin", *SLOW) as url:
-        health = httpx.get(f"{url}/health", timeout=10).json()
-        pid0 = health["workers"][0]["pid"]
+def test_a_killed_worker_is_set_aside_then_started_again(tmp_path: pathlib.Path) -> None:
+    with cluster(tmp_path / "l3", 2, "round_robin", *SLOW) as served:
+        url = served.url
+        pid0 = served.worker_pid(0)
         body = {"prompt": PROMPT, "max_tokens": 400, "stream": True, "temperature": 0}
         events: list[str] = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
@@ -115,12 +129,16 @@ def test_a_killed_worker_is_retired_and_the_rest_are_served(tmp_path: pathlib.Pa
                     if len(events) == 3:
                         os.kill(pid0, signal.SIGKILL)  # mid-stream
         assert "worker 0 failed" in events[-1], events[-3:]
-        for _ in range(4):  # all to worker 1 now
+        for _ in range(4):  # all to worker 1 while worker 0 is away
             complete(url, [5, 6, 7])
-        wait_until(lambda: httpx.get(f"{url}/health", timeout=10).json()["workers"][0]["alive"]
-                   is False)  # fmt: skip
         assert value(url, "hicache_router_requests_total", worker="1", outcome="answered") == 4
-        assert value(url, "hicache_router_workers_alive") == 1
+        served.said(r"worker 0 exited \(status -9\): starting it again")
+        again = served.said(r"worker 0 started again \(pid (\d+)\)", timeout_s=120)
+        assert int(again.group(1)) != pid0 and served.worker_pid(0) == int(again.group(1))
+        wait_until(lambda: value(url, "hicache_router_workers_alive") == 2, timeout_s=120)
+        for _ in range(2):
+            complete(url, [5, 6, 7])
+        assert value(url, "hicache_router_requests_total", worker="0", outcome="answered") >= 1
 
 
 def test_a_worker_that_cannot_start_stops_serve_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
@@ -203,8 +221,9 @@ def test_a_killed_mooncake_master_is_restarted_and_l3_comes_back(tmp_path: pathl
 
 
 def test_a_worker_killed_under_a_whole_answer_gives_a_502(tmp_path: pathlib.Path) -> None:
-    with cluster(tmp_path / "l3", 2, "round_robin", *SLOW) as url:
-        pid0 = httpx.get(f"{url}/health", timeout=10).json()["workers"][0]["pid"]
+    with cluster(tmp_path / "l3", 2, "round_robin", *SLOW) as served:
+        url = served.url
+        pid0 = served.worker_pid(0)
         body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
@@ -224,7 +243,8 @@ def test_the_router_enforces_keys_and_tenants_and_workers_take_only_its_token(
 ) -> None:
     keys = tmp_path / "keys"
     keys.write_text("sk-alice-router-01 alice\nsk-bob-router-0002 bob\n")
-    with cluster(tmp_path / "l3", 2, "cache_aware", "--api-keys", str(keys)) as url:
+    with cluster(tmp_path / "l3", 2, "cache_aware", "--api-keys", str(keys)) as served:
+        url = served.url
         body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
 
         def post(key: str | None, target: str = url) -> httpx.Response:
@@ -243,10 +263,13 @@ def test_the_router_enforces_keys_and_tenants_and_workers_take_only_its_token(
         assert answer.status_code == 200 and answer.json()["object"] == "chat.completion"
         models = httpx.get(f"{url}/v1/models", headers=alice, timeout=10).json()
         assert [m["object"] for m in models["data"]] == ["model"]
-        workers = httpx.get(f"{url}/health", timeout=10).json()["workers"]
-        for worker in workers:  # around the router: no key of a tenant opens a worker
-            assert post("sk-alice-router-01", worker["url"]).status_code == 401
-            assert post(None, worker["url"]).status_code == 401
+        assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}  # strangers
+        shown = httpx.get(f"{url}/health", headers=alice, timeout=10).json()
+        assert [w["alive"] for w in shown["workers"]] == [True, True]
+        assert "127.0.0.1" not in json.dumps(shown)  # no internal address, even to a tenant
+        for index in (0, 1):  # around the router: no key of a tenant opens a worker
+            assert post("sk-alice-router-01", served.worker_url(index)).status_code == 401
+            assert post(None, served.worker_url(index)).status_code == 401
 
 
 def test_a_router_over_workers_started_apart_checks_them_and_retires_a_dead_one(
@@ -276,7 +299,8 @@ def test_a_router_over_workers_started_apart_checks_them_and_retires_a_dead_one(
             assert direct.status_code == 401  # a worker takes the router's token only
             second.kill()
             wait_until(lambda: [w["alive"] for w in httpx.get(f"{routed.url}/health",
-                                timeout=10).json()["workers"]] == [True, False])  # fmt: skip
+                                headers=alice, timeout=10).json()["workers"]]
+                       == [True, False])  # fmt: skip
             for _ in range(3):  # all to the worker left
                 answer = httpx.post(f"{routed.url}/v1/completions", json=body, headers=alice,
                                     timeout=60)  # fmt: skip

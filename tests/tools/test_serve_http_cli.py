@@ -75,6 +75,7 @@ def test_fingerprints_tell_configs_apart() -> None:
 
 
 TLS_FLAGS = ["--ssl-certfile", "pyproject.toml", "--ssl-keyfile", "pyproject.toml"]
+ADMIN_TWICE = ["--admin-api-key", "k" * 12, "--admin-api-key-file", "pyproject.toml"]
 
 
 @pytest.mark.parametrize(
@@ -87,6 +88,9 @@ TLS_FLAGS = ["--ssl-certfile", "pyproject.toml", "--ssl-keyfile", "pyproject.tom
         (["--http", "0.0.0.0:0"], "no API key is set"),
         (["--http", "127.0.0.1:0", "--api-key", "short"], "at least 8"),
         (["--http", "127.0.0.1:0", "--admin-api-key", "k" * 12, "--workers", "2"], "--workers"),
+        # The admin key from one source only; a priority cap is not negative.
+        (["--http", "127.0.0.1:0", *ADMIN_TWICE], "given 2 ways"),
+        (["--http", "127.0.0.1:0", "--max-priority", "-1"], "--max-priority"),
         (["--http", "127.0.0.1:0", "--ssl-certfile", "pyproject.toml"], "go together"),
         (["--http", "127.0.0.1:0", *TLS_FLAGS], "TLS files"),
     ],

@@ -1,7 +1,10 @@
-"""``hicache serve --http``'s access flags: API keys and tenants, the admin key, sharing.
+"""``hicache serve --http``'s access flags: API keys and tenants, the admin key, sharing,
+the priority cap, and the request limits.
 
 Without any key the server answers everyone, so it may listen only on a loopback address
-unless ``--insecure-no-auth`` says that is meant.
+unless ``--insecure-no-auth`` says that is meant. The admin key comes from one of
+``--admin-api-key``, ``--admin-api-key-file`` or ``$HICACHE_ADMIN_API_KEY`` (the last two keep
+it off the command line, which other users can read in ``/proc``).
 """
 
 from __future__ import annotations
@@ -20,12 +23,23 @@ from hicache.server.auth import (
     KeyRing,
     warn_if_others_can_read,
 )
+from hicache.server.l3_allow import check_allow_rules
 from hicache.server.limits import Limits
+from hicache.server.request_body import MAX_PRIORITY
 from hicache.tools.cli_parsing import float_range, input_file, int_range, size_range
 
-__all__ = ["access_of", "add_access_flags", "add_limit_flags", "limits_of", "tls_of"]
+__all__ = [
+    "access_of",
+    "add_access_flags",
+    "add_limit_flags",
+    "is_loopback",
+    "limits_of",
+    "tls_of",
+]
 
 _KEY_ENV = "HICACHE_API_KEY"
+_ADMIN_ENV = "HICACHE_ADMIN_API_KEY"
+_MAX_SECRET_FILE_BYTES = 64 << 10
 
 
 def add_access_flags(p: argparse.ArgumentParser) -> None:
@@ -37,11 +51,22 @@ def add_access_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--api-keys", type=input_file, metavar="FILE",
-        help="'KEY TENANT' per line ('#' comments), reread on SIGHUP",
+        help="'KEY TENANT' or 'KEY TENANT max_priority=N' per line ('#' comments), reread on "
+        "SIGHUP; max_priority=N is the tenant's cap in place of --max-priority",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-priority", type=int_range(0, MAX_PRIORITY), default=0, metavar="N",
+        help="the highest 'priority' a request may ask for, where the key file sets no cap for "
+        "its tenant; past it a 400 (default 0: a request may only lower its priority)",
     )  # fmt: skip
     g.add_argument(
         "--admin-api-key", metavar="KEY",
-        help="turn the /admin routes on, for this key only (off without it)",
+        help="turn the /admin routes on, for this key only (off without it; visible to other "
+        f"users in the process list: prefer --admin-api-key-file or ${_ADMIN_ENV})",
+    )  # fmt: skip
+    g.add_argument(
+        "--admin-api-key-file", type=input_file, metavar="FILE",
+        help="as --admin-api-key, the key being the first line of FILE",
     )  # fmt: skip
     g.add_argument(
         "--l3-allow", action="append", default=[], metavar="PREFIX",
@@ -83,15 +108,23 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--rate-limit", type=float_range(0.0, 1e6, low_open=True), metavar="PER_S",
-        help="requests a second per key (per client address without keys); past it a 429",
+        help="requests a second per tenant (all its keys together; per client address without "
+        "keys); past it a 429 (default: no limit)",
     )  # fmt: skip
     g.add_argument(
         "--max-concurrent", type=int_range(1, 1 << 20),
-        help="requests in flight per key (per client address without keys); past it a 429",
+        help="requests in flight per tenant (all its keys together; per client address without "
+        "keys); past it a 429 (default: no limit, up to --max-queue)",
     )  # fmt: skip
     g.add_argument(
         "--max-connections", type=int_range(1, 1 << 20), default=default.max_connections,
         help=f"open connections; past it a new one is closed (default {default.max_connections})",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-connections-per-client", type=int_range(1, 1 << 20),
+        default=default.max_connections_per_client, metavar="N",
+        help="open connections from one client address; past it a new one from there is closed "
+        f"(default {default.max_connections_per_client})",
     )  # fmt: skip
     g.add_argument(
         "--header-timeout", type=float_range(0.0, 3600.0, low_open=True),
@@ -118,6 +151,7 @@ def limits_of(args: argparse.Namespace) -> Limits:
         rate_per_s=args.rate_limit,
         max_concurrent=args.max_concurrent,
         max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         write_timeout_s=args.write_timeout,
@@ -135,24 +169,28 @@ def access_of(args: argparse.Namespace, router: bool = False) -> Access:
     """The access rules the flags give; InvalidArgumentError (exit 2) for unsafe or bad ones.
     ``router``: the rules of a router, whose ``--internal-token-file`` is its workers'."""
     direct = [*args.api_key, *([os.environ[_KEY_ENV]] if os.environ.get(_KEY_ENV) else [])]
-    for key in [*direct, *([args.admin_api_key] if args.admin_api_key else [])]:
+    for key in direct:
         _check_key(key)
+    admin_key = _admin_key(args)
     key_file = pathlib.Path(args.api_keys) if args.api_keys else None
     keys = KeyRing(dict.fromkeys(direct, DEFAULT_TENANT), key_file)
-    if args.admin_api_key is not None and keys.tenant_of(args.admin_api_key) is not None:
-        raise InvalidArgumentError("--admin-api-key must differ from every tenant key")
+    if admin_key is not None and keys.tenant_of(admin_key) is not None:
+        raise InvalidArgumentError("the admin key must differ from every tenant key")
     host = args.http.host if args.http is not None else "127.0.0.1"
-    if not keys.configured and not _loopback(host) and not args.insecure_no_auth:
+    routing = args.workers > 1 or bool(args.worker)
+    behind_router = bool(args.internal_token_file) and not router and not routing
+    # A worker behind a router takes the router's token alone: that is its key.
+    keyless = not keys.configured and not behind_router
+    if keyless and not is_loopback(host) and not args.insecure_no_auth:
         raise InvalidArgumentError(
             f"--http {host} is reachable from other hosts and no API key is set: give "
             "--api-key or --api-keys, or --insecure-no-auth to serve anyone"
         )
-    routing = args.workers > 1 or bool(args.worker)
-    if routing and args.admin_api_key:
+    if routing and admin_key is not None:
         raise InvalidArgumentError("the admin routes are a single server's: drop --workers")
     if args.worker and not args.internal_token_file:
         raise InvalidArgumentError("--worker needs --internal-token-file: the workers' token")
-    if args.internal_token_file and not router and not routing:  # a worker behind a router
+    if behind_router:
         with open(args.internal_token_file, encoding="utf-8") as f:
             warn_if_others_can_read(f.fileno(), pathlib.Path(args.internal_token_file))
             token = f.read().strip()
@@ -160,7 +198,47 @@ def access_of(args: argparse.Namespace, router: bool = False) -> Access:
             raise InvalidArgumentError("the internal token file holds fewer than 16 characters")
         return Access(share_cache=args.share_cache, internal_token=token)
     allow = tuple(args.l3_allow)
-    return Access(keys, args.admin_api_key, args.share_cache, args.metrics_public, allow)
+    check_allow_rules(allow)
+    return Access(keys, admin_key, args.share_cache, args.metrics_public, allow,
+                  max_priority=args.max_priority)  # fmt: skip
+
+
+def _admin_key(args: argparse.Namespace) -> str | None:
+    """The admin key from whichever one of its three sources is given, checked as a key."""
+    given = {
+        "--admin-api-key": args.admin_api_key,
+        "--admin-api-key-file": args.admin_api_key_file,
+        f"${_ADMIN_ENV}": os.environ.get(_ADMIN_ENV) or None,  # set but empty: not given
+    }
+    named = [name for name, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise InvalidArgumentError(
+            f"the admin key is given {len(named)} ways ({', '.join(named)}): give one of "
+            f"--admin-api-key, --admin-api-key-file and ${_ADMIN_ENV}"
+        )
+    if not named:
+        return None
+    if args.admin_api_key_file is not None:
+        key = _first_line(pathlib.Path(args.admin_api_key_file))
+    elif args.admin_api_key is not None:
+        key = args.admin_api_key
+    else:
+        key = os.environ[_ADMIN_ENV]
+    _check_key(key)
+    return key
+
+
+def _first_line(path: pathlib.Path) -> str:
+    """The first line of a secret file, stripped (warned about if others may read it)."""
+    try:
+        with open(path, "rb") as f:
+            warn_if_others_can_read(f.fileno(), path)
+            raw = f.readline(_MAX_SECRET_FILE_BYTES)
+        return raw.decode().strip()
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"{path} is not UTF-8 text") from None
 
 
 def _check_key(key: str) -> None:
@@ -170,7 +248,9 @@ def _check_key(key: str) -> None:
         )
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost`` (another name may resolve
+    anywhere, so it is not)."""
     if host == "localhost":
         return True
     try:

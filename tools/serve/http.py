@@ -78,14 +78,17 @@ def model_identity(model: ModelConfig, plan: CheckpointPlan | None) -> tuple[str
     return name, f"{name}-{config_fingerprint(dataclasses.asdict(model))}"
 
 
-def served_model(name: str, config: ModelConfig, plan: CheckpointPlan | None) -> ServedModel:
+def served_model(
+    name: str, config: ModelConfig, plan: CheckpointPlan | None, context_tokens: int | None = None
+) -> ServedModel:
     """What the endpoint serves: a checkpoint's tokenizer and chat template, or for a seeded
-    preset text as UTF-8 bytes and the plain template."""
+    preset text as UTF-8 bytes and the plain template; ``context_tokens``: the most prompt
+    tokens the engine takes (its device pool), None to leave that to the engine."""
     if plan is not None:
         tokenizer, chat = load_tokenizer(plan.directory), load_chat_template(plan.directory)
     else:
         tokenizer, chat = ByteTokenizer(), ChatTemplate()
-    return ServedModel(name, config.vocab_size, tokenizer, chat)
+    return ServedModel(name, config.vocab_size, tokenizer, chat, context_tokens)
 
 
 def run_http(
@@ -100,7 +103,7 @@ def run_http(
     name, model_id = model_identity(model.config, plan)
     if hicache.storage.url is not None and hicache.storage.model_id == _DEFAULT_MODEL_ID:
         hicache = hicache.with_changes("storage", model_id=model_id)
-    served = served_model(name, model.config, plan)
+    served = served_model(name, model.config, plan, args.device_tokens)
     asyncio.run(_serve(args, hicache, model, served, background, rules or (Access(), Limits())))
     return 0
 

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +22,9 @@ from hicache.errors import InvalidArgumentError
 from hicache.models.tiny import TinyTransformer
 from hicache.models.types import ServingModel
 from hicache.server.router import RouterKind
-from hicache.tools.cli_parsing import arg_type, int_range
+from hicache.server.workers import L3_ENV
+from hicache.tools.cli_parsing import arg_type, input_file, int_range
+from hicache.tools.config_flags import l3_url
 from hicache.tools.serve.access import (
     access_of,
     add_access_flags,
@@ -59,7 +62,13 @@ def add_online_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--worker", action="append", default=[], metavar="URL", type=arg_type(_worker_url),
         help="--http: route over the worker at URL (repeatable; each started elsewhere with "
-        "serve --http ... --internal-token-file FILE) instead of starting --workers",
+        "serve --http ... --internal-token-file FILE) instead of starting --workers; use "
+        "https:// (the worker given --ssl-certfile) off this host",
+    )  # fmt: skip
+    g.add_argument(
+        "--worker-ca-file", type=input_file, metavar="FILE",
+        help="--worker https://...: the CA certificates (PEM) the workers' certificates are "
+        "checked against (default: the system's)",
     )  # fmt: skip
     g.add_argument(
         "--router",
@@ -72,8 +81,9 @@ def add_online_flags(p: argparse.ArgumentParser) -> None:
 
 def _worker_url(text: str) -> str:
     parts = urlsplit(text)
-    if parts.scheme != "http" or not parts.hostname or parts.port is None or parts.path.strip("/"):
-        raise InvalidArgumentError(f"--worker wants http://HOST:PORT, got {text!r}")
+    scheme_ok = parts.scheme in ("http", "https")
+    if not scheme_ok or not parts.hostname or parts.port is None or parts.path.strip("/"):
+        raise InvalidArgumentError(f"--worker wants http(s)://HOST:PORT, got {text!r}")
     return text.rstrip("/")
 
 
@@ -85,6 +95,8 @@ def run_online(args: argparse.Namespace) -> int:
                ("--plot", args.plot), ("--dump-outputs", args.dump_outputs)) if on]  # fmt: skip
     if offline:
         raise InvalidArgumentError(f"--http serves clients; {', '.join(offline)} runs a workload")
+    if args.l3 is None and os.environ.get(L3_ENV):  # credentials kept off the command line
+        args.l3 = l3_url(os.environ[L3_ENV])
     access, limits = access_of(args), limits_of(args)
     tls = tls_of(args)
     if tls is not None:
