@@ -177,7 +177,8 @@ class CompletionsApi:
         if refusal is not None:
             raise ApiError(refusal, "prompt")
         try:
-            options = RequestOptions(args.top_p, args.seed, args.priority, namespace)
+            tenant = current_tenant()  # tenants take turns at the engine's admission
+            options = RequestOptions(args.top_p, args.seed, args.priority, namespace, tenant)
             return self.source.submit(args.prompt, args.max_tokens, args.temperature, options)
         except SourceClosedError as exc:
             raise ApiError(str(exc), None, status=503) from None
@@ -210,16 +211,21 @@ class CompletionsApi:
             return response
         served = await self._ended(admission, text)
         if served.record.error is not None:
-            await response.write(event(ApiError(served.record.error, None, 503).body()))
+            tail = [event(ApiError(served.record.error, None, 503).body())]
         else:
             last = shape.chunk(served, text.flush(), [], _finish(text), not text.tokens)
             if not shape.chat:
                 last["usage"] = usage(served, len(text.tokens))
-            await response.write(event(last))
+            tail = [event(last)]
             if include_usage:
-                await response.write(event(shape.usage_chunk(served, len(text.tokens))))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+                tail.append(event(shape.usage_chunk(served, len(text.tokens))))
+        try:
+            for chunk in [*tail, b"data: [DONE]\n\n"]:
+                await asyncio.wait_for(response.write(chunk), timeout)
+            await response.write_eof()
+        except (ConnectionError, TimeoutError):  # gone at the very end: the request is done
+            if request.transport is not None:
+                request.transport.abort()
         return response
 
     async def _ended(self, admission: Admission, text: TextStream) -> ServeRequest:

@@ -233,7 +233,7 @@ def access_middleware(access: Access) -> Middleware:
 async def _internal(
     request: web.Request, handler: Handler, internal: str, token: str | None
 ) -> web.StreamResponse:
-    if token is None or not hmac.compare_digest(token.encode(), internal.encode()):
+    if token is None or not hmac.compare_digest(_raw(token), internal.encode()):
         return _refused(request, token)  # nobody reaches a worker around its router
     tenant = request.headers.get(TENANT_HEADER)
     if tenant is not None and not (0 < len(tenant) <= MAX_TENANT_CHARS and tenant.isprintable()):
@@ -253,7 +253,7 @@ def current_tenant() -> str | None:
 def _is_admin(access: Access, token: str | None) -> bool:
     key = access.admin_key
     return (
-        key is not None and token is not None and hmac.compare_digest(token.encode(), key.encode())
+        key is not None and token is not None and hmac.compare_digest(_raw(token), key.encode())
     )
 
 

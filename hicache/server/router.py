@@ -260,7 +260,6 @@ class RouterApi:
                 await response.prepare(request)
                 if not await self._relay(request, answer, response):
                     return response  # the client stopped reading: both sides dropped
-                await response.write_eof()
                 self._requests.labels(str(worker), "answered").inc()
                 return response
         except aiohttp.ClientConnectorError:
@@ -277,6 +276,7 @@ class RouterApi:
         try:
             async for chunk in answer.content.iter_any():
                 await asyncio.wait_for(response.write(chunk), timeout)
+            await response.write_eof()
         except (ConnectionError, TimeoutError):
             if request.transport is not None:
                 # abort, not close: close would wait to send what the client is not reading

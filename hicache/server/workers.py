@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -42,6 +43,7 @@ _ROUTER_SWITCHES = ("--insecure-no-auth", "--metrics-public")
 _START_TIMEOUT_S = 300.0  # loading a checkpoint can take minutes
 _STOP_TIMEOUT_S = 60.0
 L3_ENV = "HICACHE_L3_URL"  # ``serve``'s --l3 when the flag is not given
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class WorkerStartError(HiCacheError):
@@ -177,12 +179,18 @@ async def _start(index: int, command: list[str], env: dict[str, str]) -> WorkerP
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "hicache.tools.cli", *command,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        preexec_fn=_die_with_parent,
     )  # fmt: skip
     assert process.stdout is not None and process.stderr is not None
     try:
         first = await asyncio.wait_for(process.stdout.readline(), _START_TIMEOUT_S)
     except TimeoutError:
         first = b""
+    except BaseException:  # cancelled mid-start (the router stopping): no orphan left
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await asyncio.shield(process.wait())
+        raise
     text = first.decode(errors="replace").strip()
     if " on http://" in text:
         relay = asyncio.create_task(_relay(index, process))
@@ -193,6 +201,17 @@ async def _start(index: int, command: list[str], env: dict[str, str]) -> WorkerP
     await process.wait()
     last = errors[-1] if errors else f"exit status {process.returncode}"
     raise WorkerStartError(f"worker {index} failed to start: {last}")
+
+
+# libc's symbols, looked up here: the child between fork and exec may not load anything.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """In the worker, before it runs: SIGTERM it when the router dies, however the router
+    dies (a SIGKILL gives the router no chance to stop it)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 async def _relay(index: int, process: asyncio.subprocess.Process) -> None:

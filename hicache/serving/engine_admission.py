@@ -14,6 +14,8 @@ read starts is matched for it instead of being admitted that round.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,7 +121,7 @@ class EngineAdmission:
         ahead = 0  # requests past this round's slots whose L3 read-back starts now
         # Whether a request before in line is still reading: it gets its host pages first.
         reading = False
-        for request in sorted(plan.requests, key=lambda r: -r.priority):  # stable: plan order
+        for request in _fair_order(plan.requests, running):
             if taken >= slots:
                 if ahead >= slots or reading:
                     break
@@ -253,3 +255,18 @@ class EngineAdmission:
             self.tree.evict(n - self.anchor.available_size)
             slots = self.anchor.alloc(n)
         return slots
+
+
+def _fair_order(
+    waiting: Sequence[ServeRequest], running: Sequence[ServeRequest]
+) -> list[ServeRequest]:
+    """``waiting`` in the order to admit: higher priority first; within a priority, tenants
+    take turns, the one with the fewest requests running (plus those of its own ahead in line)
+    first, so one tenant's queue does not take every slot that frees. Requests of one tenant
+    (every request of an offline run) keep the plan's order."""
+    share = Counter(r.tenant for r in running)
+    turn: list[tuple[int, int, int, ServeRequest]] = []
+    for position, request in enumerate(waiting):
+        turn.append((-request.priority, share[request.tenant], position, request))
+        share[request.tenant] += 1
+    return [request for *_, request in sorted(turn, key=lambda t: t[:3])]

@@ -32,6 +32,7 @@ class RequestOptions:
     seed: int | None = None  # its own seed for its draws (None: the engine's)
     priority: int = 0
     namespace: str | None = None  # the cache namespace it reads and fills (None: the shared one)
+    tenant: str | None = None  # who sent it: tenants take turns at admission
 
 
 @dataclass(eq=False, slots=True)
@@ -70,7 +71,7 @@ class OnlineSource:
         request.namespace = options.namespace
         request.temperature = temperature
         request.top_p, request.seed = options.top_p, options.seed
-        request.priority = options.priority
+        request.priority, request.tenant = options.priority, options.tenant
         admission = Admission(request, asyncio.get_running_loop().create_future())
         request.on_token = admission.tokens.put_nowait
         self._admissions[id(request)] = admission

@@ -82,6 +82,7 @@ class ServeRequest:
     top_p: float = 1.0  # nucleus sampling: 1 keeps every token
     seed: int | None = None  # the request's own seed for its draws (None: the engine's)
     priority: int = 0  # admitted before lower ones; its pages evicted after theirs (priority)
+    tenant: str | None = None  # whose share of the engine it takes (fair admission)
     on_token: Callable[[int], None] | None = None  # told of each token as it is sampled
     cancelled: bool = False  # its client went away: dropped between steps
     refusal: str | None = None  # why it cannot be served, known before it arrives

@@ -11,13 +11,16 @@ keys together, or on a server without keys the client address whatever key it pr
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import pathlib
 import secrets
 from typing import Any
 
 import httpx
-from serving_helpers import VOCAB
-from test_http_api import GREEDY, start, stop
+import pytest
+from serving_helpers import ENGINE, VOCAB
+from test_http_api import GREEDY, slowed, start, stop
 
 from hicache.server.app import HttpServer
 from hicache.server.auth import Access, KeyRing
@@ -68,15 +71,23 @@ async def test_requests_without_a_valid_key_get_a_401_that_does_not_echo_it() ->
         await stop(server)
 
 
-async def test_a_key_that_is_not_utf8_is_a_401_not_a_500() -> None:
-    """httpx sends header bytes as given: an Authorization with bytes that are not UTF-8."""
-    server = await start(None, access=Access(KEYS))
+@pytest.mark.parametrize(
+    "access",
+    [Access(KEYS), Access(KEYS, admin_key="sk-admin-key-000009"), Access(internal_token="t" * 32)],
+    ids=["keys", "keys-and-admin", "worker-behind-a-router"],
+)
+async def test_a_key_that_is_not_utf8_is_a_401_not_a_500(access: Access) -> None:
+    """httpx sends header bytes as given: an Authorization with bytes that are not UTF-8, to
+    every check that compares a key (tenant keys, the admin key, a worker's internal token)."""
+    server = await start(None, access=access)
     try:
         async with httpx.AsyncClient(base_url=server.url or "", timeout=30.0) as client:
             for raw in (ALICE[:-1].encode() + b"\xff", b"\xff\xfe", b"\xc3\x28"):
                 headers = [(b"Authorization", b"Bearer " + raw)]
-                answer = await client.post("/v1/completions", json={"prompt": [1]}, headers=headers)
-                assert answer.status_code == 401, (raw, answer.text)
+                for path in ("/v1/completions", "/admin/flush"):
+                    answer = await client.post(path, json={"prompt": [1]}, headers=headers)
+                    assert answer.status_code in (401, 404), (path, raw, answer.text)
+                    assert answer.status_code == 401 or access.admin_key is None
     finally:
         await stop(server)
 
@@ -253,5 +264,28 @@ async def test_without_keys_a_new_bearer_string_is_no_new_bucket() -> None:
                 body = {"prompt": PROMPT[:8], "max_tokens": 1}
                 statuses.append((await client.post("/v1/completions", json=body)).status_code)
         assert statuses == [200, 429, 429]  # one client address, one bucket
+    finally:
+        await stop(server)
+
+
+async def test_tenants_take_turns_for_the_slots_that_free() -> None:
+    """Bob has two requests running and a third queued when alice's arrives: the next slot
+    that frees is hers (she has none running), not his third's, although his came first."""
+    engine = dataclasses.replace(ENGINE, max_running=2)
+    server = await start(None, device_tokens=1024, engine=engine, access=Access(KEYS))
+    slowed(server, 0.01)  # each step 10 ms or more: the order is the engine's, not the clock's
+    try:
+        async with http(server, BOB) as bob, http(server, ALICE) as alice:
+            lengths = {"short": (11, 20), "long": (12, 200), "third": (13, 20)}
+            bobs = [asyncio.create_task(bob.post("/v1/completions", json={
+                "prompt": [5] * n, "max_tokens": tokens, "temperature": 0}))
+                for n, tokens in lengths.values()]  # fmt: skip
+            while server.source.in_flight < 3:
+                await asyncio.sleep(0.002)
+            hers = {"prompt": [9] * 14, "max_tokens": 1, "temperature": 0}
+            assert (await alice.post("/v1/completions", json=hers)).status_code == 200
+            assert all(a.status_code == 200 for a in await asyncio.gather(*bobs))
+        admitted = {r.prompt_tokens: r.admitted_s for r in server.setup.engine.records}
+        assert admitted[14] < admitted[13]  # alice before bob's third
     finally:
         await stop(server)

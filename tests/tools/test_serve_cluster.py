@@ -141,6 +141,21 @@ def test_a_killed_worker_is_set_aside_then_started_again(tmp_path: pathlib.Path)
         assert value(url, "hicache_router_requests_total", worker="0", outcome="answered") >= 1
 
 
+def test_workers_die_with_a_router_killed_outright(tmp_path: pathlib.Path) -> None:
+    argv = cli("--http", "127.0.0.1:0", "--workers", "2", "--l3", f"file://{tmp_path / 'l3'}")
+    with serving(argv) as served:
+        pids = [served.worker_pid(0), served.worker_pid(1)]
+        served.kill()  # SIGKILL: the router stops nothing itself
+    wait_until(lambda: not any(_running(pid) for pid in pids), timeout_s=30)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
 def test_a_worker_that_cannot_start_stops_serve_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
     marker = str(tmp_path / "unique-cache-dir")
     # A required L3 that nothing listens on: the router does not open L3, each worker must.
