@@ -1,4 +1,5 @@
-"""No import circles in hicache: not between files, not between packages.
+"""No import circles in hicache: not between files, not between packages; and the folders
+form layers (LAYERS), each importing only from itself and those below it.
 
 The graph is read from the source with ``ast``, every ``import`` counted wherever it stands
 (module level, inside a function, under ``TYPE_CHECKING``): a circle hidden behind
@@ -159,6 +160,59 @@ def test_no_circle_between_files() -> None:
 def test_no_circle_between_packages() -> None:
     found = cycles(package_graph(module_graph()))
     assert not found, f"import circles between packages:\n{_describe(found)}"
+
+
+# The folders of hicache, lowest first: a module imports only from its own folder and those
+# before it. "(root)" is the root's leaf modules (errors, keys, codec, urls, ...); the facade
+# (hicache/__init__) comes last. A subpackage counts with its folder (models.hf is models).
+LAYERS = (
+    "(root)", "layouts", "backends", "pools", "radix", "tiering", "models", "sparse",
+    "scheduling", "serving", "workloads", "server", "integrations", "tools", "(facade)",
+)  # fmt: skip
+
+
+def layer_of(module: str, known: dict[str, Path]) -> str:
+    """The folder of LAYERS ``module`` belongs to."""
+    if module == FACADE:
+        return "(facade)"
+    parts = module.split(".")
+    if len(parts) == 2 and not _is_package(known[module]):
+        return "(root)"
+    return parts[1]
+
+
+def upward_imports(graph: dict[str, set[str]], known: dict[str, Path]) -> list[str]:
+    """``module -> target`` for each import of a folder later in LAYERS than the module's."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    found = []
+    for module, targets in sorted(graph.items()):
+        own = rank[layer_of(module, known)]
+        found += [f"{module} -> {t}" for t in sorted(targets) if rank[layer_of(t, known)] > own]
+    return found
+
+
+def test_every_folder_is_a_layer() -> None:
+    known = module_files()
+    assert {layer_of(m, known) for m in known} <= set(LAYERS), "a folder missing from LAYERS"
+
+
+def test_no_folder_imports_a_later_layer() -> None:
+    known = module_files()
+    found = upward_imports(module_graph(), known)
+    assert not found, "imports against the layer order:\n" + "\n".join(found)
+
+
+def test_the_layer_check_counts_a_subpackage_with_its_folder() -> None:
+    """models.hf importing workloads is models importing workloads: against the order."""
+    known = {
+        "hicache.models": Path("hicache/models/__init__.py"),
+        "hicache.models.hf.tokenizer": Path("hicache/models/hf/tokenizer.py"),
+        "hicache.workloads.traces": Path("hicache/workloads/traces.py"),
+    }
+    graph = {"hicache.models.hf.tokenizer": {"hicache.workloads.traces"}}
+    assert upward_imports(graph, known) == [
+        "hicache.models.hf.tokenizer -> hicache.workloads.traces"
+    ]
 
 
 def test_the_checker_sees_a_circle_behind_type_checking(tmp_path: Path) -> None:

@@ -252,9 +252,7 @@ def current_tenant() -> str | None:
 
 def _is_admin(access: Access, token: str | None) -> bool:
     key = access.admin_key
-    return (
-        key is not None and token is not None and hmac.compare_digest(_raw(token), key.encode())
-    )
+    return key is not None and token is not None and hmac.compare_digest(_raw(token), key.encode())
 
 
 async def _admin(

@@ -104,7 +104,7 @@ class ApiError(InvalidArgumentError):
         return {"error": error}
 
 
-# A model without a chat template of its own renders messages with this one (README).
+# A model without a chat template of its own renders messages with this one (docs/http.md).
 PLAIN_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

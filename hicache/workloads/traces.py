@@ -9,15 +9,17 @@ generators that make traces live in :mod:`hicache.workloads.synthetic`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from hicache.errors import TraceFormatError
+from hicache.errors import CheckpointError, TraceFormatError
 
 __all__ = [
+    "tokenize_trace",
     "TOKEN_LIMIT",
     "TraceRequest",
     "dump_trace",
@@ -134,3 +136,28 @@ def _utf8_lines(raw: Iterable[bytes]) -> Iterator[str]:
             yield line.decode("utf-8")
         except UnicodeDecodeError:
             raise TraceFormatError(number, "not UTF-8 text") from None
+
+
+def tokenize_trace(
+    requests: list[TraceRequest], tokenizer: Any | None, vocab_size: int
+) -> list[TraceRequest]:
+    """``requests`` with each text prompt encoded by a checkpoint's ``tokenizer`` (special tokens
+    as it adds them); unchanged without a tokenizer: each text request then fails on its own
+    when it arrives (:class:`~hicache.workloads.arrivals.TraceReplay`), the others are served.
+    CheckpointError when the tokenizer yields ids the model's vocabulary lacks (a tokenizer of
+    another model)."""
+    if tokenizer is None:
+        return requests
+    out = []
+    for request in requests:
+        if request.text is None:
+            out.append(request)
+            continue
+        ids = tokenizer.encode(request.text).ids
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise CheckpointError(
+                f"the tokenizer encoded request {request.id!r} to ids outside the model's "
+                f"vocabulary of {vocab_size}: tokenizer.json belongs to another model"
+            )
+        out.append(dataclasses.replace(request, tokens=list(ids)))
+    return out

@@ -2,7 +2,7 @@
 
 The router reads only the model's config and tokenizer (to route by prompt tokens); each worker
 loads the model and serves ``serve --http`` on a free port of 127.0.0.1 with the same flags, so
-all of them share the L3 the flags name (by default the file store in ``--cache-dir``) in the
+all of them share the L3 the flags name (by default the ``disk://`` store in ``--cache-dir``) in the
 model's own namespace: a prefix one worker computed is an L3 hit on another. The L3 URL reaches
 the workers in their environment, not on their command lines. A worker that fails to start
 stops the others and ``serve`` exits with its error. Once serving, a worker that exits is

@@ -21,7 +21,7 @@ from typing import Any
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
 from hicache.errors import BackendError, InvalidArgumentError
 from hicache.models.hf.loader import CheckpointPlan
-from hicache.models.hf.tokenizer import load_tokenizer, tokenize_trace
+from hicache.models.hf.tokenizer import load_tokenizer
 from hicache.models.tiny import TinyTransformer
 from hicache.models.types import ServingModel
 from hicache.scheduling.host_weight import DEFAULT_HOST_HIT_WEIGHT
@@ -60,7 +60,7 @@ from hicache.workloads.synthetic import (
     SharedPrefixConfig,
     shared_prefix_trace,
 )
-from hicache.workloads.traces import TraceRequest, load_trace
+from hicache.workloads.traces import TraceRequest, load_trace, tokenize_trace
 
 __all__ = ["add_serve_parser", "run_serve"]
 

@@ -29,7 +29,7 @@ MODEL = "org/Model-1.5"  # a '/' and a '.': characters hicache keys do not allow
 
 
 def plugin_extra(url: str, plugin: str = "hicache") -> dict[str, Any]:
-    """The ``extra_config`` entries that load the plugin, as the README gives them."""
+    """The ``extra_config`` entries that load the plugin, as docs/engines.md gives them."""
     return {
         f"remote_storage_plugin.{plugin}.module_path": "hicache.integrations.lmcache",
         f"remote_storage_plugin.{plugin}.class_name": "LMCacheConnectorAdapter",

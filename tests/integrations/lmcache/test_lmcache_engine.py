@@ -109,7 +109,7 @@ def engines() -> Iterator[Engines]:
 
 
 def _config_file(tmp_path: Path, store: Path) -> LMCacheEngineConfig:
-    """The configuration as a user writes it (the README's YAML)."""
+    """The configuration as a user writes it (the YAML of docs/engines.md)."""
     text = {
         "chunk_size": CHUNK,
         "local_cpu": True,
