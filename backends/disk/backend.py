@@ -152,9 +152,11 @@ class DiskBackend(StorageBackend):
         self._n["refreshes"] += 1
         if catalog.lock.acquire(blocking=False):  # usually free: read the logs right here
             catalog.lock.release()
-            catalog.refresh()
-        else:  # a snapshot or a long put holds it: wait in a thread, not on the loop
-            await in_thread(catalog.refresh)
+            if catalog.refresh(rebuild=False):
+                return
+        # A snapshot or a long put holds the lock, or the index is to be rebuilt from the
+        # snapshot (a million entries take a second): in a thread, not on the loop.
+        await in_thread(catalog.refresh)
 
     async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
         """A first pass on the loop for what the page cache holds (no thread hop), the rest

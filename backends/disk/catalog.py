@@ -1,10 +1,14 @@
 """What one process knows of a ``disk`` store: the index, and how far it has read each log.
 
 Opening loads the newest snapshot, then reads every slot's log from the point the snapshot
-covers (or from its first generation, for a slot the snapshot does not know), then drops the
+covers (or from ``FIRST_GENERATION``, for a slot the snapshot does not know), then drops the
 entries whose segment file is gone. Afterwards :meth:`Catalog.refresh` reads what other
 processes appended since: it is called on a miss, so a page another process stored before the
 miss is found, and at least every ``REFRESH_S`` seconds by the busy paths.
+
+A generation this process had not read yet may be gone when it looks: a writer's snapshot
+(at close, or every ``snapshot_records``) removes the generations it covers. The tail then
+finds its generation missing, and the index is rebuilt from the snapshot that covers it.
 
 Snapshots: :meth:`Catalog.capture` and :func:`write_snapshot`; the writer decides when.
 """
@@ -30,7 +34,7 @@ from hicache.backends.disk.format import (
 )
 from hicache.backends.disk.index import KeyIndex
 from hicache.backends.disk.layout import StoreDirs
-from hicache.backends.disk.logs import LogTail, list_generations
+from hicache.backends.disk.logs import FIRST_GENERATION, LogTail, list_generations
 from hicache.backends.disk.segments import SegmentFiles, list_segments
 
 __all__ = ["REFRESH_S", "Catalog", "write_snapshot"]
@@ -52,6 +56,7 @@ class Catalog:
         self.tails: dict[int, LogTail] = {}
         self.files = SegmentFiles(dirs.segments, direct)
         self.last_refresh = 0.0
+        self.rebuild_due = False  # a refresh found records lost to it: see refresh(rebuild)
         self.own_generation = 0  # where the replay of this process's slot ended (see load)
         # The snapshot file last read or written here (its identity) and the log points it
         # covers: a writer about to snapshot decodes the file again only if it was replaced.
@@ -125,37 +130,55 @@ class Catalog:
     def _start_tails(
         self, snap: Snapshot | None, give_up: bool = False
     ) -> dict[int, LogTail] | None:
-        """A tail per slot at the point the snapshot covers; None when a generation the
-        snapshot names is gone while a later one exists (a newer snapshot replaced it)."""
+        """A tail per slot at the point the snapshot covers (a slot it does not cover: from
+        its first generation, which a newer snapshot may have removed: a gap, and the load
+        reads again); None when a generation the snapshot names is gone while a later one
+        exists (a newer snapshot replaced it)."""
         gens = list_generations(self.dirs.index)
         covered = snap.logs if snap is not None else {}
         tails: dict[int, LogTail] = {}
         for slot in sorted(set(gens) | set(covered)):
             have = gens.get(slot, [])
-            gen, off = covered.get(slot, (have[0] if have else 1, LOG_HEADER))
+            gen, off = covered.get(slot, (FIRST_GENERATION, LOG_HEADER))
             if have and gen not in have and not give_up and any(g > gen for g in have):
                 return None
             tails[slot] = LogTail(self.dirs.index, slot, gen, off)
         return tails
 
     # ----- keeping up -----------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Apply what other processes appended to their logs since the last look (blocking)."""
+    def refresh(self, rebuild: bool = True) -> bool:
+        """Apply what other processes appended to their logs since the last look (blocking).
+
+        When a generation was removed before this process read it, the index is rebuilt from
+        the snapshot that covers it (:meth:`load`): with ``rebuild=False`` that is left to the
+        next call that allows it, and the result is False (the index is not up to date)."""
         with self.lock:
-            known = set(self.tails)
-            for slot, gens in list_generations(self.dirs.index).items():
-                if slot not in known and slot != self.own_slot and gens:
-                    self.tails[slot] = LogTail(self.dirs.index, slot, gens[0], LOG_HEADER)
-            gaps: list[str] = []
-            for tail in self.tails.values():
-                self._apply(tail.read(gaps.append))
-            if gaps:
-                # A generation was removed before this process read it: a tail not holding it
-                # open yet (the ROTATE naming it read before it was created, or a new tail)
-                # while its writer snapshotted twice. Its records were lost here, then from
-                # this process's own snapshots; the current snapshot covers them: rebuild.
+            if not self.rebuild_due:
+                self.rebuild_due = self._read_logs()
+            if self.rebuild_due:
+                if not rebuild:
+                    return False
                 self.load()
+                self.rebuild_due = False
             self.last_refresh = time.monotonic()
+            return True
+
+    def _read_logs(self) -> bool:
+        """Apply the records appended since the last look; True when some were lost here: a
+        generation removed before a tail read it (a slot new to this process whose first
+        generation is gone, or one a ROTATE named before it was created). The snapshot that
+        removed it covers its records."""
+        # A new slot's tail starts at its first generation, not at the oldest one present: a
+        # writer that snapshotted (every close does) removed the older ones, and a tail begun
+        # past them never saw their records (a writer's last pages were hidden from every
+        # process that had not looked before it closed).
+        for slot, gens in list_generations(self.dirs.index).items():
+            if slot not in self.tails and slot != self.own_slot and gens:
+                self.tails[slot] = LogTail(self.dirs.index, slot, FIRST_GENERATION, LOG_HEADER)
+        gaps: list[str] = []
+        for tail in self.tails.values():
+            self._apply(tail.read(gaps.append))
+        return bool(gaps)
 
     def stale(self) -> bool:
         return time.monotonic() - self.last_refresh > REFRESH_S

@@ -1,10 +1,14 @@
 """The ``disk`` backend's index logs: one writer's appends, every process's tails.
 
-Each writer slot ``N`` appends to ``index/wNNN.GGGGGGGG.log``, one generation at a time. A
-generation ends with a ROTATE record naming the next one, appended before the next file is
-created, so a reader that follows the chain from any point of any generation sees every
-record in order and never skips a file; a reader that finds the named file missing yet waits
-(its writer is creating it) until the next look.
+Each writer slot ``N`` appends to ``index/wNNN.GGGGGGGG.log``, one generation at a time,
+starting at :data:`FIRST_GENERATION`. A generation ends with a ROTATE record naming the next
+one, appended before the next file is created, so a reader that follows the chain from any
+point of any generation sees every record in order and never skips a file; a reader that
+finds the named file missing yet waits (its writer is creating it) until the next look.
+
+A snapshot removes the generations it covers, so a slot's oldest generation present is not
+where its records begin: a reader new to a slot starts at :data:`FIRST_GENERATION` (or where
+the snapshot it read covers the slot), and finds it missing when a snapshot covers it.
 
 Gaps (a generation deleted or damaged by hand) are stepped over to the next generation that
 exists, and counted: the entries recorded there are lost, which reads as misses.
@@ -31,11 +35,12 @@ from hicache.backends.disk.format import (
     parse_log_header,
 )
 
-__all__ = ["LogTail", "LogWriter", "list_generations", "log_name"]
+__all__ = ["FIRST_GENERATION", "LogTail", "LogWriter", "list_generations", "log_name"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NAME = re.compile(r"w(\d{3})\.([0-9a-f]{8})\.log\Z")
+FIRST_GENERATION = 1  # a new slot's (recover, with nothing replayed: 0 + 1)
 
 
 def log_name(slot: int, generation: int) -> str:

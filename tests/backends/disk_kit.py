@@ -1,5 +1,6 @@
 """Helpers for the disk backend's tests: opening stores, values that name their version, the
-files of a store, and a writer child process that journals every call it makes.
+files of a store, a writer child process driven through queues, and one that journals every
+call it makes.
 
 Values are derived from ``(key, version)`` only, so any process can tell whether bytes read
 back are exactly one of the versions written for a key.
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import pathlib
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache.backends.base import MISS
 from hicache.backends.disk import DiskBackend, DiskConfig
 
 KIB = 1 << 10
@@ -67,6 +71,81 @@ def without_closing_snapshot(backend: DiskBackend) -> None:
     """Make ``close()`` skip its snapshot (as when it fails): the logs keep every record."""
     assert backend._appender is not None
     backend._appender.maybe_snapshot = lambda force=False: False  # type: ignore[method-assign]
+
+
+# ----- a writer child driven through queues ----------------------------------------------------
+CTX = multiprocessing.get_context("spawn")
+
+
+def serve(root: str, commands: Any, replies: Any) -> None:
+    """Child: open the store as a writer, report its slot, then run commands until told to
+    close (or to exit at once, as a crash would: no closing snapshot)."""
+
+    async def main() -> None:
+        backend = await open_disk(pathlib.Path(root), segment_bytes=MIB, snapshot_records=64)
+        assert backend._appender is not None
+        replies.put(backend._appender.slot)
+        while True:
+            op, key, version = await asyncio.to_thread(commands.get)
+            if op in ("put", "delete", "exists", "get", "fill"):
+                replies.put(await _command(backend, op, key, version))
+            elif op == "crash":
+                os._exit(0)
+            else:
+                await backend.close()
+                replies.put("closed")
+                return
+
+    asyncio.run(main())
+
+
+async def _command(backend: DiskBackend, op: str, key: str, version: int) -> Any:
+    if op == "put":
+        return await backend.put([key], [value_of(key, version)])
+    if op == "delete":
+        return await backend.delete([key])
+    if op == "exists":
+        return await backend.exists([key])
+    if op == "get":
+        buf = bytearray(32 * KIB)
+        (n,) = await backend.get_into([key], [buf])
+        return None if n == MISS else bytes(buf[:n])
+    # fill: ``version`` pages named ``key``-i, version 1 each, put 8 at a time; their keys
+    keys = [f"{key}-{i}" for i in range(version)]
+    for start in range(0, len(keys), 8):
+        batch = keys[start : start + 8]
+        assert await backend.put(batch, [value_of(k, 1) for k in batch]) == [True] * len(batch)
+    return keys
+
+
+class Child:
+    """A process running :func:`serve`, its slot taken once constructed."""
+
+    def __init__(self, root: pathlib.Path) -> None:
+        self.commands, self.replies = CTX.Queue(), CTX.Queue()
+        self.process = CTX.Process(
+            target=serve, args=(str(root), self.commands, self.replies), daemon=True
+        )  # daemon: a failed test leaves no child behind
+        self.process.start()
+        self.slot: int = self.reply()
+
+    def reply(self) -> Any:
+        return self.replies.get(timeout=30)
+
+    def call(self, op: str, key: str = "", version: int = 0) -> Any:
+        self.commands.put((op, key, version))
+        return self.reply()
+
+    def end(self, op: str = "close") -> None:
+        self.commands.put((op, "", 0))
+        self.process.join(30)
+        assert self.process.exitcode == 0
+
+    def kill(self) -> None:
+        """SIGKILL: nothing of a close runs; the kernel releases the slot's lock."""
+        self.process.kill()
+        self.process.join(30)
+        assert self.process.exitcode == -signal.SIGKILL
 
 
 # ----- a writer child that journals its calls ---------------------------------------------------

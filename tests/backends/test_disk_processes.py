@@ -3,81 +3,30 @@ found by the next call of another, deletes reach the others within ``REFRESH_S``
 hold distinct slots, a reopen sees the union, a read-only open sees all and writes nothing.
 
 Children are started with multiprocessing's spawn and driven through queues.
+
+The first look at a store after a writer left (closed, killed) finds what it stored: a
+reader opened before that writer, one that keeps running while writers come and go, one
+that opens while a writer closes (its closing snapshot removes the log generations it
+covers, which a reader that never read them must find through the snapshot).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import multiprocessing
-import os
 import pathlib
 import queue
 import time
 from typing import Any
 
 import pytest
-from disk_kit import KIB, MIB, open_disk, value_of
+from disk_kit import CTX, KIB, MIB, Child, open_disk, value_of
 
-from hicache.backends.base import MISS
+from hicache.backends.disk import catalog
 from hicache.backends.disk.catalog import REFRESH_S
 from hicache.errors import ReadOnlyStoreError
 
-CTX = multiprocessing.get_context("spawn")
 SLACK_S = 0.3  # scheduling noise on a loaded machine, on top of REFRESH_S
-
-
-# ----- a child that runs commands --------------------------------------------------------------
-def serve(root: str, commands: Any, replies: Any) -> None:
-    """Child: open the store as a writer, report its slot, then run commands until told to
-    close (or to exit at once, as a crash would: no closing snapshot)."""
-
-    async def main() -> None:
-        backend = await open_disk(pathlib.Path(root), segment_bytes=MIB, snapshot_records=64)
-        assert backend._appender is not None
-        replies.put(backend._appender.slot)
-        while True:
-            op, key, version = await asyncio.to_thread(commands.get)
-            if op == "put":
-                replies.put(await backend.put([key], [value_of(key, version)]))
-            elif op == "delete":
-                replies.put(await backend.delete([key]))
-            elif op == "exists":
-                replies.put(await backend.exists([key]))
-            elif op == "get":
-                buf = bytearray(32 * KIB)
-                (n,) = await backend.get_into([key], [buf])
-                replies.put(None if n == MISS else bytes(buf[:n]))
-            elif op == "crash":
-                os._exit(0)
-            else:
-                await backend.close()
-                replies.put("closed")
-                return
-
-    asyncio.run(main())
-
-
-class Child:
-    def __init__(self, root: pathlib.Path) -> None:
-        self.commands, self.replies = CTX.Queue(), CTX.Queue()
-        self.process = CTX.Process(
-            target=serve, args=(str(root), self.commands, self.replies), daemon=True
-        )  # daemon: a failed test leaves no child behind
-        self.process.start()
-        self.slot: int = self.reply()
-
-    def reply(self) -> Any:
-        return self.replies.get(timeout=30)
-
-    def call(self, op: str, key: str = "", version: int = 0) -> Any:
-        self.commands.put((op, key, version))
-        return self.reply()
-
-    def end(self, op: str = "close") -> None:
-        self.commands.put((op, "", 0))
-        self.process.join(30)
-        assert self.process.exitcode == 0
 
 
 @pytest.mark.asyncio
@@ -170,6 +119,94 @@ async def test_reader_waiting_for_a_generation_removed_before_it_looked(
     assert (await reader.stats())["log_gaps"] == 0
     await reader.close()
     await writer.close()
+
+
+# ----- writers that leave before a reader looks ---------------------------------------------------
+async def found_by(reader: Any, pages: list[str]) -> None:
+    """``pages`` (version 1 each) are found by the reader's next exists, and read exact."""
+    assert await reader.exists(pages) == [True] * len(pages)
+    assert await reader.get(pages, size_hint=32 * KIB) == [value_of(k, 1) for k in pages]
+    assert (await reader.stats())["log_gaps"] == 0
+
+
+@pytest.mark.parametrize("end", ["close", "kill"])
+@pytest.mark.parametrize("reader_kind", ["writer", "read_only"])
+@pytest.mark.asyncio
+async def test_pages_of_a_writer_that_left_before_the_reader_looked(
+    tmp_path: pathlib.Path, reader_kind: str, end: str
+) -> None:
+    """A reader opened before the writer started; the writer stores 96 pages (a snapshot
+    comes due after 64) and closes, or is killed with SIGKILL, before the reader looks: the
+    reader's next call finds all 96. (Its snapshots removed the log generations the reader
+    never read; the reader started on the slot at the oldest one left.)"""
+    holder = await open_disk(tmp_path, segment_bytes=MIB)  # slot 0: the writer takes a new one
+    reader = holder if reader_kind == "writer" else await open_disk(tmp_path, read_only=True)
+    try:
+        writer = await asyncio.to_thread(Child, tmp_path)
+        assert writer.slot == 1
+        pages = await asyncio.to_thread(writer.call, "fill", "w", 96)
+        await asyncio.to_thread(writer.kill if end == "kill" else writer.end)
+        await found_by(reader, pages)
+    finally:
+        if reader is not holder:
+            await reader.close()
+        await holder.close()
+
+
+@pytest.mark.asyncio
+async def test_writers_come_and_go_while_readers_run(tmp_path: pathlib.Path) -> None:
+    """Four writers in turn in one slot, each opened, filled and closed (the third killed)
+    while two readers stay open: one looks after each writer left (and while the second
+    and fourth still run), the other only once all are gone. Both find every page."""
+    looker = await open_disk(tmp_path, segment_bytes=MIB)  # holds slot 0 throughout
+    late = await open_disk(tmp_path, read_only=True)
+    pages: list[str] = []
+    try:
+        for turn in range(4):
+            writer = await asyncio.to_thread(Child, tmp_path)
+            assert writer.slot == 1
+            mine = await asyncio.to_thread(writer.call, "fill", f"t{turn}", 40 + 30 * turn)
+            if turn % 2:
+                assert await looker.exists(mine) == [True] * len(mine)
+            await asyncio.to_thread(writer.kill if turn == 2 else writer.end)
+            pages += mine
+            assert await looker.exists(pages) == [True] * len(pages), f"after writer {turn}"
+        await found_by(looker, pages)
+        await found_by(late, pages)
+    finally:
+        await late.close()
+        await looker.close()
+
+
+@pytest.mark.parametrize("covered", [False, True])
+@pytest.mark.asyncio
+async def test_reader_opening_while_a_writer_closes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, covered: bool
+) -> None:
+    """A reader opens while a writer closes: the reader has read the snapshot (none yet, or
+    one that covers the writer's slot only in part) when the writer's closing snapshot
+    replaces it and removes the log generations it covers, before the reader lists them.
+    The writer process closes at exactly that point of the open; the open finds every page."""
+    holder = await open_disk(tmp_path, segment_bytes=MIB)  # slot 0: the writer takes a new one
+    writer = await asyncio.to_thread(Child, tmp_path)
+    pages = await asyncio.to_thread(writer.call, "fill", "w", 80 if covered else 40)
+    assert (tmp_path / "index" / "snapshot").exists() == covered
+    list_generations = catalog.list_generations
+
+    def close_writer_first(index_fd: int) -> dict[int, list[int]]:
+        if writer.process.is_alive():  # the first listing of the open: the snapshot is read
+            writer.end()
+        return list_generations(index_fd)
+
+    monkeypatch.setattr(catalog, "list_generations", close_writer_first)
+    reader = await open_disk(tmp_path, read_only=True)
+    monkeypatch.undo()
+    try:
+        assert not writer.process.is_alive()
+        await found_by(reader, pages)
+    finally:
+        await reader.close()
+        await holder.close()
 
 
 # ----- the hammer ----------------------------------------------------------------------------
