@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.hicache-installed
 PYTEST_ARGS ?=
 # Every optional backend's client is installed so its tests run against the real service.
-EXTRAS ?= test,dev,s3,mooncake,nixl,prometheus,http,plot,hf,reference
+EXTRAS ?= test,dev,s3,mooncake,nixl,redis,prometheus,http,plot,hf,reference
 
 # Mooncake's CPU wheel links against libibverbs even when it talks TCP.
 define ENSURE_IBVERBS
@@ -17,11 +17,20 @@ define ENSURE_IBVERBS
 	  echo "warning: libibverbs1 missing; Mooncake tests will be skipped"
 endef
 
+# The redis:// tests start their own redis-server (and use redis-cli) on free loopback ports;
+# a system service the package may start is not used.
+define ENSURE_REDIS
+	command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq redis-server; } || \
+	  echo "warning: redis-server missing; redis:// tests will be skipped"
+endef
+
 .PHONY: setup run test lint typecheck pytest clean test-engines test-sglang test-lmcache test-vllm \
 	test-vllm-serve
 
 $(STAMP): pyproject.toml
 	$(ENSURE_IBVERBS)
+	$(ENSURE_REDIS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install torch==2.13.0
 	$(BIN)/python -m pip install -e '.[$(EXTRAS)]'

@@ -68,6 +68,11 @@ _KNOWN: dict[str, _Known] = {
     ),
     "nixl": _Known("hicache.backends.nixl:NixlBackend", ("nixl",), "pip install 'hicache[nixl]'"),
     "3fs": _Known("hicache.backends.hf3fs:Hf3fsBackend", ("hf3fs", "3fs"), ""),
+    "redis": _Known(
+        "hicache.backends.redis:RedisBackend",
+        ("redis", "rediss", "valkey", "valkeys"),
+        "pip install 'hicache[redis]'",
+    ),
 }
 
 # Schemes that no built-in serves but a known plugin would, and how to get it; used only to make

@@ -23,6 +23,11 @@ Every step also reports its CPU cost, ``LABEL_cpu_us``: the process CPU time
 rounds with its range; ``put_cpu_ratio`` and ``get_cpu_ratio`` are the backend's CPU over the
 async raw baseline's (above 1: the backend spends more).
 
+A client library with an asyncio API of its own (``redis``: its module has ``async_baseline``)
+gets that instead of both: the bare client on the bench's event loop, as the backend runs, with
+no thread in between; ``put_ratio`` and ``get_ratio`` compare against it, and ``exists`` is
+timed too (``exists_kops``: thousands of keys a second; ``exists_ratio``).
+
 With ``open_objects``, only the open benchmark runs instead (``store_open``): the time to
 open a ``disk`` (and ``file``) store of that many small objects left by a writer that died.
 """
@@ -92,6 +97,7 @@ _RAW_MODULES: dict[str, str] = {
     "nixl": "raw_nixl",
     "3fs": "raw_hf3fs",
     "disk": "raw_disk",
+    "redis": "raw_redis",
 }
 
 
@@ -141,6 +147,12 @@ async def _backend_put(backend: StorageBackend, work: _Workload) -> None:
         ok = await backend.put(work.keys[lo:hi], [work.source[j] for j in range(lo, hi)])
         if not all(ok):
             raise RuntimeError(f"{backend.name}: a put failed during the benchmark")
+
+
+async def _backend_exists(backend: StorageBackend, work: _Workload) -> None:
+    for lo, hi in _batches(len(work.keys)):
+        if not all(await backend.exists(work.keys[lo:hi])):
+            raise RuntimeError(f"{backend.name}: an object was lost during the benchmark")
 
 
 async def _backend_get(backend: StorageBackend, work: _Workload) -> None:
@@ -239,26 +251,82 @@ async def _bench_open(
 ) -> dict[str, Any]:
     backend = await open_backend(url)
     try:
-        # Each baseline has files (keys, a client) of its own, as the backend has: shared, their
-        # pages would be touched twice as often as the backend's and stay the warmer ones.
-        raw = {way: _raw_baseline(name, backend, _subdir(scratch, way), work) for way in _WAYS}
-        await _backend_put(backend, work)  # warm: directories, arena pages, caches
-        await _backend_get(backend, work)
-        if not np.array_equal(work.dest, work.source):
-            raise RuntimeError(f"{name}: data read back differs from data written")
-        for raw_put, raw_get in raw.values():
-            _raw_blocking(raw_put, work)
-            work.dest.fill(1)
-            _raw_blocking(raw_get, work)
-            if not np.array_equal(work.dest, work.source):
-                raise RuntimeError(f"{name}: the raw baseline read back other data")
-        times, cpu = await _timed_rounds(backend, work, raw, cfg.repeats)
+        module = _raw_module(name)
+        if hasattr(module, "async_baseline"):
+            times, cpu = await _async_rounds(backend, module, work, cfg.repeats)
+        else:
+            times, cpu = await _thread_rounds(name, backend, scratch, work, cfg.repeats)
     finally:
         unlink = getattr(backend, "unlink", None)
         await backend.close()
         if callable(unlink):
             unlink()
     return _report(name, work, times) | _cpu_report(len(work.keys), cpu)
+
+
+Rounds = tuple[dict[str, list[float]], dict[str, list[float]]]  # wall and CPU seconds per step
+
+
+async def _thread_rounds(
+    name: str, backend: StorageBackend, scratch: str, work: _Workload, repeats: int
+) -> Rounds:
+    """The backend against a blocking baseline, driven both ways (see the module docstring)."""
+    # Each baseline has files (keys, a client) of its own, as the backend has: shared, their
+    # pages would be touched twice as often as the backend's and stay the warmer ones.
+    raw = {way: _raw_baseline(name, backend, _subdir(scratch, way), work) for way in _WAYS}
+    await _backend_put(backend, work)  # warm: directories, arena pages, caches
+    await _backend_get(backend, work)
+    if not np.array_equal(work.dest, work.source):
+        raise RuntimeError(f"{name}: data read back differs from data written")
+    for raw_put, raw_get in raw.values():
+        _raw_blocking(raw_put, work)
+        work.dest.fill(1)
+        _raw_blocking(raw_get, work)
+        if not np.array_equal(work.dest, work.source):
+            raise RuntimeError(f"{name}: the raw baseline read back other data")
+    (async_put, async_get), (blocking_put, blocking_get) = raw["async"], raw["blocking"]
+    steps: dict[str, Callable[[], Awaitable[Any]]] = {
+        "put": lambda: _backend_put(backend, work),
+        "raw_put": lambda: _raw_async(async_put, work),
+        "raw_put_blocking": lambda: asyncio.to_thread(_raw_blocking, blocking_put, work),
+        "get": lambda: _backend_get(backend, work),
+        "raw_get": lambda: _raw_async(async_get, work),
+        "raw_get_blocking": lambda: asyncio.to_thread(_raw_blocking, blocking_get, work),
+    }
+    groups = [["put", "raw_put", "raw_put_blocking"], ["get", "raw_get", "raw_get_blocking"]]
+    return await _timed_rounds(steps, groups, repeats)
+
+
+async def _async_rounds(
+    backend: StorageBackend, module: Any, work: _Workload, repeats: int
+) -> Rounds:
+    """The backend against its client library's own asyncio API, on this loop."""
+    name = backend.name
+
+    async def each_batch(move: Callable[[_Workload, int, int], Awaitable[None]]) -> None:
+        for lo, hi in _batches(len(work.keys)):
+            await move(work, lo, hi)
+
+    async with module.async_baseline(backend, work) as raw:
+        await _backend_put(backend, work)
+        await _backend_get(backend, work)
+        await each_batch(raw.put)
+        if not np.array_equal(work.dest, work.source):
+            raise RuntimeError(f"{name}: data read back differs from data written")
+        work.dest.fill(1)
+        await each_batch(raw.get)
+        if not np.array_equal(work.dest, work.source):
+            raise RuntimeError(f"{name}: the raw baseline read back other data")
+        steps: dict[str, Callable[[], Awaitable[Any]]] = {
+            "put": lambda: _backend_put(backend, work),
+            "raw_put": lambda: each_batch(raw.put),
+            "get": lambda: _backend_get(backend, work),
+            "raw_get": lambda: each_batch(raw.get),
+            "exists": lambda: _backend_exists(backend, work),
+            "raw_exists": lambda: each_batch(raw.exists),
+        }
+        groups = [["put", "raw_put"], ["get", "raw_get"], ["exists", "raw_exists"]]
+        return await _timed_rounds(steps, groups, repeats)
 
 
 def _subdir(scratch: str, way: str) -> str:
@@ -268,37 +336,24 @@ def _subdir(scratch: str, way: str) -> str:
 
 
 async def _timed_rounds(
-    backend: StorageBackend,
-    work: _Workload,
-    raw: dict[str, tuple[BatchMove, BatchMove]],
-    repeats: int,
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    steps: dict[str, Callable[[], Awaitable[Any]]], groups: list[list[str]], repeats: int
+) -> Rounds:
     """The wall seconds and the process CPU seconds of each step in each of ``repeats``
-    rounds."""
-    (async_put, async_get), (blocking_put, blocking_get) = raw["async"], raw["blocking"]
-    steps = {
-        "put": lambda: _backend_put(backend, work),
-        "raw_put": lambda: _raw_async(async_put, work),
-        "raw_put_blocking": lambda: asyncio.to_thread(_raw_blocking, blocking_put, work),
-        "get": lambda: _backend_get(backend, work),
-        "raw_get": lambda: _raw_async(async_get, work),
-        "raw_get_blocking": lambda: asyncio.to_thread(_raw_blocking, blocking_get, work),
-    }
+    rounds; a round runs each group's steps one after the other."""
     times: dict[str, list[float]] = {label: [] for label in steps}
     cpu: dict[str, list[float]] = {label: [] for label in steps}
-    puts = ["put", "raw_put", "raw_put_blocking"]
-    gets = ["get", "raw_get", "raw_get_blocking"]
     for repeat in range(repeats):
-        # Alternate, so noise hits every side alike, and rotate who goes first, so over every
-        # three rounds each side takes each place once.
-        for label in rotated(puts, repeat) + rotated(gets, repeat):
-            # Untimed: every step starts with no dirty pages. Without this a disk-bound put
-            # paid for the previous step's writeback and one baseline read 0.8 GB/s in a run
-            # where the same code, one place over, read 1.9.
-            await asyncio.to_thread(os.sync)
-            wall, used = await _timed(steps[label])
-            times[label].append(wall)
-            cpu[label].append(used)
+        # Alternate, so noise hits every side alike, and rotate who goes first, so over as many
+        # rounds as a group has steps each side takes each place once.
+        for group in groups:
+            for label in rotated(group, repeat):
+                # Untimed: every step starts with no dirty pages. Without this a disk-bound put
+                # paid for the previous step's writeback and one baseline read 0.8 GB/s in a
+                # run where the same code, one place over, read 1.9.
+                await asyncio.to_thread(os.sync)
+                wall, used = await _timed(steps[label])
+                times[label].append(wall)
+                cpu[label].append(used)
     return times, cpu
 
 
@@ -310,10 +365,14 @@ def _report(name: str, work: _Workload, times: dict[str, list[float]]) -> dict[s
         "rounds": len(times["put"]),
     }
     for label, seconds in times.items():
-        out.update(spread(f"{label}_gbps", [work.nbytes / t / 1e9 for t in seconds], 3))
-    for op in ("put", "get"):
-        out.update(paired_ratio(f"{op}_ratio", times[op], times[f"raw_{op}"]))
-        out.update(paired_ratio(f"{op}_ratio_blocking", times[op], times[f"raw_{op}_blocking"]))
+        if label.endswith("exists"):  # no bytes move: keys a second
+            out.update(spread(f"{label}_kops", [len(work.keys) / t / 1e3 for t in seconds], 1))
+        else:
+            out.update(spread(f"{label}_gbps", [work.nbytes / t / 1e9 for t in seconds], 3))
+    for op in ("put", "get", "exists"):
+        for way in ("", "_blocking"):
+            if op in times and f"raw_{op}{way}" in times:
+                out.update(paired_ratio(f"{op}_ratio{way}", times[op], times[f"raw_{op}{way}"]))
     return out
 
 
@@ -325,7 +384,9 @@ def _cpu_report(objects: int, cpu: dict[str, list[float]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, seconds in cpu.items():
         out.update(spread(f"{label}_cpu_us", [s / objects * 1e6 for s in seconds], 2))
-    for op in ("put", "get"):
+    for op in ("put", "get", "exists"):
+        if f"raw_{op}" not in cpu:
+            continue
         # paired_ratio gives baseline over ours: pass them swapped for backend over raw. The
         # floor keeps a step too short for the CPU clock from dividing by zero.
         raw = [max(s, 1e-9) for s in cpu[f"raw_{op}"]]

@@ -1,0 +1,244 @@
+"""The redis-py asyncio client a ``redis://`` backend talks through, and how a batch runs on it.
+
+One client per backend: a single server behind a blocking connection pool (a call waits up to
+``timeout`` for a free connection instead of failing), a :class:`RedisCluster`, or the master a
+set of sentinels names. A batch is pipelined, never one round trip per key: one pipeline on a
+server; in a cluster, one pipeline per master the keys' slots map to, sent concurrently, so a
+master that is down fails only its own keys. redis-py follows MOVED and ASK itself.
+
+Deadlines: ``timeout`` bounds connecting, and each batch, SCAN step or setup call as a whole
+(one timer each). Not redis-py's ``socket_timeout`` (5 s by default in some versions), which
+arms a timer per reply read: a pipeline of 32 ``EXISTS`` took a third longer with it here.
+
+Each connection retries a failed exchange once, at once, on a new connection: a connection the
+server closed (a restart, ``CLIENT KILL``, an idle timeout) costs no miss. Every command of a
+batch may run twice that way; all of them are idempotent but ``DEL``'s count (a retried
+delete may report a key it removed as absent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from hicache.backends.redis.config import RedisConfig
+from hicache.errors import BackendUnavailableError, ConfigError
+
+__all__ = ["CLIENT_NAME", "FAILURES", "MAX_BULK_DEFAULT", "Queue", "RedisClient", "connect"]
+
+logger = logging.getLogger(__name__)
+
+# What a call to the server may fail with: the client's errors (connection, timeout, a reply
+# such as LOADING or OOM) and the socket's own. Anything else is a bug and propagates.
+FAILURES: tuple[type[Exception], ...] = (RedisError, OSError, asyncio.TimeoutError)
+CLIENT_NAME = "hicache"
+# proto-max-bulk-len's default: the server refuses a longer value.
+MAX_BULK_DEFAULT = 512 << 20
+#: Queues one key's commands on a pipeline: ``queue(pipeline, redis_key)``.
+Queue = Callable[[Any, bytes], None]
+T = TypeVar("T")
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+; wait_for before
+
+
+async def within(seconds: float, call: Awaitable[T]) -> T:
+    """``call``, cancelled after ``seconds`` with ``TimeoutError`` (one of :data:`FAILURES`)."""
+    if _timeout is None:
+        return await asyncio.wait_for(call, seconds)
+    async with _timeout(seconds):
+        return await call
+
+
+def _ssl_options(cfg: RedisConfig) -> dict[str, Any]:
+    return {
+        "ssl_ca_certs": cfg.ca_file,
+        "ssl_certfile": cfg.cert_file,
+        "ssl_keyfile": cfg.key_file,
+        "ssl_cert_reqs": "required",
+        "ssl_check_hostname": True,  # not every redis-py version checks it by default
+    }
+
+
+def _connection_options(cfg: RedisConfig, password: str | None) -> dict[str, Any]:
+    return {
+        "username": cfg.username,
+        "password": password,
+        # No per-reply timer (some redis-py versions default to 5 s): see "Deadlines" above.
+        "socket_timeout": None,
+        "socket_connect_timeout": cfg.timeout,
+        "retry": Retry(NoBackoff(), 1),
+        # Named, for the redis-py versions (5.x) whose pipelines retry only what is listed.
+        "retry_on_error": [RedisConnectionError],
+        # Named, so that an operator's CLIENT LIST (and CLIENT KILL) can pick hicache out.
+        "client_name": CLIENT_NAME,
+    }
+
+
+def _build(cfg: RedisConfig, password: str | None) -> Any:
+    options = _connection_options(cfg, password)
+    host, port = cfg.address
+    if cfg.cluster:
+        # Partial coverage is allowed: with a master down, the other masters' keys still work.
+        extra = {"ssl": True, **_ssl_options(cfg)} if cfg.tls else {}
+        return RedisCluster(
+            host=host,
+            port=port,
+            max_connections=cfg.max_connections,
+            require_full_coverage=False,
+            **options,
+            **extra,
+        )
+    if cfg.sentinel:
+        tls = {"ssl": True, **_ssl_options(cfg)} if cfg.tls else {}
+        # The sentinels are asked with the same timeout and TLS, and without the password.
+        sentinel_options = {"socket_timeout": cfg.timeout, "socket_connect_timeout": cfg.timeout}
+        sentinels = Sentinel(
+            cfg.sentinels(), sentinel_kwargs={**sentinel_options, **tls}, **options, **tls
+        )
+        return sentinels.master_for(cfg.service, db=cfg.db, max_connections=cfg.max_connections)
+    pool = BlockingConnectionPool(
+        max_connections=cfg.max_connections,
+        timeout=cfg.timeout,
+        connection_class=SSLConnection if cfg.tls else Connection,
+        host=host,
+        port=port,
+        db=cfg.db,
+        **options,
+        **(_ssl_options(cfg) if cfg.tls else {}),
+    )
+    return Redis.from_pool(pool)
+
+
+def _where(cfg: RedisConfig) -> str:
+    """The deployment in words, for messages; never with credentials."""
+    host, port = cfg.address
+    if cfg.sentinel:
+        return f"service {cfg.service!r} at sentinels {cfg.sentinel}"
+    kind = "cluster node" if cfg.cluster else "server"
+    return f"{kind} {host}:{port}" + (f" db {cfg.db}" if cfg.db else "")
+
+
+class RedisClient:
+    """A connected client: batches as pipelines, the server's value limit, close."""
+
+    def __init__(self, client: Any, cfg: RedisConfig) -> None:
+        self.client = client
+        self.cluster = cfg.cluster
+        self.where = _where(cfg)
+        self.max_bulk = MAX_BULK_DEFAULT
+        self.timeout = cfg.timeout
+
+    async def batch(self, keys: list[bytes], queue: Queue, per_key: int = 1) -> list[Any]:
+        """Each key's ``per_key`` commands (queued by ``queue``) in one pipeline per server;
+        the replies in key order. A reply is an exception where the command failed, and every
+        command of a pipeline that failed as a whole (the server could not be reached) gets
+        that failure: the caller counts them, nothing is raised."""
+        groups = self._groups(keys)
+        out: list[Any] = [None] * (len(keys) * per_key)
+
+        async def run(group: list[int]) -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for i in group:
+                queue(pipe, keys[i])
+            try:
+                replies = await within(self.timeout, pipe.execute(raise_on_error=False))
+            except FAILURES as exc:
+                replies = [exc] * (len(group) * per_key)
+            for n, i in enumerate(group):
+                out[i * per_key : (i + 1) * per_key] = replies[n * per_key : (n + 1) * per_key]
+
+        if len(groups) == 1:
+            await run(groups[0])
+        else:
+            await asyncio.gather(*(run(g) for g in groups))
+        return out
+
+    def _groups(self, keys: list[bytes]) -> list[list[int]]:
+        """Key indexes per pipeline: all of them, or per cluster master (as last known)."""
+        if not self.cluster:
+            return [list(range(len(keys)))]
+        by_node: dict[str, list[int]] = {}
+        manager = self.client.nodes_manager
+        for i, key in enumerate(keys):
+            try:
+                name = manager.get_node_from_slot(self.client.keyslot(key)).name
+            except (RedisError, LookupError):  # a slot no node serves: its own pipeline fails
+                name = ""
+            by_node.setdefault(name, []).append(i)
+        return list(by_node.values())
+
+    async def scan(self, pattern: bytes, count: int) -> AsyncIterator[list[bytes]]:
+        """The keys ``SCAN`` finds for ``pattern``, a step at a time, on every master of a
+        cluster; raises what the client raises (a step past ``timeout`` too)."""
+        client = self.client
+        nodes = client.get_primaries() if self.cluster else [None]
+        for node in nodes:
+            cursor = 0
+            while True:
+                target = {} if node is None else {"target_nodes": node}
+                step = client.scan(cursor, match=pattern, count=count, **target)
+                cursor, keys = await within(self.timeout, step)
+                if node is not None:  # a cluster answers per node
+                    cursor = cursor[node.name]
+                yield keys
+                if cursor == 0:
+                    break
+
+    async def read_max_bulk(self) -> None:
+        """The largest value the server takes (``proto-max-bulk-len``), where CONFIG may be
+        read; the default otherwise (an ACL user without +config, a managed service)."""
+        try:
+            found = await within(self.timeout, self.client.config_get("proto-max-bulk-len"))
+        except FAILURES as exc:
+            logger.debug("CONFIG GET proto-max-bulk-len on %s: %s", self.where, exc)
+            return
+        value = found.get("proto-max-bulk-len") if isinstance(found, dict) else None
+        if isinstance(value, bytes | str) and str(value).isdigit():
+            self.max_bulk = int(value)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+async def connect(cfg: RedisConfig) -> RedisClient:
+    """A client whose server answered PING (and AUTH); typed errors say what to fix."""
+    password = cfg.read_password()
+    client = RedisClient(_build(cfg, password), cfg)
+    try:
+        if cfg.cluster:
+            await within(cfg.timeout, client.client.initialize())
+        await within(cfg.timeout, client.client.ping())
+        await client.read_max_bulk()
+    except AuthenticationError:
+        await _quietly_close(client)
+        user = cfg.username or "default"
+        raise ConfigError(
+            f"redis {client.where}: authentication as user {user!r} failed; check the "
+            "password (URL, password_file or HICACHE_REDIS_PASSWORD)"
+        ) from None
+    except ResponseError as exc:
+        await _quietly_close(client)
+        raise BackendUnavailableError(f"redis {client.where} refused PING: {exc}") from None
+    except FAILURES as exc:
+        await _quietly_close(client)
+        raise BackendUnavailableError(
+            f"cannot reach redis {client.where} ({type(exc).__name__}: {exc})"
+        ) from None
+    return client
+
+
+async def _quietly_close(client: RedisClient) -> None:
+    try:
+        await client.close()
+    except FAILURES as exc:  # the connections go with the client anyway
+        logger.debug("closing %s: %s", client.where, exc)

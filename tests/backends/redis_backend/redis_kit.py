@@ -1,0 +1,21 @@
+"""What the ``redis://`` tests share besides their servers (those are in conftest): the
+servers' credentials and limits, and helpers. A plain module, imported by name."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+SKIP_REASON = (
+    "redis-server and redis-cli are not installed (apt-get install redis-server)"
+    if not (shutil.which("redis-server") and shutil.which("redis-cli"))
+    else None
+)
+needs_redis = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+# What the auth server takes: the default user's password, and an ACL user without
+# @dangerous (so CONFIG is refused to it and the backend falls back to the default limit).
+DEFAULT_PASSWORD = "default-pw-5f1c9e"
+ACL_USER, ACL_PASSWORD = "alice", "alice-pw-8d27b4"
+# Small enough that the conformance suite's refusal test checks the limit cheaply.
+MAX_BULK = 2 << 20

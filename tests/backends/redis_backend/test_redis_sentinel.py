@@ -1,0 +1,53 @@
+"""``redis://?sentinel=...&service=...``: the master a sentinel names, through a forced failover
+to its replica (``SENTINEL FAILOVER``): the calls during it are misses or failed puts, counted,
+never raised, and the backend goes on with the new master by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+from collections.abc import Iterator
+
+import pytest
+from redis_kit import SKIP_REASON
+
+from hicache.backends.redis import RedisBackend
+from hicache.backends.registry import open_backend
+from hicache.tools.services_redis import RedisSentinels, redis_sentinels
+
+
+@pytest.fixture(scope="module")
+def sentinels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinels]:
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    directory: pathlib.Path = tmp_path_factory.mktemp("sentinel")
+    with redis_sentinels(str(directory)) as started:
+        yield started
+
+
+@pytest.mark.asyncio
+async def test_pages_survive_a_forced_failover(sentinels: RedisSentinels) -> None:
+    backend = await open_backend(sentinels.url(key_prefix="sen:", timeout="2"))
+    assert isinstance(backend, RedisBackend)
+    try:
+        keys = [f"s-{i}" for i in range(8)]
+        assert await backend.put(keys, [b"page"] * 8) == [True] * 8
+        # Replicated before the switch, so the new master has them.
+        sentinels.master.cli("WAIT", "1", "2000")
+        old = sentinels.master_port()
+        assert sentinels.sentinel.cli("SENTINEL", "FAILOVER", sentinels.service) == "OK"
+        deadline = time.monotonic() + 20
+        while sentinels.master_port() == old:
+            assert time.monotonic() < deadline, "the sentinel did not switch masters"
+            await backend.exists(keys)  # during the switch: misses at worst, never raised
+            await asyncio.sleep(0.05)
+        # The old master turns replica (READONLY to writes): the backend must follow.
+        while time.monotonic() < deadline:
+            if await backend.put(["after"], [b"new"]) == [True]:
+                break
+            await asyncio.sleep(0.1)
+        assert await backend.get(["after", *keys]) == [b"new"] + [b"page"] * 8
+        assert sentinels.master_port() == sentinels.replica.port
+    finally:
+        await backend.close()
