@@ -27,6 +27,7 @@ __all__ = [
     "segments_after",
     "segments_nbytes",
     "split_iov",
+    "trim",
 ]
 
 BufferLike: TypeAlias = "bytes | bytearray | memoryview | Any"
@@ -82,6 +83,20 @@ def segments_after(segments: Sequence[memoryview], skip: int) -> list[memoryview
             return [seg[skip:], *segments[i + 1 :]]
         skip -= seg.nbytes
     return []
+
+
+def trim(segments: Sequence[memoryview], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``segments`` (which hold at least that many), as views."""
+    if len(segments) == 1 and segments[0].nbytes == n:
+        return [segments[0]]
+    out: list[memoryview] = []
+    for seg in segments:
+        if n <= 0:
+            break
+        take = min(n, seg.nbytes)
+        out.append(seg[:take] if take < seg.nbytes else seg)
+        n -= take
+    return out
 
 
 def join_segments(segments: Sequence[memoryview]) -> bytearray:

@@ -88,7 +88,7 @@ class DiskBackend(StorageBackend):
         self._n = dict.fromkeys(("bad_records", "refreshes", "inline_stalls"), 0)
         self._inline_after = 0.0  # puts stay off the loop until then (see _put)
         # Large batches are read and written by several threads (writer.PARALLEL_BYTES).
-        self._io = IOThreads(config.io_threads, "hicache-disk") if config.io_threads > 1 else None
+        self._io = IOThreads(config.threads, "hicache-disk") if config.threads > 1 else None
         self.open_s = 0.0
 
     # ----- construction -------------------------------------------------------------------

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from hicache.backends._io_threads import machine_threads
 from hicache.errors import ConfigError
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "DiskConfig"]
 
 DEFAULT_SEGMENT_BYTES = 256 << 20
 _MIN_SEGMENT_BYTES = 64 << 10
+_MAX_DEFAULT_THREADS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +26,10 @@ class DiskConfig:
     segment_bytes: int | None = None
     fsync: bool = False  # acknowledged puts are durable: data, then log, synced before return
     direct: bool = False  # segments read and written with O_DIRECT, through aligned staging
-    io_threads: int = 4  # threads that share a large batch's reads or writes (1: none)
+    # Threads that share a large batch's reads or writes (1: none); None: one per CPU this
+    # process may use, at most 8 (a copy thread per core: more only queue behind each other;
+    # docs/BENCHMARKS.md has the floors by thread count).
+    io_threads: int | None = None
     read_only: bool = False  # open an existing store and never write to it
     reinsert: bool = True  # objects read since they were written survive their segment's reclaim
     snapshot_records: int = 131072  # log records of this writer between two snapshots
@@ -45,7 +50,7 @@ class DiskConfig:
             )
         if self.capacity is not None and self.capacity <= 0:
             raise ConfigError(f"DiskConfig.capacity must be positive, got {self.capacity}")
-        if not 1 <= self.io_threads <= 64:
+        if self.io_threads is not None and not 1 <= self.io_threads <= 64:
             raise ConfigError(f"DiskConfig.io_threads must be 1 to 64, got {self.io_threads}")
         if self.inline_bytes < 0:
             raise ConfigError(f"DiskConfig.inline_bytes must be >= 0, got {self.inline_bytes}")
@@ -54,3 +59,8 @@ class DiskConfig:
         if not 1 <= self.max_writers <= 999:
             raise ConfigError(f"DiskConfig.max_writers must be 1 to 999, got {self.max_writers}")
         object.__setattr__(self, "root", os.path.abspath(os.path.expanduser(self.root)))
+
+    @property
+    def threads(self) -> int:
+        """``io_threads``, or the machine's default for it."""
+        return self.io_threads or min(machine_threads(), _MAX_DEFAULT_THREADS)

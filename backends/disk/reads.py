@@ -1,10 +1,15 @@
 """The ``disk`` backend's reads: records straight into the callers' buffers, checked.
 
 Records that lie back to back in one segment (a prefix stored in one batch does) are read with
-one ``preadv``: their headers and padding into a scratch buffer, their payloads into the
-callers' segments. Each record is then checked against its index entry (magic, key, length,
-write sequence) and its payload against the xxh3 in its header; one that fails is a miss and
-is reported, so the index forgets it.
+one ``preadv`` of at most ``PIECE_BYTES``: their headers and padding into a scratch buffer,
+their payloads into the callers' segments. Each record is then checked against its index entry
+(magic, key, length, write sequence) and its payload against the xxh3 in its header; one that
+fails is a miss and is reported, so the index forgets it.
+
+A record larger than ``PIECE_BYTES`` is read alone, in pieces of that size, each hashed right
+after its read: the hash then reads bytes the CPU's cache still holds instead of a second pass
+over memory, and (the hash holding the GIL, the read not) another thread's read of the batch
+runs while this one hashes. Every byte is still checked before the read counts as a hit.
 
 A first pass may run on the event loop with ``RWF_NOWAIT``: the kernel serves what its page
 cache holds and refuses the rest instead of waiting for the disk, so a cached read costs no
@@ -17,9 +22,8 @@ from __future__ import annotations
 import errno
 import os
 import struct
-from collections.abc import Sequence
 
-from xxhash import xxh3_64_intdigest
+from xxhash import xxh3_64, xxh3_64_intdigest
 
 from hicache.backends._io_threads import IOThreads
 from hicache.backends.base import MISS, copy_into_segments
@@ -28,32 +32,24 @@ from hicache.backends.disk.format import RECORD_HEADER, payload_hash
 from hicache.backends.disk.index import Entry
 from hicache.backends.disk.segments import SegmentFiles
 from hicache.backends.disk.writer import PARALLEL_BYTES
-from hicache.backends.segments import IOV_MAX
+from hicache.backends.segments import IOV_MAX, segments_after, trim
 
-__all__ = ["NOWAIT", "ReadItem", "read_records", "read_spread", "trim"]
+__all__ = ["NOWAIT", "PIECE_BYTES", "ReadItem", "read_records", "read_spread", "trim"]
 
 _REC = struct.Struct("<4sHHQQQ")  # format.py's record header, without its CRC
 _MAGIC = b"HDSR"
 # RWF_NOWAIT where the platform has it (Linux 4.14+); 0 turns the first pass off.
 NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+# The most one preadv reads before its records are hashed: it fits the CPU's cache, so the hash
+# reads cached bytes, not a second pass over memory (docs/BENCHMARKS.md, issue 48).
+PIECE_BYTES = 1 << 20
+# A large batch is cut into this many groups per thread, claimed one at a time, so a thread
+# the scheduler holds back leaves its share to the others.
+_GROUPS_PER_THREAD = 4
 
 #: One read: key, index entry (segment code, offset, length, sequence), and exactly ``length``
 #: bytes of the caller's buffer as views.
 ReadItem = tuple[str, Entry, list[memoryview]]
-
-
-def trim(segs: Sequence[memoryview], n: int) -> list[memoryview]:
-    """The first ``n`` bytes of ``segs`` (which hold at least that many), as views."""
-    if len(segs) == 1 and segs[0].nbytes == n:
-        return [segs[0]]
-    out: list[memoryview] = []
-    for s in segs:
-        if n <= 0:
-            break
-        take = min(n, s.nbytes)
-        out.append(s[:take] if take < s.nbytes else s)
-        n -= take
-    return out
 
 
 def read_spread(
@@ -66,7 +62,7 @@ def read_spread(
         got, bad, _ = read_records(files, items)
         return got, bad
     order = sorted(range(len(items)), key=lambda i: (items[i][1][0], items[i][1][1]))
-    step = -(-len(order) // io.threads)
+    step = -(-len(order) // (io.threads * _GROUPS_PER_THREAD))
     groups = [order[lo : lo + step] for lo in range(0, len(order), step)]
 
     def read_group(chunk: list[list[int]]) -> list[tuple[list[int], list[int], list[int]]]:
@@ -90,17 +86,19 @@ def read_records(
     later: list[int] = []
     order = sorted(range(len(items)), key=lambda i: (items[i][1][0], items[i][1][1]))
     run: list[int] = []
-    iov = 0  # iovecs the run needs: a header, the payload's segments, maybe padding
+    iov = nbytes = 0  # iovecs the run needs (a header, the payload's segments, maybe padding)
     next_at = (-1, -1)
     for i in order:
         code, off, length, _ = items[i][1]
         need = 2 + len(items[i][2])
-        if run and ((code, off) != next_at or iov + need > IOV_MAX):
+        size = (RECORD_HEADER + len(items[i][0]) + length + 7) & ~7
+        if run and ((code, off) != next_at or iov + need > IOV_MAX or nbytes + size > PIECE_BYTES):
             _read_run(files, items, run, results, bad, later, flags)
-            run, iov = [], 0
+            run, iov, nbytes = [], 0, 0
         run.append(i)
         iov += need
-        next_at = (code, off + ((RECORD_HEADER + len(items[i][0]) + length + 7) & ~7))
+        nbytes += size
+        next_at = (code, off + size)
     if run:
         _read_run(files, items, run, results, bad, later, flags)
     return results, bad, later
@@ -122,6 +120,16 @@ def _read_run(
     direct = files.direct_fd(code)
     if direct is not None:
         _read_run_direct(files, direct, items, run, results, bad)
+        return
+    if len(run) == 1 and items[run[0]][1][2] > PIECE_BYTES:
+        i = run[0]
+        outcome = _read_in_pieces(fd, items[i], flags)
+        if outcome == _HIT:
+            results[i] = items[i][1][2]
+        elif outcome == _BAD:
+            bad.append(i)
+        elif outcome == _LATER:
+            later.append(i)
         return
     heads = []
     overhead = 0
@@ -167,6 +175,42 @@ def _read_run(
             results[i] = length
         else:
             bad.append(i)
+
+
+_HIT, _BAD, _LATER, _GONE = range(4)
+
+
+def _read_in_pieces(fd: int, item: ReadItem, flags: int) -> int:
+    """One large record read in pieces of ``PIECE_BYTES``, each hashed after its read (see
+    the module docstring): ``_HIT``, ``_BAD`` (it failed a check, or the segment ends inside
+    it), ``_LATER`` (with :data:`NOWAIT`: not all cached) or ``_GONE`` (an I/O error: a miss)."""
+    key, (_, offset, length, seq), target = item
+    kb = key.encode("ascii")
+    head = memoryview(bytearray(RECORD_HEADER + len(kb)))
+    hasher = xxh3_64()
+    digest: int | None = None
+    done = 0
+    while done < length:
+        piece = trim(segments_after(target, done), min(PIECE_BYTES, length - done))
+        iov = [head, *piece] if digest is None else piece
+        want = sum(v.nbytes for v in iov)
+        at = offset + head.nbytes + done if digest is not None else offset
+        try:
+            got = os.preadv(fd, iov, at, flags) if flags else os.preadv(fd, iov, at)
+        except BlockingIOError:
+            return _LATER
+        except OSError as exc:
+            return _LATER if flags and exc.errno == errno.EOPNOTSUPP else _GONE
+        if got < want:
+            return _LATER if flags else _BAD
+        if digest is None:
+            digest = _header_digest(head, 0, kb, length, seq)
+            if digest is None:
+                return _BAD
+        for view in piece:
+            hasher.update(view)
+        done += sum(v.nbytes for v in piece)
+    return _HIT if hasher.intdigest() == digest else _BAD
 
 
 def _read_run_direct(

@@ -9,6 +9,7 @@ import pytest
 from hicache.backends.disk import DiskBackend, DiskConfig
 from hicache.backends.disk.writer import PARALLEL_BYTES
 from hicache.backends.testing import BackendConformanceTests, random_bytes
+from hicache.errors import ConfigError
 
 
 class TestDiskConformance(BackendConformanceTests):
@@ -67,3 +68,24 @@ async def test_large_batches_are_shared_by_threads_byte_exact(
     assert await reopened.get(keys, size_hint=2 << 20) == values
     assert (await reopened.stats())["segments"] >= 2
     await reopened.close()
+
+
+async def test_io_threads_default_to_the_machine_and_a_given_count_is_kept(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``io_threads``: one thread per CPU the process may use (at most 8), not a fixed 4."""
+    from hicache.backends.disk import config as config_mod
+
+    for cpus, want in ((1, 1), (2, 2), (3, 3), (64, 8)):
+        monkeypatch.setattr(config_mod, "machine_threads", lambda n=cpus: n)
+        assert DiskConfig(root=str(tmp_path)).threads == want
+    monkeypatch.setattr(config_mod, "machine_threads", lambda: 2)
+    assert DiskConfig(root=str(tmp_path), io_threads=5).threads == 5
+    store = await DiskBackend.open(DiskConfig(root=str(tmp_path)))
+    assert store._io is not None and store._io.threads == 2
+    await store.close()
+    single = await DiskBackend.open(DiskConfig(root=str(tmp_path), io_threads=1))
+    assert single._io is None  # one thread: no fan-out at all
+    await single.close()
+    with pytest.raises(ConfigError, match="io_threads"):
+        DiskConfig(root=str(tmp_path), io_threads=0)

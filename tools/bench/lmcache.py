@@ -25,11 +25,13 @@ The bytes read are compared with the bytes written once per side (the first roun
 reads land in memory no chunk was written from), outside the timing.
 Throughputs are medians over rounds; ``put_ratio`` and ``get_ratio`` are the median over
 rounds of ours / LMCache's throughput in that round (above 1: ours is faster), with their
-range. A third side runs in the same rotation, the page-cache floor
-(:class:`~hicache.tools.bench.raw_disk.PageCacheFloor`: as many chunks of the same size written
-into one allocated file and read back, by four threads, nothing else): ``floor_put_ratio`` and
-``floor_get_ratio`` are its throughput over LMCache's in each round, about the highest ratio
-a store that copies the chunks through the page cache can reach on the machine it ran on.
+range. The page-cache floors run in the same rotation (:mod:`~hicache.tools.bench.floor`: as
+many chunks of the same size, each written with one ``pwritev`` and read with one ``preadv``,
+by one thread and by as many as the machine has): ``floor_N_put_ratio`` and
+``floor_N_get_ratio`` are a floor's throughput over LMCache's in each round, about the highest
+ratio a store that copies the chunks through the page cache can reach on the machine it ran
+on, and ``put_over_floor_N`` / ``get_over_floor_N`` ours over the floor's. Before each side's
+put, :func:`~hicache.tools.bench.floor.settle_memory` hands every side the same memory state.
 Runs only where LMCache is installed (the LMCache venv).
 """
 
@@ -47,13 +49,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import ConfigError
-from hicache.tools.bench.raw_disk import PageCacheFloor
+from hicache.tools.bench.floor import floor_figures, floor_sides, settle_memory
 from hicache.tools.bench.rounds import paired_ratio, rotated
 from hicache.tools.cli_parsing import check_memory, input_dir, int_range
 
 __all__ = ["ChunkShape", "add_bench_lmcache_parser", "run_bench_lmcache"]
 
-_OURS, _THEIRS, _FLOOR = "hicache", "lmcache", "floor"
+_OURS, _THEIRS = "hicache", "lmcache"
 _TIERS = {_OURS: "RemoteBackend-hicache", _THEIRS: "LocalDiskBackend"}  # LMCache's names
 _MODEL = "bench/model"
 _POLL_S = 0.0005
@@ -110,9 +112,9 @@ def add_bench_lmcache_parser(bench_sub: Any) -> argparse.ArgumentParser:
 def run_bench_lmcache(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row: both sides over ``args.rounds`` rounds of ``args.chunks`` chunks."""
     shape = ChunkShape(args.layers, args.heads, args.head_dim, args.chunk_tokens, args.chunks)
-    # Two CPU buffers of two rounds' chunks each, the chunks' source bytes, and the floor's
-    # source and target.
-    check_memory(7 * shape.round_bytes, "--chunks x the chunk's size x 7")
+    # Two CPU buffers of two rounds' chunks each, the chunks' source bytes, and the two
+    # floors' sources and targets.
+    check_memory(9 * shape.round_bytes, "--chunks x the chunk's size x 9")
     _require_lmcache()
     with contextlib.ExitStack() as stack:
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-lmc-"))
@@ -141,11 +143,11 @@ def _check_room(root: str, shape: ChunkShape, rounds: int) -> None:
         path = os.path.join(root, name)
         if os.path.exists(path):
             raise ConfigError(f"{path} exists; give --dir a directory without it")
-    need = 3 * rounds * shape.round_bytes + _SEGMENT_SLACK  # the two stores and the floor
+    need = 4 * rounds * shape.round_bytes + _SEGMENT_SLACK  # the two stores and the floors
     free = shutil.disk_usage(root).free
     if need > free:
         raise ConfigError(
-            f"the two stores and the floor need {need / 2**30:.1f} GiB, more than the "
+            f"the two stores and the floors need {need / 2**30:.1f} GiB, more than the "
             f"{free / 2**30:.1f} GiB free there; lower --chunks, --rounds or the chunk's shape"
         )
 
@@ -231,21 +233,23 @@ def _compare(
     # Random bytes (as bf16 they include NaNs: compared as bytes); each chunk its own.
     source = torch.randint(0, 256, (shape.chunks, shape.chunk_bytes), dtype=torch.uint8)
     by_name = {side.name: side for side in sides}
-    names = [_OURS, _THEIRS, _FLOOR]
+    floors = floor_sides(root, shape.chunks, shape.chunk_bytes)
+    names = [_OURS, _THEIRS, *floors]
     timings: dict[str, dict[str, list[float]]] = {n: {"put": [], "get": []} for n in names}
-    floor = PageCacheFloor(root, shape.chunks, shape.chunk_bytes)
     try:
         for round_no in range(rounds):
             for name in rotated(names, round_no):
-                if name == _FLOOR:
-                    put_s, get_s = floor.round_trip()
+                if name in floors:
+                    put_s, get_s = floors[name].round_trip()
                 else:
                     keys = _keys(round_no, name == _THEIRS, shape.chunks)
+                    settle_memory(root, shape.round_bytes)  # as the floors do: see floor.py
                     put_s, get_s = _round_trip(by_name[name], keys, source, round_no == 0)
                 timings[name]["put"].append(put_s)
                 timings[name]["get"].append(get_s)
     finally:
-        floor.close()
+        for floor in floors.values():
+            floor.close()
     row: dict[str, Any] = {
         "chunks": shape.chunks, "chunk_tokens": shape.tokens, "layers": shape.layers,
         "heads": shape.heads, "head_dim": shape.head_dim, "dtype": "bfloat16",
@@ -256,9 +260,7 @@ def _compare(
         row[f"hicache_{op}_gb_s"] = _gb_s(shape.round_bytes, ours[op])
         row[f"lmcache_{op}_gb_s"] = _gb_s(shape.round_bytes, theirs[op])
         row.update(paired_ratio(f"{op}_ratio", ours[op], theirs[op]))
-        # What a store that only copied the chunks through the page cache would reach.
-        row[f"floor_{op}_gb_s"] = _gb_s(shape.round_bytes, timings[_FLOOR][op])
-        row.update(paired_ratio(f"floor_{op}_ratio", timings[_FLOOR][op], theirs[op]))
+    row.update(floor_figures(timings, shape.round_bytes, _OURS, _THEIRS))
     row["checked"] = True
     return row
 

@@ -5,10 +5,10 @@ from the callers' buffers and reads records back with ``preadv`` into them. The 
 the same system calls on one plain file, without record headers, keys, checksums, logs or an
 index:
 
-- put: each batch of 32 objects is one ``pwritev`` of their rows at consecutive offsets
-  (object ``i`` at ``i * object_bytes``), then ``fdatasync`` when the backend syncs its writes
-  (``fsync=true``).
-- get: each object is one ``preadv`` into its destination row.
+- put: each object is one ``pwritev`` of its row (object ``i`` at ``i * object_bytes``), a
+  batch of 32 then ``fdatasync`` when the backend syncs its writes (``fsync=true``).
+- get: each object is one ``preadv`` into its destination row (touched before the timing, as
+  an engine's pooled buffers are).
 
 What is fair about the file: the backend appends every put at fresh offsets of segments it
 allocates ahead (a log-structured store writes new blocks by design), so each round's first
@@ -26,14 +26,7 @@ different, cheaper operation (7.4 GB/s for 2 MiB writes here, in a round where a
 growing file ran at 0.45 GB/s and into an allocated file at 6.1).
 Gets read the round's file.
 
-:class:`PageCacheFloor` is the same idea for the engine benchmarks (``bench sglang``, ``bench
-lmcache``): each round, the round's pages written into a new allocated file by ``pwritev``
-and read back by ``preadv``, split over a few threads as the disk backend splits a large
-batch, with nothing else (no files per page, headers, checksums, index); every round's file
-kept until the end, as the stores compared there keep every round's pages. It is what a put
-and a get cost a store that does only the page-cache copy, in the same memory state as the
-stores beside it, so the engine's own store's time over the floor's is about the highest
-ratio a store writing through the page cache can reach there.
+The engine benchmarks' floor is :mod:`.floor`.
 """
 
 from __future__ import annotations
@@ -41,15 +34,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hicache.backends.segments import split_iov
-
-__all__ = ["KEEP_ROUNDS", "PageCacheFloor", "raw_baseline"]
+__all__ = ["KEEP_ROUNDS", "raw_baseline"]
 
 KEEP_ROUNDS = 3  # the fewest rounds kept (the bench's disk capacity holds three copies at least)
 
@@ -74,7 +63,8 @@ def raw_baseline(backend: Any, scratch: str, work: Any) -> tuple[BatchMove, Batc
             path = os.path.join(scratch, f"raw-disk.{number}")
             state["fd"] = _fresh_file(path, rows * row_bytes)
         fd = state["fd"]
-        _pwritev_all(fd, [memoryview(w.source[j]) for j in range(lo, hi)], lo * row_bytes)
+        for j in range(lo, hi):  # one call an object, as a store that writes each one must
+            _pwritev_all(fd, [memoryview(w.source[j])], j * row_bytes)
         if fsync:
             os.fdatasync(fd)
 
@@ -114,64 +104,3 @@ def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
             views = views[1:]
         if views and done:
             views[0] = views[0][done:]
-
-
-class PageCacheFloor:
-    """``pages`` pages of ``page_bytes`` random bytes through the page cache and back, timed,
-    from and into memory of its own; a new file in ``scratch`` each round, every one kept
-    until :meth:`close`, as the engine benchmarks' stores keep every round's pages (a floor
-    that freed its files would write into pages it freed while the stores write into pages
-    never used: see the module docstring)."""
-
-    def __init__(self, scratch: str, pages: int, page_bytes: int, threads: int = 4) -> None:
-        import numpy as np
-
-        self.scratch = scratch
-        self.threads = threads
-        self._source = np.random.default_rng().integers(0, 256, (pages, page_bytes), np.uint8)
-        self._target = np.zeros_like(self._source)
-        self._rounds = itertools.count()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="floor")
-
-    def round_trip(self) -> tuple[float, float]:
-        """(put, get) seconds: the pages written back to back, then read into the target;
-        the bytes read are compared with the pages, untimed."""
-        number = next(self._rounds)
-        self._target.fill(0)
-        pages = [memoryview(row) for row in self._source]
-        targets = [memoryview(row) for row in self._target]
-        nbytes = self._source.nbytes
-        fd = _fresh_file(os.path.join(self.scratch, f"floor.{number}"), nbytes)
-        # The targets have the pages' sizes, so both lists are cut at the same places.
-        writes, reads = split_iov(pages, 0, self.threads), split_iov(targets, 0, self.threads)
-        try:
-            started = time.perf_counter()
-            list(self._pool.map(lambda part: _pwritev_all(fd, part[0], part[1]), writes))
-            put_s = time.perf_counter() - started
-            started = time.perf_counter()
-            got = sum(self._pool.map(lambda part: _preadv_all(fd, part[0], part[1]), reads))
-            get_s = time.perf_counter() - started
-        finally:
-            os.close(fd)
-        if got != nbytes or not (self._source == self._target).all():
-            raise RuntimeError("page-cache floor: the bytes read back differ from those written")
-        return put_s, get_s
-
-    def close(self) -> None:
-        self._pool.shutdown()
-        for name in os.listdir(self.scratch):
-            if name.startswith("floor."):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.scratch, name))
-
-
-def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """Read into ``views`` back to back from ``offset``; the bytes read (short at the end of
-    the file only)."""
-    total = 0
-    for view in views:
-        got = os.preadv(fd, [view], offset + total)
-        total += got
-        if got < view.nbytes:
-            break
-    return total

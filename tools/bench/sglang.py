@@ -11,11 +11,14 @@ Mooncake store through its zero-copy ones, as SGLang picks them. Each round writ
 slots; the bytes read are compared with the pages written once per side, outside the timing.
 Throughputs are medians over the rounds; ``put_ratio`` and ``get_ratio`` are the median over
 rounds of ours / SGLang's throughput in that round (the two ran back to back), so above 1 is
-faster. For the file stores a third side runs in the rotation, the page-cache floor
-(:class:`~hicache.tools.bench.raw_disk.PageCacheFloor`: the same number of pages of the same
-size written into one allocated file and read back, nothing else): ``floor_put_ratio`` and
-``floor_get_ratio`` are the floor's throughput over SGLang's in each round, about the highest
-ratio a store that copies the pages through the page cache can reach on the machine it ran on.
+faster. For the file stores the page-cache floors run in the rotation
+(:mod:`~hicache.tools.bench.floor`: the same number of pages of the same size, each written
+with one ``pwritev`` and read with one ``preadv``, by one thread and by as many as the machine
+has): ``floor_N_put_ratio`` and ``floor_N_get_ratio`` are a floor's throughput over SGLang's in
+each round, about the highest ratio a store that copies the pages through the page cache can
+reach on the machine it ran on, and ``put_over_floor_N`` / ``get_over_floor_N`` ours over the
+floor's. Before each side's put, :func:`~hicache.tools.bench.floor.settle_memory` hands every
+side the same memory state.
 Runs only where SGLang is installed (the SGLang venv).
 """
 
@@ -33,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import ConfigError
-from hicache.tools.bench.raw_disk import PageCacheFloor
-from hicache.tools.bench.rounds import paired_ratio, rotated
+from hicache.tools.bench.floor import PageCacheFloor, floor_figures, floor_sides, settle_memory
+from hicache.tools.bench.rounds import rotated
 from hicache.tools.cli_parsing import int_range
 
 __all__ = ["add_bench_sglang_parser", "run_bench_sglang"]
@@ -48,7 +51,6 @@ _LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 _SEGMENT_BYTES = 3 << 30
 _LEASE_MS = 500
 _NO_LF = "SGLang's Mooncake backend supports layer_first for MLA pools only"
-_FLOOR = "floor"
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,29 +222,30 @@ def _compare(
 ) -> dict[str, Any]:
     from sglang.srt.managers.cache_controller import get_storage_hash_str
 
-    by_name: dict[str, _Side | None] = {s.name: s for s in sides}
-    if backend != "mooncake":  # the page-cache floor: for the file stores only
-        by_name[_FLOOR] = None
+    by_name: dict[str, _Side | PageCacheFloor] = {s.name: s for s in sides}
+    if backend != "mooncake":  # the page-cache floors: for the file stores only
+        by_name.update(floor_sides(root, shape.pages, shape.page_bytes))
     timings: dict[str, dict[str, list[float]]] = {n: {"put": [], "get": []} for n in by_name}
-    floor = PageCacheFloor(root, shape.pages, shape.page_bytes) if _FLOOR in by_name else None
     try:
         for round_no in range(rounds):
             for name in rotated(list(by_name), round_no):
                 side = by_name[name]
-                if side is None:
-                    assert floor is not None
-                    put_s, get_s = floor.round_trip()
+                if isinstance(side, PageCacheFloor):
+                    put_s, get_s = side.round_trip()
                 else:
                     start = (round_no * 2 + (side.name == "sglang")) * 1_000_000
                     tokens = list(range(start, start + shape.pages * shape.page_size))
                     hashes = get_storage_hash_str(tokens, None, page_size=shape.page_size)
+                    if backend != "mooncake":  # as the floors do: see floor.py
+                        settle_memory(root, shape.pages * shape.page_bytes)
                     put_s, get_s = _round_trip(side, hashes, shape, check=round_no == 0)
                 timings[name]["put"].append(put_s)
                 timings[name]["get"].append(get_s)
             _end_round(backend, sides)
     finally:
-        if floor is not None:
-            floor.close()
+        for side in by_name.values():
+            if isinstance(side, PageCacheFloor):
+                side.close()
     return _row(backend, shape, rounds, timings)
 
 
@@ -268,12 +271,7 @@ def _row(
         # Each round's two sides ran back to back: their ratio cancels the machine's drift.
         paired = [t / o for o, t in zip(ours[op], theirs[op], strict=True)]
         row[f"{op}_ratio"] = round(statistics.median(paired), 3)
-        if _FLOOR in timings:
-            # What a store that only copied the pages through the page cache would reach.
-            row[f"floor_{op}_gb_s"] = round(
-                nbytes / statistics.median(timings[_FLOOR][op]) / 1e9, 3
-            )
-            row.update(paired_ratio(f"floor_{op}_ratio", timings[_FLOOR][op], theirs[op]))
+    row.update(floor_figures(timings, nbytes, "hicache", "sglang"))
     row["checksummed"] = True
     return row
 

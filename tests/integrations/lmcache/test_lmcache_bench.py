@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +27,14 @@ def test_bench_lmcache_reports_both_sides(tmp_path: Path) -> None:
     assert row["rounds"] == 2 and row["checked"] is True
     for op in ("put", "get"):
         for field in (f"hicache_{op}_gb_s", f"lmcache_{op}_gb_s", f"{op}_ratio",
-                      f"floor_{op}_gb_s", f"floor_{op}_ratio"):  # fmt: skip
+                      f"floor_1_{op}_gb_s", f"floor_1_{op}_ratio",
+                      f"{op}_over_floor_1"):  # fmt: skip
             assert row[field] > 0, field
-    assert not list(tmp_path.glob("floor.*"))  # the page-cache floor's files are removed
+        # A floor per thread count: one stream, and one per CPU when there are more.
+        floors = {k.split("_")[1] for k in row if k.startswith("floor_") and k.endswith("_gb_s")}
+        assert "1" in floors and len(floors) == len({1, len(os.sched_getaffinity(0))})
+    assert not list(tmp_path.glob("floor*"))  # the page-cache floors' files are removed
+    assert not list(tmp_path.glob("settle*"))
     # Both stores were written, each in its own format: a disk:// store and one file a chunk.
     assert (tmp_path / "hicache" / "hicache-disk.json").is_file()
     assert any((tmp_path / "hicache" / "segments").iterdir())

@@ -26,15 +26,16 @@ def test_bench_sglang_reports_every_backend(tmp_path) -> None:
         assert row["page_bytes"] == 2 * 2 * 2 * 16 * 4 * 2 and row["checksummed"] is True
         for op in ("put", "get"):
             assert row[f"{op}_ratio"] > 0 and row[f"hicache_{op}_gb_s"] > 0
-            # The page-cache floor runs beside the file stores only.
+            # The page-cache floors run beside the file stores only.
             floor = row["backend"] != "mooncake"
-            assert (f"floor_{op}_ratio" in row) is floor
-            assert not floor or row[f"floor_{op}_gb_s"] > 0 < row[f"floor_{op}_ratio_min"]
+            assert (f"floor_1_{op}_ratio" in row) is floor
+            assert not floor or row[f"floor_1_{op}_gb_s"] > 0 < row[f"floor_1_{op}_ratio_min"]
+            assert not floor or row[f"{op}_over_floor_1"] > 0
     # Each comparison has stores of its own, and the floor's files are gone.
     disk, file = tmp_path / "comparison-0", tmp_path / "comparison-1"
     assert (disk / "hicache-disk" / "hicache-disk.json").is_file()  # a disk store
     assert (file / "hicache-file").is_dir()
-    assert not list(tmp_path.rglob("floor.*"))
+    assert not list(tmp_path.rglob("floor*")) and not list(tmp_path.rglob("settle*"))
 
 
 def test_bench_sglang_without_sglang_says_where_to_run_it(tmp_path) -> None:
