@@ -56,7 +56,8 @@ def _audit_one(code: int, fd: int, indexed: dict[int, str]) -> list[DamagedRegio
         if isinstance(item, Found):
             if item.intact:
                 continue
-            start, end = item.offset, item.offset + record_bytes(len(item.key), item.length)
+            start = item.offset
+            end = start + record_bytes(len(item.key), item.length, item.gap)
         else:
             assert isinstance(item, Damaged)
             start, end = item.offset, item.end

@@ -47,6 +47,7 @@ from hicache.backends.disk.audit import DamagedRegion, audit_segments
 from hicache.backends.disk.catalog import Catalog
 from hicache.backends.disk.config import DiskConfig
 from hicache.backends.disk.format import (
+    MAX_GAP,
     RECORD_HEADER,
     LogOp,
     encode_log_frame,
@@ -255,17 +256,15 @@ class DiskBackend(StorageBackend):
                 continue
             kb = key.encode("ascii")
             want = min(nbytes, entry[2])
-            try:
-                data = os.pread(fd, RECORD_HEADER + len(kb) + want, entry[1])
+            body = RECORD_HEADER + len(kb)
+            try:  # the most a gap can add read too (format.py): one read whatever the gap
+                data = os.pread(fd, body + MAX_GAP + want, entry[1])
             except OSError:
                 data = b""
             h = parse_record_header(data, kb)
             ok = h is not None and h.length == entry[2] and h.seq == entry[3]
-            out.append(
-                data[RECORD_HEADER + len(kb) :]
-                if ok and len(data) == RECORD_HEADER + len(kb) + want
-                else None
-            )
+            start = body + (h.gap if h is not None else 0)
+            out.append(data[start : start + want] if ok and len(data) >= start + want else None)
         return out
 
     async def _scan(self, prefix: str) -> AsyncIterator[ObjectInfo]:

@@ -28,7 +28,13 @@ from xxhash import xxh3_64, xxh3_64_intdigest
 from hicache.backends._io_threads import IOThreads
 from hicache.backends.base import MISS, copy_into_segments
 from hicache.backends.disk.direct import read_span
-from hicache.backends.disk.format import RECORD_HEADER, payload_hash
+from hicache.backends.disk.format import (
+    LARGE_RECORD_BYTES,
+    MAX_GAP,
+    RECORD_HEADER,
+    payload_hash,
+    record_bytes,
+)
 from hicache.backends.disk.index import Entry
 from hicache.backends.disk.segments import SegmentFiles
 from hicache.backends.disk.writer import PARALLEL_BYTES
@@ -38,11 +44,14 @@ __all__ = ["NOWAIT", "PIECE_BYTES", "ReadItem", "read_records", "read_spread", "
 
 _REC = struct.Struct("<4sHHQQQ")  # format.py's record header, without its CRC
 _MAGIC = b"HDSR"
+_GAP_BITS = 0x3F  # format.py's: the flags hold the gap before a large record's payload
 # RWF_NOWAIT where the platform has it (Linux 4.14+); 0 turns the first pass off.
 NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 # The most one preadv reads before its records are hashed: it fits the CPU's cache, so the hash
-# reads cached bytes, not a second pass over memory (docs/BENCHMARKS.md, issue 48).
-PIECE_BYTES = 1 << 20
+# reads cached bytes, not a second pass over memory (docs/BENCHMARKS.md, issue 48). A record
+# larger than this may have a gap before its payload (format.py), so it is read on its own,
+# its header first.
+PIECE_BYTES = LARGE_RECORD_BYTES
 # A large batch is cut into this many groups per thread, claimed one at a time, so a thread
 # the scheduler holds back leaves its share to the others.
 _GROUPS_PER_THREAD = 4
@@ -181,20 +190,25 @@ _HIT, _BAD, _LATER, _GONE = range(4)
 
 
 def _read_in_pieces(fd: int, item: ReadItem, flags: int) -> int:
-    """One large record read in pieces of ``PIECE_BYTES``, each hashed after its read (see
-    the module docstring): ``_HIT``, ``_BAD`` (it failed a check, or the segment ends inside
-    it), ``_LATER`` (with :data:`NOWAIT`: not all cached) or ``_GONE`` (an I/O error: a miss)."""
+    """One large record: its header first (which names the gap before the payload), then the
+    payload in pieces of ``PIECE_BYTES``, each hashed after its read (see the module
+    docstring). ``_HIT``, ``_BAD`` (it failed a check, or the segment ends inside it),
+    ``_LATER`` (with :data:`NOWAIT`: not all cached) or ``_GONE`` (an I/O error: a miss)."""
     key, (_, offset, length, seq), target = item
     kb = key.encode("ascii")
     head = memoryview(bytearray(RECORD_HEADER + len(kb)))
     hasher = xxh3_64()
-    digest: int | None = None
+    fields: tuple[int, int] | None = None
     done = 0
-    while done < length:
-        piece = trim(segments_after(target, done), min(PIECE_BYTES, length - done))
-        iov = [head, *piece] if digest is None else piece
+    while fields is None or done < length:
+        piece = (
+            []
+            if fields is None
+            else trim(segments_after(target, done), min(PIECE_BYTES, length - done))
+        )
+        iov = piece or [head]
+        at = offset if fields is None else offset + head.nbytes + fields[1] + done
         want = sum(v.nbytes for v in iov)
-        at = offset + head.nbytes + done if digest is not None else offset
         try:
             got = os.preadv(fd, iov, at, flags) if flags else os.preadv(fd, iov, at)
         except BlockingIOError:
@@ -203,14 +217,15 @@ def _read_in_pieces(fd: int, item: ReadItem, flags: int) -> int:
             return _LATER if flags and exc.errno == errno.EOPNOTSUPP else _GONE
         if got < want:
             return _LATER if flags else _BAD
-        if digest is None:
-            digest = _header_digest(head, 0, kb, length, seq)
-            if digest is None:
+        if fields is None:
+            fields = _header_fields(head, 0, kb, length, seq)
+            if fields is None:
                 return _BAD
+            continue
         for view in piece:
             hasher.update(view)
-        done += sum(v.nbytes for v in piece)
-    return _HIT if hasher.intdigest() == digest else _BAD
+        done += want
+    return _HIT if hasher.intdigest() == fields[0] else _BAD
 
 
 def _read_run_direct(
@@ -225,7 +240,7 @@ def _read_run_direct(
     out to its caller's buffer."""
     first = items[run[0]][1][1]
     last_key, last = items[run[-1]][0], items[run[-1]][1]
-    end = last[1] + RECORD_HEADER + len(last_key) + last[2]
+    end = last[1] + record_bytes(len(last_key), last[2], MAX_GAP)
     try:
         data, staged = read_span(fd, first, end)
     except OSError:
@@ -235,13 +250,15 @@ def _read_run_direct(
         key, (_, off, length, seq), target = items[i]
         at = off - first
         kb = key.encode("ascii")
-        body = at + RECORD_HEADER + len(kb)
-        if body + length > data.nbytes:
-            bad.append(i)  # past the end of the file: a segment cut short, forgotten as damaged
+        fields = (
+            _header_fields(data, at, kb, length, seq) if at + RECORD_HEADER <= data.nbytes else None
+        )
+        body = at + RECORD_HEADER + len(kb) + (fields[1] if fields is not None else 0)
+        if fields is None or body + length > data.nbytes:
+            bad.append(i)  # damaged, or past the end of the file: a segment cut short
             continue
         payload = data[body : body + length]
-        digest = _header_digest(data, at, kb, length, seq)
-        if digest is None or xxh3_64_intdigest(payload) != digest:
+        if xxh3_64_intdigest(payload) != fields[0]:
             bad.append(i)
             continue
         copy_into_segments(payload, target)
@@ -250,9 +267,21 @@ def _read_run_direct(
 
 def _header_digest(buf: memoryview, at: int, key: bytes, length: int, seq: int) -> int | None:
     """The payload xxh3 of the record header at ``at`` of ``buf`` (its key following it), when
-    the header is the index entry's (magic, key, length, sequence); None otherwise."""
-    magic, key_len, _, stored_len, stored_seq, digest = _REC.unpack_from(buf, at)
-    ok = magic == _MAGIC and (key_len, stored_len, stored_seq) == (len(key), length, seq)
-    if not ok or buf[at + RECORD_HEADER : at + RECORD_HEADER + key_len] != key:
+    the header is the index entry's (magic, key, length, sequence) and the payload follows the
+    key directly (a record read in a run: no gap); None otherwise."""
+    fields = _header_fields(buf, at, key, length, seq)
+    return fields[0] if fields is not None and fields[1] == 0 else None
+
+
+def _header_fields(
+    buf: memoryview, at: int, key: bytes, length: int, seq: int
+) -> tuple[int, int] | None:
+    """``(payload xxh3, gap before the payload)`` of the record header at ``at`` of ``buf``
+    (its key following it), when the header is the index entry's; None otherwise."""
+    magic, key_len, flags, stored_len, stored_seq, digest = _REC.unpack_from(buf, at)
+    ok = magic == _MAGIC and not flags & ~_GAP_BITS
+    if not ok or (key_len, stored_len, stored_seq) != (len(key), length, seq):
         return None
-    return int(digest)
+    if buf[at + RECORD_HEADER : at + RECORD_HEADER + key_len] != key:
+        return None
+    return int(digest), flags

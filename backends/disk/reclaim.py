@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from xxhash import xxh3_64_intdigest
 
 from hicache.backends.disk.catalog import Catalog
-from hicache.backends.disk.format import RECORD_HEADER, parse_record_header, split_code
+from hicache.backends.disk.format import MAX_GAP, RECORD_HEADER, parse_record_header, split_code
 from hicache.backends.disk.layout import try_lock_slot
 from hicache.backends.disk.segments import Found, list_segments, segment_name
 from hicache.backends.disk.writer import Appender
 
 __all__ = ["HOT_KEYS", "Reclaimer"]
+
 
 HOT_KEYS = 1 << 16
 _REINSERT_SHARE = 0.5  # at most this share of a victim's bytes is appended anew
@@ -190,14 +191,15 @@ class Reclaimer:
 def _read_checked(fd: int, rec: Found) -> memoryview | None:
     """The payload of ``rec`` if its record checks out (header, key, sequence, xxh3)."""
     kb = rec.key.encode("ascii")
-    try:
-        data = os.pread(fd, RECORD_HEADER + len(kb) + rec.length, rec.offset)
+    try:  # the most a gap can add read too (format.py): one read whatever the gap
+        data = os.pread(fd, RECORD_HEADER + len(kb) + MAX_GAP + rec.length, rec.offset)
     except OSError:
         return None
     h = parse_record_header(data, kb)
     if h is None or h.length != rec.length or h.seq != rec.seq:
         return None
-    payload = memoryview(data)[RECORD_HEADER + len(kb) :]
+    body = RECORD_HEADER + len(kb) + h.gap
+    payload = memoryview(data)[body : body + rec.length]
     if payload.nbytes != rec.length or xxh3_64_intdigest(payload) != h.payload_hash:
         return None
     return payload

@@ -181,6 +181,7 @@ class Found:
     length: int
     seq: int
     intact: bool | None  # the payload checked out; None when it was not read
+    gap: int = 0  # zero bytes between its key and its payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +206,7 @@ def walk_segment(
         if off >= until and not head[:RECORD_HEADER].strip(b"\0"):
             return  # the unwritten end
         h = parse_record_header(head)
-        end = off + record_bytes(h.key_len, h.length) if h is not None else size + 1
+        end = off + record_bytes(h.key_len, h.length, h.gap) if h is not None else size + 1
         if h is None or end > size:
             nxt = _resync(fd, off + 8, size)
             yield Damaged(off, nxt)
@@ -213,10 +214,10 @@ def walk_segment(
             continue
         intact = None
         if payloads:
-            data = os.pread(fd, h.length, off + RECORD_HEADER + h.key_len)
+            data = os.pread(fd, h.length, off + RECORD_HEADER + h.key_len + h.gap)
             intact = len(data) == h.length and xxhash.xxh3_64_intdigest(data) == h.payload_hash
         key = bytes(head[RECORD_HEADER : RECORD_HEADER + h.key_len]).decode("ascii", "replace")
-        yield Found(off, key, h.length, h.seq, intact)
+        yield Found(off, key, h.length, h.seq, intact, h.gap)
         off = end
 
 
@@ -229,7 +230,7 @@ def _resync(fd: int, start: int, size: int) -> int:
         while 0 <= at < _RESYNC_CHUNK:
             if (pos + at) % 8 == 0:
                 h = parse_record_header(chunk[at:])
-                if h is not None and pos + at + record_bytes(h.key_len, h.length) <= size:
+                if h is not None and pos + at + record_bytes(h.key_len, h.length, h.gap) <= size:
                     return pos + at
             at = chunk.find(b"HDSR", at + 1)
         pos += _RESYNC_CHUNK

@@ -31,7 +31,8 @@ Failures: a server that cannot be reached, restarts, answers ``LOADING``, ``OOM 
 allowed`` or times out makes that batch's keys misses (``get_into``, ``exists``, ``peek``) or
 False (``put``, ``delete``), counted (``errors`` and one counter per operation); nothing is
 raised but by ``scan``, whose caller must know a listing is incomplete. Connections are made
-again on the next call. The first failure of an outage is logged as a warning, its end once.
+again on the next call. The first failure of an outage is logged as a warning, its end once;
+in a cluster, each master's outage on its own (the others answering does not end it).
 
 Listing: ``SCAN`` over ``key_prefix`` (every master in a cluster), a key reported once even
 where SCAN repeats it. Redis keeps no write time: a listed ``mtime`` is the last access
@@ -102,7 +103,8 @@ class RedisBackend(StorageBackend):
         self._client = client
         self._prefix = config.key_prefix.encode()
         self.capabilities = replace(self.capabilities, max_object_bytes=client.max_bulk)
-        self._down_since: float | None = None
+        # When each server (a cluster master, or the one server) started failing.
+        self._down_since: dict[str, float] = {}
         for name in _COUNTERS:
             self._counters[name] = 0
 
@@ -143,18 +145,21 @@ class RedisBackend(StorageBackend):
         return [prefix + key.encode() for key in keys]
 
     async def _exists(self, keys: list[str]) -> list[bool]:
-        replies = await self._client.batch(self._rkeys(keys), lambda p, k: p.exists(k))
-        return [self._ok(r, "exists_errors", "exists") and r == 1 for r in replies]
+        replies, servers = await self._client.batch(self._rkeys(keys), lambda p, k: p.exists(k))
+        return [
+            self._ok(r, server, "exists_errors", "exists") and r == 1
+            for r, server in zip(replies, servers, strict=True)
+        ]
 
     async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
         ttl = self.config.ttl
         # GETEX with EX keeps a page that is read from expiring; plain GET without a ttl.
         read = (lambda p, k: p.getex(k, ex=ttl)) if ttl else (lambda p, k: p.get(k))
-        replies = await self._client.batch(self._rkeys(keys), read)
+        replies, servers = await self._client.batch(self._rkeys(keys), read)
         out: list[int] = []
         staged = 0
-        for reply, segs in zip(replies, buffers, strict=True):
-            if reply is None or not self._ok(reply, "read_errors", "get"):
+        for reply, server, segs in zip(replies, servers, buffers, strict=True):
+            if reply is None or not self._ok(reply, server, "read_errors", "get"):
                 out.append(MISS)
                 continue
             n = len(reply)
@@ -181,10 +186,13 @@ class RedisBackend(StorageBackend):
         self._count("put_too_large", len(keys) - len(todo))
         stored = [False] * len(keys)
         if todo:
-            replies = await self._send([keys[i] for i in todo], [values[i] for i in todo], only_new)
-            for i, reply in zip(todo, replies, strict=True):
+            replies, servers = await self._send(
+                [keys[i] for i in todo], [values[i] for i in todo], only_new
+            )
+            for i, reply, server in zip(todo, replies, servers, strict=True):
                 # SET NX answers None where the key holds a value already: it is stored too.
-                stored[i] = self._ok(reply, "put_errors", "put") and bool(reply or only_new)
+                ok = self._ok(reply, server, "put_errors", "put")
+                stored[i] = ok and bool(reply or only_new)
                 if only_new and reply is True:
                     self._count("puts")
                     self._count("bytes_written", segments_nbytes(values[i]))
@@ -194,8 +202,9 @@ class RedisBackend(StorageBackend):
 
     async def _send(
         self, keys: list[str], values: list[list[memoryview]], only_new: bool
-    ) -> list[Any]:
-        """``SET`` (``NX``) of each value, with ``EX`` when there is a ttl; the replies."""
+    ) -> tuple[list[Any], list[str]]:
+        """``SET`` (``NX``) of each value, with ``EX`` when there is a ttl; the replies and
+        each key's server."""
         bodies = dict(zip(self._rkeys(keys), map(_body, values), strict=True))
         self._count("bytes_staged", sum(segments_nbytes(v) for v in values if len(v) > 1))
         ttl = self.config.ttl or None
@@ -208,8 +217,11 @@ class RedisBackend(StorageBackend):
         return await outlive_cancel(asyncio.ensure_future(self._client.batch(list(bodies), queue)))
 
     async def _delete(self, keys: list[str]) -> list[bool]:
-        replies = await self._client.batch(self._rkeys(keys), lambda p, k: p.delete(k))
-        return [self._ok(r, "delete_errors", "delete") and r == 1 for r in replies]
+        replies, servers = await self._client.batch(self._rkeys(keys), lambda p, k: p.delete(k))
+        return [
+            self._ok(r, server, "delete_errors", "delete") and r == 1
+            for r, server in zip(replies, servers, strict=True)
+        ]
 
     async def _peek(self, keys: list[str], nbytes: int) -> list[bytes | None]:
         # EXISTS tells a missing key from an empty value, which GETRANGE both reads as b"".
@@ -219,11 +231,11 @@ class RedisBackend(StorageBackend):
                 p.getrange(k, 0, nbytes - 1)
 
         per_key = 2 if nbytes else 1
-        replies = await self._client.batch(self._rkeys(keys), queue, per_key)
+        replies, servers = await self._client.batch(self._rkeys(keys), queue, per_key)
         out: list[bytes | None] = []
-        for i in range(len(keys)):
+        for i, server in enumerate(servers):
             found, *head = replies[i * per_key : (i + 1) * per_key]
-            good = all(self._ok(r, "read_errors", "peek") for r in (found, *head))
+            good = all(self._ok(r, server, "read_errors", "peek") for r in (found, *head))
             out.append((head[0] if head else b"") if good and found == 1 else None)
         return out
 
@@ -243,8 +255,9 @@ class RedisBackend(StorageBackend):
                     pending = []
             for info in await self._describe(pending):
                 yield info
+            self._answered(self._client.where)  # a listing that failed before has ended
         except FAILURES as exc:
-            self._failed("scan_errors", "scan", exc)
+            self._failed(self._client.where, "scan_errors", "scan", exc)
             raise BackendUnavailableError(
                 f"listing redis {self._client.where} failed ({type(exc).__name__}: {exc})"
             ) from None
@@ -257,7 +270,7 @@ class RedisBackend(StorageBackend):
             p.strlen(k)
             p.object("idletime", k)
 
-        replies = await self._client.batch(rkeys, queue, per_key=2)
+        replies, _ = await self._client.batch(rkeys, queue, per_key=2)
         now = time.time()
         cut = len(self._prefix)
         out = []
@@ -287,30 +300,31 @@ class RedisBackend(StorageBackend):
             logger.debug("closing redis %s: %s", self._client.where, exc)
 
     # ----- failures ----------------------------------------------------------------------------
-    def _ok(self, reply: object, counter: str, what: str) -> bool:
+    def _ok(self, reply: object, server: str, counter: str, what: str) -> bool:
+        """Whether ``reply`` (from ``server``) is an answer, not a failure (counted)."""
         if isinstance(reply, Exception):
-            self._failed(counter, what, reply)
+            self._failed(server, counter, what, reply)
             return False
-        if self._down_since is not None:
-            logger.info(
-                "redis %s answers again after %.1f s",
-                self._client.where,
-                time.monotonic() - self._down_since,
-            )
-            self._down_since = None
+        self._answered(server)
         return True
 
-    def _failed(self, counter: str, what: str, exc: BaseException) -> None:
+    def _answered(self, server: str) -> None:
+        since = self._down_since.pop(server, None)
+        if since is not None:
+            logger.info("redis %s answers again after %.1f s", server, time.monotonic() - since)
+
+    def _failed(self, server: str, counter: str, what: str, exc: BaseException) -> None:
         self._counters[counter] += 1
         self._counters["errors"] += 1
-        first = self._down_since is None
+        # One warning per outage of each server (a cluster master down while the others
+        # answer is one outage, not one per batch); the counters say how often.
+        first = server not in self._down_since
         if first:
-            self._down_since = time.monotonic()
-        # One warning per outage; the counters say how often.
+            self._down_since[server] = time.monotonic()
         logger.log(
             logging.WARNING if first else logging.DEBUG,
             "redis %s: %s failed (%s: %s); counted in %s",
-            self._client.where,
+            server,
             what,
             type(exc).__name__,
             exc,

@@ -124,7 +124,9 @@ def _where(cfg: RedisConfig) -> str:
     host, port = cfg.address
     if cfg.sentinel:
         return f"service {cfg.service!r} at sentinels {cfg.sentinel}"
-    kind = "cluster node" if cfg.cluster else "server"
+    # A cluster is named by its entry point, apart from its masters ("cluster node ...", as a
+    # batch names them): an outage of one is not the other's.
+    kind = "cluster at" if cfg.cluster else "server"
     return f"{kind} {host}:{port}" + (f" db {cfg.db}" if cfg.db else "")
 
 
@@ -138,15 +140,20 @@ class RedisClient:
         self.max_bulk = MAX_BULK_DEFAULT
         self.timeout = cfg.timeout
 
-    async def batch(self, keys: list[bytes], queue: Queue, per_key: int = 1) -> list[Any]:
-        """Each key's ``per_key`` commands (queued by ``queue``) in one pipeline per server;
-        the replies in key order. A reply is an exception where the command failed, and every
-        command of a pipeline that failed as a whole (the server could not be reached) gets
-        that failure: the caller counts them, nothing is raised."""
+    async def batch(
+        self, keys: list[bytes], queue: Queue, per_key: int = 1
+    ) -> tuple[list[Any], list[str]]:
+        """Each key's ``per_key`` commands (queued by ``queue``) in one pipeline per server:
+        the replies in key order, and the server each key went to, in words (:attr:`where`, or
+        ``cluster node HOST:PORT``), so that the caller tells one server's outage from
+        another's. A reply is an exception where the command failed, and every command of a
+        pipeline that failed as a whole (the server could not be reached) gets that failure:
+        the caller counts them, nothing is raised."""
         groups = self._groups(keys)
         out: list[Any] = [None] * (len(keys) * per_key)
+        servers = [self.where] * len(keys)
 
-        async def run(group: list[int]) -> None:
+        async def run(server: str, group: list[int]) -> None:
             pipe = self.client.pipeline(transaction=False)
             for i in group:
                 queue(pipe, keys[i])
@@ -156,26 +163,29 @@ class RedisClient:
                 replies = [exc] * (len(group) * per_key)
             for n, i in enumerate(group):
                 out[i * per_key : (i + 1) * per_key] = replies[n * per_key : (n + 1) * per_key]
+                servers[i] = server
 
         if len(groups) == 1:
-            await run(groups[0])
+            [(server, group)] = groups.items()
+            await run(server, group)
         else:
-            await asyncio.gather(*(run(g) for g in groups))
-        return out
+            await asyncio.gather(*(run(server, g) for server, g in groups.items()))
+        return out, servers
 
-    def _groups(self, keys: list[bytes]) -> list[list[int]]:
-        """Key indexes per pipeline: all of them, or per cluster master (as last known)."""
+    def _groups(self, keys: list[bytes]) -> dict[str, list[int]]:
+        """Key indexes per pipeline, by server: all of them, or per cluster master (as last
+        known)."""
         if not self.cluster:
-            return [list(range(len(keys)))]
+            return {self.where: list(range(len(keys)))}
         by_node: dict[str, list[int]] = {}
         manager = self.client.nodes_manager
         for i, key in enumerate(keys):
             try:
-                name = manager.get_node_from_slot(self.client.keyslot(key)).name
+                name = f"cluster node {manager.get_node_from_slot(self.client.keyslot(key)).name}"
             except (RedisError, LookupError):  # a slot no node serves: its own pipeline fails
-                name = ""
+                name = "cluster (a slot no master serves)"
             by_node.setdefault(name, []).append(i)
-        return list(by_node.values())
+        return by_node
 
     async def scan(self, pattern: bytes, count: int) -> AsyncIterator[list[bytes]]:
         """The keys ``SCAN`` finds for ``pattern``, a step at a time, on every master of a

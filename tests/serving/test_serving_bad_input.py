@@ -9,7 +9,7 @@ import pathlib
 from typing import Any
 
 import pytest
-from serving_helpers import DEVICE_TOKENS, VOCAB, hicache_config, serve, trace
+from serving_kit import DEVICE_TOKENS, VOCAB, hicache_config, serve, trace
 
 from hicache.backends.registry import open_backend
 from hicache.models.config import ModelPreset

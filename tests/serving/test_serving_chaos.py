@@ -13,7 +13,7 @@ import tempfile
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving_helpers import (
+from serving_kit import (
     CHAT,
     DEVICE_TOKENS,
     ENGINE,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from cli_kit import run
-from serving_helpers import VOCAB, keep_setups
+from serving_kit import VOCAB, keep_setups
 from test_serving_bad_input import CHAT, TINY
 
 from hicache.backends import registry

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from cli_kit import run
-from serving_helpers import (
+from serving_kit import (
     VOCAB,
     Recording,
     RunResult,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from cli_kit import run
 from follow_up import FollowUp
-from serving_helpers import Recording, RunResult, _capture_logits, assert_same_run, keep_setups
+from serving_kit import Recording, RunResult, _capture_logits, assert_same_run, keep_setups
 from test_serving_cli_errors import one_line_error
 from test_serving_dsv4 import CHAT as DSV4_CHAT
 from test_serving_dsv4 import CONFIG, DEVICE_TOKENS, ENGINE, ONE, PAGE, SMALL, _hicache, model

@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 import torch
-from serving_helpers import (
+from serving_kit import (
     ALL_PRESETS,
     CHAT,
     PAGE,

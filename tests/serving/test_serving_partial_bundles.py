@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 import torch
-from serving_helpers import (
+from serving_kit import (
     PAGE,
     VOCAB,
     RunResult,

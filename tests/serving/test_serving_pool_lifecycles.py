@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from serving_helpers import (
+from serving_kit import (
     CHAT,
     PAGE,
     VOCAB,

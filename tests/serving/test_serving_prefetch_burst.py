@@ -12,7 +12,7 @@ import dataclasses
 import pathlib
 
 import torch
-from serving_helpers import ENGINE, VOCAB, assert_same_run, hicache_config, serve, trace
+from serving_kit import ENGINE, VOCAB, assert_same_run, hicache_config, serve, trace
 
 from hicache.models.config import ModelPreset
 from hicache.serving.engine import CacheMode

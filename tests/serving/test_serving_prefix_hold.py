@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-from serving_helpers import (
+from serving_kit import (
     PAGE,
     VOCAB,
     RunResult,

@@ -15,7 +15,7 @@ import pathlib
 from collections.abc import Callable
 
 import torch
-from serving_helpers import VOCAB, Sequential, hicache_config, serve
+from serving_kit import VOCAB, Sequential, hicache_config, serve
 
 from hicache.backends.registry import open_backend
 from hicache.codec import HEADER_SIZE, verify_page

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pathlib
 
-from serving_helpers import serve
+from serving_kit import serve
 from test_serving_repair import DEVICE_TOKENS, DOC_PAGES, DOCS, Sequential, _prompts
 from test_serving_repair import _config as file_config
 

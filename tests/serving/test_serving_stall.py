@@ -12,7 +12,7 @@ from __future__ import annotations
 import pathlib
 
 import torch
-from serving_helpers import model_config
+from serving_kit import model_config
 
 from hicache.keys import RadixKey
 from hicache.models.config import ModelPreset

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from cli_kit import run
-from serving_helpers import PAGE, VOCAB, hicache_config, tiny_model
+from serving_kit import PAGE, VOCAB, hicache_config, tiny_model
 
 from hicache.keys import RadixKey
 from hicache.models.config import ModelPreset

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from serve_kit import SMALL
 
 ROW_KEYS = {"workers", "router", "requests", "hit_rate", "l3_hit_rate", "l3_hit_tokens",
@@ -14,6 +15,7 @@ ROW_KEYS = {"workers", "router", "requests", "hit_rate", "l3_hit_rate", "l3_hit_
             "wall_s"}  # fmt: skip
 
 
+@pytest.mark.slow  # a whole subprocess end to end: out of `-m "not slow"`
 def test_bench_cluster_rows_and_summary() -> None:
     argv = [sys.executable, "-m", "hicache.tools.cli", "bench", "cluster", "--json",
             "--workers", "2", "--router", "round_robin", "--requests", "8", "--tenants", "2",

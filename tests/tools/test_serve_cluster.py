@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_kit import Served, serve_argv, serving
 
@@ -156,6 +157,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # a whole subprocess end to end: out of `-m "not slow"`
 def test_a_worker_that_cannot_start_stops_serve_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
     marker = str(tmp_path / "unique-cache-dir")
     # A required L3 that nothing listens on: the router does not open L3, each worker must.

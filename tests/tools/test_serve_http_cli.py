@@ -103,6 +103,7 @@ def test_bad_http_flags_are_usage_errors(extra: list[str], words: str) -> None:
     assert words in done.stderr
 
 
+@pytest.mark.slow  # a whole subprocess end to end: out of `-m "not slow"`
 def test_policy_flags_serve_the_same_tokens() -> None:
     argv = [sys.executable, "-m", "hicache.tools.cli", "serve", *SMALL, "--clients", "4",
             "--rounds", "2", "--system-tokens", "64", "--turn-tokens", "32", "--eviction", "lfu",

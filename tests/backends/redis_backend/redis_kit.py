@@ -4,8 +4,11 @@ servers' credentials and limits, and helpers. A plain module, imported by name."
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
+
+from hicache.tools.services_redis import RedisCluster
 
 SKIP_REASON = (
     "redis-server and redis-cli are not installed (apt-get install redis-server)"
@@ -19,3 +22,11 @@ DEFAULT_PASSWORD = "default-pw-5f1c9e"
 ACL_USER, ACL_PASSWORD = "alice", "alice-pw-8d27b4"
 # Small enough that the conformance suite's refusal test checks the limit cheaply.
 MAX_BULK = 2 << 20
+
+
+def wait_cluster_ok(cluster: RedisCluster, timeout_s: float = 20.0) -> None:
+    """Until every node says the cluster is ok again (a master restarted after a kill)."""
+    deadline = time.monotonic() + timeout_s
+    while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in cluster.nodes):
+        assert time.monotonic() < deadline, "the cluster did not come back"
+        time.sleep(0.05)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from cli_kit import run
+from redis_kit import wait_cluster_ok
 
 from hicache.backends.base import MISS
 from hicache.backends.redis import RedisBackend
@@ -270,16 +271,9 @@ async def test_a_cluster_batch_is_one_pipeline_per_master_and_a_dead_master_fail
             assert (await backend.stats())["exists_errors"] == len(on_victim)
         finally:
             victim.start()
-            _wait_ok(cluster)
+            wait_cluster_ok(cluster)
     finally:
         await backend.close()
-
-
-def _wait_ok(cluster: RedisCluster) -> None:
-    deadline = time.monotonic() + 20
-    while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in cluster.nodes):
-        assert time.monotonic() < deadline, "the cluster did not come back"
-        time.sleep(0.05)
 
 
 @pytest.mark.asyncio

@@ -16,6 +16,7 @@ pytest.importorskip(
 )
 
 
+@pytest.mark.slow  # a whole subprocess end to end: out of `-m "not slow"`
 def test_bench_lmcache_reports_both_sides(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "hicache.tools.cli", "bench", "lmcache", "--json",
             "--layers", "2", "--heads", "2", "--head-dim", "16", "--chunk-tokens", "16",

@@ -14,6 +14,7 @@ pytest.importorskip(
 )
 
 
+@pytest.mark.slow  # a whole subprocess end to end: out of `-m "not slow"`
 def test_bench_sglang_reports_every_backend(tmp_path) -> None:
     argv = [sys.executable, "-m", "hicache.tools.cli", "bench", "sglang", "--json",
             "--layers", "2", "--heads", "2", "--head-dim", "16", "--page-size", "4",

@@ -109,6 +109,7 @@ def test_warm_after_a_restart_and_in_a_second_process(
     assert hits.get("1:HiCacheTier", 0) >= sum(PREFIX_OF[::2]) // 32 * 0.9
 
 
+@pytest.mark.slow  # a whole subprocess end to end: out of `-m "not slow"`
 def test_pressure_hits_prefixes_vllm_evicted_from_host_and_store(
     checkpoint: Path, baseline: dict[str, list[str]], tmp_path: Path
 ) -> None:

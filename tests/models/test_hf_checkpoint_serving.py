@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from model_kit import reference_tokens
-from serving_helpers import (
+from serving_kit import (
     CHAT,
     PAGE,
     VOCAB,

@@ -9,7 +9,7 @@ import ssl
 
 import httpx
 import pytest
-from serving_helpers import ENGINE, tiny_model
+from serving_kit import ENGINE, tiny_model
 from tls_kit import self_signed
 
 from hicache.errors import ConfigError

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import ENGINE, PAGE, VOCAB, hicache_config, serve, tiny_model, trace
+from serving_kit import ENGINE, PAGE, VOCAB, hicache_config, serve, tiny_model, trace
 
 from hicache.models.config import ModelPreset
 from hicache.radix.eviction import EvictionPolicy

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 from cli_kit import run
-from serving_helpers import PAGE
-from test_serving_checkpoint import build_checkpoint
+from serving_kit import PAGE
+from test_hf_checkpoint_serving import build_checkpoint
 
 from hicache.errors import CheckpointError, TraceFormatError
 from hicache.models.hf.loader import open_checkpoint

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serving_helpers import ENGINE, VOCAB
+from serving_kit import ENGINE, VOCAB
 from test_http_api import GREEDY, slowed, start, stop
 
 from hicache.server.app import HttpServer

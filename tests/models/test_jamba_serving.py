@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from serving_helpers import CHAT, PAGE, VOCAB, hicache_config, relative_error, serve
-from test_serving_checkpoint import assert_matches_transformers
+from serving_kit import CHAT, PAGE, VOCAB, hicache_config, relative_error, serve
+from test_hf_checkpoint_serving import assert_matches_transformers
 
 from hicache.errors import CheckpointError, ConfigError
 from hicache.models.config import LayerKind, ModelConfig, ModelPreset
