@@ -197,35 +197,38 @@ def _read_in_pieces(fd: int, item: ReadItem, flags: int) -> int:
     key, (_, offset, length, seq), target = item
     kb = key.encode("ascii")
     head = memoryview(bytearray(RECORD_HEADER + len(kb)))
-    hasher = xxh3_64()
-    fields: tuple[int, int] | None = None
-    done = 0
-    while fields is None or done < length:
-        piece = (
-            []
-            if fields is None
-            else trim(segments_after(target, done), min(PIECE_BYTES, length - done))
-        )
-        iov = piece or [head]
-        at = offset if fields is None else offset + head.nbytes + fields[1] + done
-        want = sum(v.nbytes for v in iov)
-        try:
-            got = os.preadv(fd, iov, at, flags) if flags else os.preadv(fd, iov, at)
-        except BlockingIOError:
-            return _LATER
-        except OSError as exc:
-            return _LATER if flags and exc.errno == errno.EOPNOTSUPP else _GONE
-        if got < want:
-            return _LATER if flags else _BAD
-        if fields is None:
-            fields = _header_fields(head, 0, kb, length, seq)
-            if fields is None:
-                return _BAD
-            continue
+    failed = _fill(fd, [head], offset, flags)
+    if failed is not None:
+        return failed
+    fields = _header_fields(head, 0, kb, length, seq)
+    if fields is None:
+        return _BAD
+    digest, gap = fields
+    at, hasher, done = offset + head.nbytes + gap, xxh3_64(), 0
+    while done < length:
+        n = min(PIECE_BYTES, length - done)
+        piece = trim(segments_after(target, done), n)
+        failed = _fill(fd, piece, at + done, flags)
+        if failed is not None:
+            return failed
         for view in piece:
             hasher.update(view)
-        done += want
-    return _HIT if hasher.intdigest() == fields[0] else _BAD
+        done += n
+    return _HIT if hasher.intdigest() == digest else _BAD
+
+
+def _fill(fd: int, iov: list[memoryview], at: int, flags: int) -> int | None:
+    """``iov`` read whole from ``at``: None, else what the record's read comes to (see
+    :func:`_read_in_pieces`)."""
+    try:
+        got = os.preadv(fd, iov, at, flags) if flags else os.preadv(fd, iov, at)
+    except BlockingIOError:
+        return _LATER
+    except OSError as exc:
+        return _LATER if flags and exc.errno == errno.EOPNOTSUPP else _GONE
+    if got < sum(v.nbytes for v in iov):
+        return _LATER if flags else _BAD
+    return None
 
 
 def _read_run_direct(

@@ -61,7 +61,7 @@ from hicache.backends.base import (
     copy_into_segments,
     segments_nbytes,
 )
-from hicache.backends.redis.client import FAILURES, RedisClient, connect
+from hicache.backends.redis.client import FAILURES, RedisClient, close_quietly, connect
 from hicache.backends.redis.config import (
     TLS_SCHEMES,
     RedisConfig,
@@ -294,10 +294,7 @@ class RedisBackend(StorageBackend):
         return {"max_object_bytes": self._client.max_bulk}
 
     async def _close(self) -> None:
-        try:
-            await self._client.close()
-        except FAILURES as exc:  # its connections go with it anyway
-            logger.debug("closing redis %s: %s", self._client.where, exc)
+        await close_quietly(self._client)
 
     # ----- failures ----------------------------------------------------------------------------
     def _ok(self, reply: object, server: str, counter: str, what: str) -> bool:

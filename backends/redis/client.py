@@ -35,7 +35,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from hicache.backends.redis.config import RedisConfig
 from hicache.errors import BackendUnavailableError, ConfigError
 
-__all__ = ["CLIENT_NAME", "FAILURES", "MAX_BULK_DEFAULT", "Queue", "RedisClient", "connect"]
+__all__ = [
+    "CLIENT_NAME",
+    "FAILURES",
+    "MAX_BULK_DEFAULT",
+    "Queue",
+    "RedisClient",
+    "close_quietly",
+    "connect",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -230,24 +238,25 @@ async def connect(cfg: RedisConfig) -> RedisClient:
         await within(cfg.timeout, client.client.ping())
         await client.read_max_bulk()
     except AuthenticationError:
-        await _quietly_close(client)
+        await close_quietly(client)
         user = cfg.username or "default"
         raise ConfigError(
             f"redis {client.where}: authentication as user {user!r} failed; check the "
             "password (URL, password_file or HICACHE_REDIS_PASSWORD)"
         ) from None
     except ResponseError as exc:
-        await _quietly_close(client)
+        await close_quietly(client)
         raise BackendUnavailableError(f"redis {client.where} refused PING: {exc}") from None
     except FAILURES as exc:
-        await _quietly_close(client)
+        await close_quietly(client)
         raise BackendUnavailableError(
             f"cannot reach redis {client.where} ({type(exc).__name__}: {exc})"
         ) from None
     return client
 
 
-async def _quietly_close(client: RedisClient) -> None:
+async def close_quietly(client: RedisClient) -> None:
+    """Close ``client``; a failure is logged at debug level (its connections go anyway)."""
     try:
         await client.close()
     except FAILURES as exc:  # the connections go with the client anyway

@@ -30,12 +30,11 @@ import itertools
 import mmap
 import os
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hicache.backends._io_threads import machine_threads
-from hicache.tools.bench.rounds import paired_ratio
+from hicache.tools.bench.rounds import gb_s, paired_ratio
 
 __all__ = ["PageCacheFloor", "floor_figures", "floor_sides", "settle_memory"]
 
@@ -154,13 +153,7 @@ def floor_figures(
         if not name.startswith("floor_"):
             continue
         for op in ("put", "get"):
-            row[f"{name}_{op}_gb_s"] = _gb_s(nbytes, floor[op])
+            row[f"{name}_{op}_gb_s"] = gb_s(nbytes, floor[op])
             row.update(paired_ratio(f"{name}_{op}_ratio", floor[op], timings[theirs][op]))
             row.update(paired_ratio(f"{op}_over_{name}", timings[ours][op], floor[op]))
     return row
-
-
-def _gb_s(nbytes: int, seconds: Sequence[float]) -> float:
-    import statistics
-
-    return round(nbytes / statistics.median(seconds) / 1e9, 3)

@@ -41,16 +41,15 @@ import argparse
 import contextlib
 import os
 import shutil
-import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import ConfigError
 from hicache.tools.bench.floor import floor_figures, floor_sides, settle_memory
-from hicache.tools.bench.rounds import paired_ratio, rotated
+from hicache.tools.bench.rounds import gb_s, paired_ratio, rotated
 from hicache.tools.cli_parsing import check_memory, input_dir, int_range
 
 __all__ = ["ChunkShape", "add_bench_lmcache_parser", "run_bench_lmcache"]
@@ -257,16 +256,12 @@ def _compare(
     }  # fmt: skip
     ours, theirs = timings[_OURS], timings[_THEIRS]
     for op in ("put", "get"):
-        row[f"hicache_{op}_gb_s"] = _gb_s(shape.round_bytes, ours[op])
-        row[f"lmcache_{op}_gb_s"] = _gb_s(shape.round_bytes, theirs[op])
+        row[f"hicache_{op}_gb_s"] = gb_s(shape.round_bytes, ours[op])
+        row[f"lmcache_{op}_gb_s"] = gb_s(shape.round_bytes, theirs[op])
         row.update(paired_ratio(f"{op}_ratio", ours[op], theirs[op]))
     row.update(floor_figures(timings, shape.round_bytes, _OURS, _THEIRS))
     row["checked"] = True
     return row
-
-
-def _gb_s(nbytes: int, seconds: Sequence[float]) -> float:
-    return round(nbytes / statistics.median(seconds) / 1e9, 3)
 
 
 def _keys(round_no: int, theirs: bool, chunks: int) -> list[Any]:

@@ -12,7 +12,12 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["paired_ratio", "rotated", "spread"]
+__all__ = ["gb_s", "paired_ratio", "rotated", "spread"]
+
+
+def gb_s(nbytes: int, seconds: Sequence[float]) -> float:
+    """GB/s of moving ``nbytes`` in the median of ``seconds`` (one time per round)."""
+    return round(nbytes / statistics.median(seconds) / 1e9, 3)
 
 
 def spread(name: str, values: Sequence[float], digits: int) -> dict[str, float]:

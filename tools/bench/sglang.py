@@ -37,7 +37,7 @@ from typing import Any
 
 from hicache.errors import ConfigError
 from hicache.tools.bench.floor import PageCacheFloor, floor_figures, floor_sides, settle_memory
-from hicache.tools.bench.rounds import rotated
+from hicache.tools.bench.rounds import gb_s, rotated
 from hicache.tools.cli_parsing import int_range
 
 __all__ = ["add_bench_sglang_parser", "run_bench_sglang"]
@@ -266,8 +266,8 @@ def _row(
                            "page_bytes": shape.page_bytes, "rounds": rounds}  # fmt: skip
     ours, theirs = timings["hicache"], timings["sglang"]
     for op in ("put", "get"):
-        row[f"hicache_{op}_gb_s"] = round(nbytes / statistics.median(ours[op]) / 1e9, 3)
-        row[f"sglang_{op}_gb_s"] = round(nbytes / statistics.median(theirs[op]) / 1e9, 3)
+        row[f"hicache_{op}_gb_s"] = gb_s(nbytes, ours[op])
+        row[f"sglang_{op}_gb_s"] = gb_s(nbytes, theirs[op])
         # Each round's two sides ran back to back: their ratio cancels the machine's drift.
         paired = [t / o for o, t in zip(ours[op], theirs[op], strict=True)]
         row[f"{op}_ratio"] = round(statistics.median(paired), 3)
