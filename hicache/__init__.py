@@ -51,15 +51,15 @@ _EXPORTS: dict[str, str] = {
     "ReqToTokenPool": "hicache.pools.req_to_token",
     # the tiered cache and its config
     "HiRadixCache": "hicache.tiering.cache",
-    "HiCacheConfig": "hicache.tiering.config",
-    "TierConfig": "hicache.tiering.config",
-    "PrefetchConfig": "hicache.tiering.config",
-    "StorageConfig": "hicache.tiering.config",
-    "load_config": "hicache.tiering.config",
-    "WritePolicy": "hicache.tiering.policies",
-    "PrefetchStopPolicy": "hicache.tiering.policies",
-    "L3Admission": "hicache.tiering.policies",
-    "HiCacheMetrics": "hicache.tiering.metrics",
+    "HiCacheConfig": "hicache.tiering.common.config",
+    "TierConfig": "hicache.tiering.common.config",
+    "PrefetchConfig": "hicache.tiering.common.config",
+    "StorageConfig": "hicache.tiering.common.config",
+    "load_config": "hicache.tiering.common.config",
+    "WritePolicy": "hicache.tiering.common.policies",
+    "PrefetchStopPolicy": "hicache.tiering.common.policies",
+    "L3Admission": "hicache.tiering.common.policies",
+    "HiCacheMetrics": "hicache.tiering.common.metrics",
     # storage backends
     "StorageBackend": "hicache.backends.base",
     "Capabilities": "hicache.backends.base",
@@ -165,12 +165,12 @@ if TYPE_CHECKING:
     from hicache.radix.shadow import ShadowRadixCache
     from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
     from hicache.tiering.cache import HiRadixCache
-    from hicache.tiering.config import (
+    from hicache.tiering.common.config import (
         HiCacheConfig,
         PrefetchConfig,
         StorageConfig,
         TierConfig,
         load_config,
     )
-    from hicache.tiering.metrics import HiCacheMetrics
-    from hicache.tiering.policies import L3Admission, PrefetchStopPolicy, WritePolicy
+    from hicache.tiering.common.metrics import HiCacheMetrics
+    from hicache.tiering.common.policies import L3Admission, PrefetchStopPolicy, WritePolicy

@@ -30,8 +30,8 @@ from hicache.serving.engine import CacheMode, EngineConfig, RequestSource
 from hicache.serving.engine_events import TokenSampled
 from hicache.serving.request import RequestRecord, ServeRequest
 from hicache.serving.setup import ServingSetup, open_engine
-from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
-from hicache.tiering.policies import PrefetchStopPolicy, WritePolicy
+from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.common.policies import PrefetchStopPolicy, WritePolicy
 from hicache.workloads.arrivals import TraceReplay
 from hicache.workloads.synthetic import ChatConfig, MultiTurnChat
 from hicache.workloads.traces import TraceRequest

@@ -85,7 +85,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     import dataclasses
     import enum
 
-    from hicache.tiering.config import check_config
+    from hicache.tiering.common.config import check_config
     from hicache.tools.config_flags import config_from_args
 
     config = config_from_args(args)

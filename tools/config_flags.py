@@ -1,6 +1,6 @@
 """The tiered cache's CLI flags: ``--config FILE`` and per-field flags over it.
 
-The core (:mod:`hicache.tiering.config`) reads files and mappings only; argparse lives here.
+The core (:mod:`hicache.tiering.common.config`) reads files and mappings only; argparse lives here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from hicache.tiering.config import (
+from hicache.tiering.common.config import (
     HiCacheConfig,
     PrefetchConfig,
     StorageConfig,

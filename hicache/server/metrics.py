@@ -2,9 +2,10 @@
 
 The tiered cache's counters and gauges (hit tokens per tier, bytes moved between tiers,
 prefetch terminations by reason, L3 read and write rates) come from
-:meth:`~hicache.tiering.metrics.HiCacheMetrics.register_prometheus`; this module adds what the
-server sees per request: requests by outcome, TTFT and queue-time histograms, tokens in and out,
-and hit tokens per tier as each request was admitted (also in the modes without a tiered cache).
+:meth:`~hicache.tiering.common.metrics.HiCacheMetrics.register_prometheus`; this module adds
+what the server sees per request: requests by outcome, TTFT and queue-time histograms, tokens in
+and out, and hit tokens per tier as each request was admitted (also in the modes without a
+tiered cache).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from hicache.serving.request import ServeRequest
-from hicache.tiering.metrics import HiCacheMetrics
+from hicache.tiering.common.metrics import HiCacheMetrics
 
 __all__ = ["ConnectionCounts", "ServingMetrics"]
 

@@ -44,7 +44,7 @@ from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestState, ServeRequest
 from hicache.sparse.hot_buffer import HotBuffer, HotRequest, canonical_pages
 from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.pool_host import set_host
+from hicache.tiering.host.pool import set_host
 
 __all__ = ["HiSparseRequests", "HotEntry"]
 

@@ -5,12 +5,12 @@ scheduled it prefetches again if what was cached then has been evicted meanwhile
 its last prefetch left pages in L3 for lack of host room (then as an ``urgent`` prefetch, which
 may go past the prefetch share of host memory as a load-back would), or if what its prefetch
 kept for it was given up to a running request
-(:meth:`~hicache.tiering.prefetcher.Prefetcher.yield_reserved`). The requests next in line
+(:meth:`~hicache.tiering.l3.prefetcher.Prefetcher.yield_reserved`). The requests next in line
 after those of an admission round start that read then ("ahead": while the step before their
 turn computes, and only where the prefetch share of host memory has room for all of it), so
 that their pages are on the host when their turn comes rather than a step later. What a
 prefetch inserts stays reserved for the request until it is admitted
-(:meth:`~hicache.tiering.prefetcher.Prefetcher.release`). A read expected to be slower than
+(:meth:`~hicache.tiering.l3.prefetcher.Prefetcher.release`). A read expected to be slower than
 computing the same tokens (measured rates) is skipped when ``skip_slow`` is on.
 """
 

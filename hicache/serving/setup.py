@@ -20,7 +20,7 @@ from hicache.serving.hisparse import HiSparseRequests
 from hicache.serving.pool_slots import swa_reserve
 from hicache.sparse.hot_buffer import HotBuffer
 from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.config import HiCacheConfig
+from hicache.tiering.common.config import HiCacheConfig
 from hicache.tiering.controller import HiCacheController
 
 __all__ = [

@@ -23,20 +23,20 @@ and write_back could not) leaves the tree with every pool's data. Host eviction
 write in flight and not anchoring a prefetch, freeing any other pool's device data on them.
 
 The cache owns the controller (device <-> host copies, the storage tier) and composes its
-parts: backups, host eviction, load-back, prefetch insert, the L3 writer and the prefetcher. It
-is the only module that knows them all; each part receives only what it uses, the narrow views of
-:mod:`~hicache.tiering.parts`, which the tree fulfils with public operations. Everything here
-runs on the scheduler's thread; :meth:`check_events` applies, once per scheduler step, what the
-controller finished meanwhile.
+parts: backups, host eviction, load-back (``host/``), prefetch insert, the L3 writer and the
+prefetcher (``l3/``). It is the only module that knows them all; each part receives only what it
+uses, the narrow views of :mod:`~hicache.tiering.common.parts`, which the tree fulfils with
+public operations. Everything here runs on the scheduler's thread; :meth:`check_events` applies,
+once per scheduler step, what the controller finished meanwhile.
 
 Per-pool lifecycles: the tree is a :class:`~hicache.radix.shadow.ShadowRadixCache`, so a model
 with more than one kind of cached state gives each extra pool (an SWA window pool, a Mamba state
 pool) its own slots, locks and eviction on the device (``tree.ledger``) and its own host pages
-(:mod:`~hicache.tiering.pool_host`). A match is the longest prefix where every pool's hit rule
+(:mod:`~hicache.tiering.host.pool`). A match is the longest prefix where every pool's hit rule
 holds: on the device for ``prefix_len``, on device or host for the host hit that
-:meth:`init_load_back` then loads (:mod:`~hicache.tiering.load_back`). Backups copy every pool a
-node holds (:mod:`~hicache.tiering.backup`); L3 stores, per page, the objects of the pools that
-hold it.
+:meth:`init_load_back` then loads (:mod:`~hicache.tiering.host.load_back`). Backups copy every
+pool a node holds (:mod:`~hicache.tiering.host.backup`); L3 stores, per page, the objects of the
+pools that hold it.
 """
 
 from __future__ import annotations
@@ -57,20 +57,20 @@ from hicache.radix.shadow_rules import peek_path, pool_indices
 from hicache.radix.slots import concat_slots
 from hicache.radix.tier_peek import TierPeek
 from hicache.radix.tree import MatchResult, RadixCacheConfig
-from hicache.tiering.backup import Backups
-from hicache.tiering.bundler import BundlePage, PageHasher
-from hicache.tiering.config import HiCacheConfig
-from hicache.tiering.controller import GroupTransfer, HiCacheController
-from hicache.tiering.host_eviction import HostEvictor
-from hicache.tiering.l3_writer import L3Writer
-from hicache.tiering.load_back import LoadBack
-from hicache.tiering.metrics import HiCacheMetrics
-from hicache.tiering.parts import TierPools
-from hicache.tiering.peek import tiered_peek
-from hicache.tiering.policies import TerminationReason, WritePolicy, backup_on_hit
-from hicache.tiering.pool_host import split_host
-from hicache.tiering.prefetch_insert import PrefetchInserter
-from hicache.tiering.prefetcher import Prefetcher
+from hicache.tiering.common.config import HiCacheConfig
+from hicache.tiering.common.metrics import HiCacheMetrics
+from hicache.tiering.common.parts import GroupTransfer, TierPools
+from hicache.tiering.common.policies import TerminationReason, WritePolicy, backup_on_hit
+from hicache.tiering.controller import HiCacheController
+from hicache.tiering.host.backup import Backups
+from hicache.tiering.host.eviction import HostEvictor
+from hicache.tiering.host.load_back import LoadBack
+from hicache.tiering.host.peek import tiered_peek
+from hicache.tiering.host.pool import split_host
+from hicache.tiering.l3.bundler import BundlePage, PageHasher
+from hicache.tiering.l3.prefetch_insert import PrefetchInserter
+from hicache.tiering.l3.prefetcher import Prefetcher
+from hicache.tiering.l3.writer import L3Writer
 
 __all__ = ["HiRadixCache"]
 
@@ -107,7 +107,7 @@ class HiRadixCache(ShadowRadixCache):
         self._kept: list[TreeNode] = []  # leaves an eviction kept (see evict)
 
     def _build_parts(self, controller: HiCacheController, clock: Callable[[], float]) -> None:
-        """The parts, each given only what it uses (see :mod:`hicache.tiering.parts`)."""
+        """The parts, each given only what it uses (see :mod:`hicache.tiering.common.parts`)."""
         config, tiers = controller.config, self.tiers
         owner_hosts = {name: controller.host_pools[name] for name in controller.groups}
         pools = TierPools(self.roles, self.page_size, controller.groups, owner_hosts)
@@ -226,7 +226,7 @@ class HiRadixCache(ShadowRadixCache):
 
     def peek_tiers(self, key: RadixKey) -> TierPeek:
         """What :meth:`match_prefix` would find, in device and host units, without touching
-        the tree (see :mod:`~hicache.tiering.peek`)."""
+        the tree (see :mod:`~hicache.tiering.host.peek`)."""
         data, unit = self._pack(key)
         root = self.namespace_root(key.extra_key, key.is_bigram)
         return tiered_peek(self.roles, self.page_size, root, data, unit)
@@ -317,13 +317,13 @@ class HiRadixCache(ShadowRadixCache):
         """Hang prefetched pages (``bundle``: their host pages per pool) under the tree as
         host-only nodes; free any duplicates. Returns how many pages were inserted (the rest
         was there already, or had no parent) and the node the prefix now ends at (None when
-        its parent was gone). See :class:`~hicache.tiering.prefetch_insert.PrefetchInserter`."""
+        its parent was gone). See :class:`~hicache.tiering.l3.prefetch_insert.PrefetchInserter`."""
         return self.inserter.insert(key, start, bundle)
 
     # ----- device -> host -------------------------------------------------------------------
     def _backup(self, node: TreeNode, evicting: bool = False) -> bool:
         """Copy ``node``'s data that host lacks (every pool); whether its anchor is on host or
-        on its way (see :class:`~hicache.tiering.backup.Backups`)."""
+        on its way (see :class:`~hicache.tiering.host.backup.Backups`)."""
         return self.backups.backup(node, evicting)
 
     # ----- host -> device -------------------------------------------------------------------

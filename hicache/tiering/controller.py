@@ -3,7 +3,7 @@
 Device <-> host copies run per layer through the layouts' gather/scatter on one
 :class:`~hicache.layouts.TransferStream` per direction (CUDA streams with an event per layer;
 synchronous copies on the CPU, behind the same API), so a forward pass waits for layer ``i`` of a
-load only. Host <-> L3 goes through :class:`~hicache.tiering.storage_tier.StorageTier` on
+load only. Host <-> L3 goes through :class:`~hicache.tiering.l3.storage_tier.StorageTier` on
 asyncio tasks.
 
 The controller moves data and counts it; which pages move, and when, is the tree's business
@@ -29,46 +29,21 @@ import torch
 
 from hicache.backends.base import StorageBackend
 from hicache.errors import BackendError, ConfigError, HiCacheError, InvalidArgumentError
-from hicache.layouts import LayerTransfer, TransferStream
+from hicache.layouts import TransferStream
 from hicache.pools.device import DevicePool
 from hicache.pools.host import HostPool
-from hicache.tiering.bundler import PageBundler
-from hicache.tiering.config import HiCacheConfig, check_config
-from hicache.tiering.metrics import HiCacheMetrics
-from hicache.tiering.storage_tier import StorageTier
+from hicache.tiering.common.config import HiCacheConfig, check_config
+from hicache.tiering.common.metrics import HiCacheMetrics
+from hicache.tiering.common.parts import GroupTransfer
+from hicache.tiering.l3.bundler import PageBundler
+from hicache.tiering.l3.storage_tier import StorageTier
 from hicache.urls import redact_url, scrub
 
-__all__ = ["GroupTransfer", "HiCacheController", "discard_namespaces"]
+__all__ = ["HiCacheController", "discard_namespaces"]
 
 logger = logging.getLogger(__name__)
 
 _DELETE_BATCH = 512  # keys per delete call: few round trips, no request too large
-
-
-class GroupTransfer:
-    """One copy of a page set across every pool of the group; per-pool, per-layer events."""
-
-    def __init__(self, transfers: Mapping[str, LayerTransfer]) -> None:
-        self.transfers = dict(transfers)
-
-    @classmethod
-    def merged(cls, parts: list[GroupTransfer]) -> GroupTransfer:
-        """One transfer over several groups' (each pool is in one group only)."""
-        return cls({name: t for part in parts for name, t in part.transfers.items()})
-
-    def wait_layer(self, pool: str, layer: int) -> None:
-        """Make the current stream wait until ``layer`` of ``pool`` is copied (no host block);
-        nothing to wait for when this transfer does not copy ``pool``."""
-        transfer = self.transfers.get(pool)
-        if transfer is not None:
-            transfer.wait_layer(layer)
-
-    def done(self) -> bool:
-        return all(t.done() for t in self.transfers.values())
-
-    def synchronize(self) -> None:
-        for transfer in self.transfers.values():
-            transfer.synchronize()
 
 
 class HiCacheController:

@@ -15,9 +15,9 @@ from hicache.pools.host import host_pools
 from hicache.pools.presets import ModelShape, PoolPreset, preset
 from hicache.radix.tree import RadixCacheConfig
 from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.config import HiCacheConfig, TierConfig
+from hicache.tiering.common.config import HiCacheConfig, TierConfig
+from hicache.tiering.common.policies import WritePolicy
 from hicache.tiering.controller import HiCacheController
-from hicache.tiering.policies import WritePolicy
 
 PAGE = 4
 

@@ -29,7 +29,7 @@ from hicache.models.config import ModelPreset
 from hicache.serving.engine import CacheMode
 from hicache.serving.setup import open_engine
 from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason, WritePolicy
+from hicache.tiering.common.policies import PrefetchStopPolicy, TerminationReason, WritePolicy
 from hicache.workloads.synthetic import MultiTurnChat
 
 rates = st.floats(min_value=0.0, max_value=0.6)

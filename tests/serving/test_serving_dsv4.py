@@ -44,9 +44,9 @@ from hicache.pools.pool_spec import HitRuleKind
 from hicache.serving import setup as serving_setup
 from hicache.serving.engine import CacheMode, EngineConfig, RequestSource
 from hicache.serving.setup import ServingSetup, device_slots, open_engine
-from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
-from hicache.tiering.policies import PrefetchStopPolicy, WritePolicy
-from hicache.tiering.pool_host import host_of
+from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.common.policies import PrefetchStopPolicy, WritePolicy
+from hicache.tiering.host.pool import host_of
 from hicache.tools.serve.config import check_index_topk
 from hicache.workloads.pool_report import pool_bytes
 from hicache.workloads.synthetic import ChatConfig, MultiTurnChat

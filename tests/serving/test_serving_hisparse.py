@@ -46,7 +46,7 @@ from hicache.serving.engine_events import StepStarted
 from hicache.serving.request import ServeRequest, StepRecord
 from hicache.serving.setup import ServingSetup, open_engine
 from hicache.sparse.hot_buffer import HiSparseConfig, HotStats
-from hicache.tiering.config import HiCacheConfig
+from hicache.tiering.common.config import HiCacheConfig
 from hicache.workloads.arrivals import TraceReplay
 from hicache.workloads.traces import TraceRequest
 

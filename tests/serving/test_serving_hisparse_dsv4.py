@@ -28,7 +28,7 @@ from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.engine_events import ChunkPlanned, StepStarted
 from hicache.serving.setup import ServingSetup, open_engine
 from hicache.sparse.hot_buffer import HiSparseConfig
-from hicache.tiering.config import HiCacheConfig
+from hicache.tiering.common.config import HiCacheConfig
 from hicache.workloads.synthetic import MultiTurnChat
 
 TOPK = CONFIG.index_topk_pages  # C4 entries a query picks

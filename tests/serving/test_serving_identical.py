@@ -33,7 +33,7 @@ from hicache.pools.device import DevicePool, device_pools
 from hicache.pools.host import host_pools
 from hicache.pools.pool_spec import Granularity, ModelPools
 from hicache.serving.engine import CacheMode
-from hicache.tiering.policies import PrefetchStopPolicy, WindowAdmission, WritePolicy
+from hicache.tiering.common.policies import PrefetchStopPolicy, WindowAdmission, WritePolicy
 
 PRESET_IDS = [p.value for p in ALL_PRESETS]
 

@@ -38,7 +38,7 @@ from hicache.serving.engine import CacheMode, Engine, EngineConfig, RequestSourc
 from hicache.serving.engine_events import ChunkPlanned
 from hicache.serving.pool_slots import swa_reserve
 from hicache.serving.setup import ServingSetup, device_slots, open_engine
-from hicache.tiering.config import HiCacheConfig
+from hicache.tiering.common.config import HiCacheConfig
 from hicache.workloads.arrivals import TraceReplay
 from hicache.workloads.synthetic import MultiTurnChat, SharedPrefixConfig, shared_prefix_trace
 

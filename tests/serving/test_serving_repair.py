@@ -22,8 +22,8 @@ from hicache.codec import HEADER_SIZE, verify_page
 from hicache.errors import CodecError
 from hicache.models.config import ModelPreset
 from hicache.serving.engine import CacheMode
-from hicache.tiering.config import HiCacheConfig
-from hicache.tiering.policies import PrefetchStopPolicy
+from hicache.tiering.common.config import HiCacheConfig
+from hicache.tiering.common.policies import PrefetchStopPolicy
 from hicache.tools.store.compact import CompactOptions, compact_store
 from hicache.tools.store.verify import VerifyOptions, verify_store
 

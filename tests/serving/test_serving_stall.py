@@ -20,9 +20,9 @@ from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
 from hicache.radix.tree import RadixCacheConfig
 from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.config import HiCacheConfig, StorageConfig, TierConfig
+from hicache.tiering.common.config import HiCacheConfig, StorageConfig, TierConfig
+from hicache.tiering.common.policies import WritePolicy
 from hicache.tiering.controller import HiCacheController
-from hicache.tiering.policies import WritePolicy
 
 
 async def test_a_node_kept_once_is_evicted_once_the_host_has_room(tmp_path: pathlib.Path) -> None:

@@ -22,7 +22,7 @@ from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.request import RequestRecord, ServeRequest
 from hicache.serving.setup import open_engine
 from hicache.sparse.hot_buffer import HiSparseConfig
-from hicache.tiering.config import HiCacheConfig, StorageConfig, TierConfig
+from hicache.tiering.common.config import HiCacheConfig, StorageConfig, TierConfig
 
 DSA = ModelPreset.DSA
 FIRST_OUTPUT = 14  # past three page boundaries of PAGE = 4

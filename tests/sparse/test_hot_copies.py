@@ -22,7 +22,7 @@ from hicache.serving.request import ServeRequest
 from hicache.serving.setup import ServingSetup, open_engine
 from hicache.sparse.hot_buffer import HiSparseConfig
 from hicache.sparse.hot_copies import CopyMode, HotCopyError, InlineCopies, ThreadCopies
-from hicache.tiering.config import HiCacheConfig, TierConfig
+from hicache.tiering.common.config import HiCacheConfig, TierConfig
 from hicache.workloads.arrivals import TraceReplay
 from hicache.workloads.traces import TraceRequest
 

@@ -21,9 +21,9 @@ from hicache.pools.presets import ModelShape, PoolPreset, preset
 from hicache.radix.node import TreeNode
 from hicache.radix.tree import RadixCacheConfig
 from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
 from hicache.tiering.controller import HiCacheController
-from hicache.tiering.pool_host import host_pools_of
+from hicache.tiering.host.pool import host_pools_of
 
 WINDOW = 8  # SWA window: 2 pages
 

@@ -16,7 +16,7 @@ from hicache.layouts import Layout
 from hicache.pools import HostPool
 from hicache.pools.presets import PoolPreset, preset
 from hicache.radix.tree import RadixCache, RadixCacheConfig
-from hicache.tiering.bundler import BundlePage, PageBundler, PageHasher
+from hicache.tiering.l3.bundler import BundlePage, PageBundler, PageHasher
 
 NS = namespace_digest("tiny-model")
 

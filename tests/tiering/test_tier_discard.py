@@ -16,7 +16,7 @@ from hicache.backends.memory import MemoryBackend, MemoryConfig
 from hicache.backends.registry import open_backend
 from hicache.backends.wrappers import FaultConfig, FaultInjectionBackend, FaultMode, Operation
 from hicache.keys import namespace_digest, namespace_tag
-from hicache.tiering.config import StorageConfig
+from hicache.tiering.common.config import StorageConfig
 from hicache.tiering.controller import discard_namespaces
 
 SEQ = tokens(1, 8)

@@ -12,9 +12,9 @@ from pool_kit import PoolKit
 from hicache.keys import RadixKey
 from hicache.pools.presets import PoolPreset
 from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.config import TierConfig
-from hicache.tiering.policies import WritePolicy
-from hicache.tiering.pool_host import host_of
+from hicache.tiering.common.config import TierConfig
+from hicache.tiering.common.policies import WritePolicy
+from hicache.tiering.host.pool import host_of
 
 PAGE = 128
 TOKENS = [7 * i + 1 for i in range(3 * PAGE)]

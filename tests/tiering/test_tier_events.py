@@ -10,8 +10,8 @@ from tier_gated import Gate, GatedBackend, seed_l3, start_prefetch, tokens, unti
 from tier_harness import Harness
 
 from hicache.backends.memory import MemoryBackend
-from hicache.tiering.config import PrefetchConfig
-from hicache.tiering.policies import PrefetchStopPolicy
+from hicache.tiering.common.config import PrefetchConfig
+from hicache.tiering.common.policies import PrefetchStopPolicy
 
 SEQ = tokens(1, 8)
 WAIT = PrefetchConfig(stop_policy=PrefetchStopPolicy.WAIT_COMPLETE, threshold_tokens=4)

@@ -34,10 +34,10 @@ from hicache.backends.wrappers import (
     SleepFn,
 )
 from hicache.keys import RadixKey
-from hicache.tiering.bundler import BundlePage
-from hicache.tiering.config import PrefetchConfig, StorageConfig
-from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason
-from hicache.tiering.storage_tier import PrefetchOp
+from hicache.tiering.common.config import PrefetchConfig, StorageConfig
+from hicache.tiering.common.policies import PrefetchStopPolicy, TerminationReason
+from hicache.tiering.l3.bundler import BundlePage
+from hicache.tiering.l3.storage_tier import PrefetchOp
 
 SEQ = tokens(1, 8)
 

@@ -20,11 +20,11 @@ from hicache.backends.wrappers import (
     Operation,
     WrapperBackend,
 )
-from hicache.tiering.config import StorageConfig
-from hicache.tiering.failure_log import FailureLog
+from hicache.tiering.common.config import StorageConfig
+from hicache.tiering.l3.failure_log import FailureLog
 
 SEQ = tokens(1, 8)
-TIER_LOGGER = "hicache.tiering.storage_tier"
+TIER_LOGGER = "hicache.tiering.l3.storage_tier"
 
 
 class StalledReads(WrapperBackend):

@@ -11,7 +11,7 @@ from tier_harness import PAGE, Harness
 
 from hicache.errors import BackendError, ConfigError, InvalidArgumentError
 from hicache.layouts import Layout
-from hicache.tiering.config import (
+from hicache.tiering.common.config import (
     HiCacheConfig,
     PrefetchConfig,
     StorageConfig,
@@ -20,7 +20,7 @@ from hicache.tiering.config import (
     config_from_mapping,
     load_config,
 )
-from hicache.tiering.policies import (
+from hicache.tiering.common.policies import (
     L3Admission,
     PrefetchStopPolicy,
     TerminationReason,

@@ -13,9 +13,9 @@ from tier_harness import PAGE
 
 from hicache.keys import RadixKey
 from hicache.pools.presets import PoolPreset
-from hicache.tiering.config import StorageConfig, TierConfig
-from hicache.tiering.policies import WindowAdmission, WritePolicy
-from hicache.tiering.pool_host import host_of
+from hicache.tiering.common.config import StorageConfig, TierConfig
+from hicache.tiering.common.policies import WindowAdmission, WritePolicy
+from hicache.tiering.host.pool import host_of
 
 
 def _tokens(n: int, base: int = 0) -> list[int]:

@@ -21,8 +21,8 @@ from tier_harness import PAGE
 from hicache.keys import RadixKey
 from hicache.pools.presets import PoolPreset
 from hicache.radix.node import TreeNode
-from hicache.tiering.config import TierConfig
-from hicache.tiering.policies import WritePolicy
+from hicache.tiering.common.config import TierConfig
+from hicache.tiering.common.policies import WritePolicy
 
 # Few distinct tokens: shared prefixes and splits inside nodes are common.
 SEQS = st.lists(st.integers(1, 3), min_size=1, max_size=8).map(

@@ -20,9 +20,9 @@ from tier_harness import PAGE, FakeClock, Harness
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
 from hicache.keys import RadixKey
-from hicache.tiering.config import PrefetchConfig, TierConfig
-from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason
-from hicache.tiering.storage_tier import PrefetchOp
+from hicache.tiering.common.config import PrefetchConfig, TierConfig
+from hicache.tiering.common.policies import PrefetchStopPolicy, TerminationReason
+from hicache.tiering.l3.storage_tier import PrefetchOp
 
 BEST, WAIT, TIMEOUT = (
     PrefetchStopPolicy.BEST_EFFORT,

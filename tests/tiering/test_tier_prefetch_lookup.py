@@ -16,7 +16,7 @@ from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import WrapperBackend
 from hicache.keys import RadixKey
 from hicache.pools.presets import PoolPreset
-from hicache.tiering.config import PrefetchConfig
+from hicache.tiering.common.config import PrefetchConfig
 
 PAGE = 4  # tier_harness's page size
 

@@ -16,8 +16,8 @@ from hicache.backends.memory import MemoryBackend
 from hicache.keys import RadixKey
 from hicache.serving.l3_reads import L3Reads
 from hicache.serving.request import ServeRequest
-from hicache.tiering.config import PrefetchConfig
-from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason
+from hicache.tiering.common.config import PrefetchConfig
+from hicache.tiering.common.policies import PrefetchStopPolicy, TerminationReason
 
 SEQ = tokens(1, 8)  # 8 pages of PAGE tokens
 OTHER = tokens(500, 8)

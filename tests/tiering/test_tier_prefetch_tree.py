@@ -23,8 +23,8 @@ from tier_harness import PAGE, Harness
 from hicache.backends.memory import MemoryBackend
 from hicache.keys import RadixKey
 from hicache.pools.presets import PoolPreset
-from hicache.tiering.config import PrefetchConfig, StorageConfig, TierConfig
-from hicache.tiering.policies import L3Admission, PrefetchStopPolicy, WritePolicy
+from hicache.tiering.common.config import PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.common.policies import L3Admission, PrefetchStopPolicy, WritePolicy
 
 SEQ = tokens(1, 8)
 WAIT = PrefetchConfig(stop_policy=PrefetchStopPolicy.WAIT_COMPLETE, threshold_tokens=PAGE)

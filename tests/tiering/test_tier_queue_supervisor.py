@@ -14,10 +14,10 @@ from tier_gated import assert_clean, tokens, until
 from tier_harness import Harness
 
 from hicache.backends.memory import MemoryBackend
-from hicache.tiering.bundler import BundlePage
-from hicache.tiering.config import StorageConfig
-from hicache.tiering.storage_tier import StorageTier, WriteJob
-from hicache.tiering.supervisor import TaskSupervisor
+from hicache.tiering.common.config import StorageConfig
+from hicache.tiering.l3.bundler import BundlePage
+from hicache.tiering.l3.storage_tier import StorageTier, WriteJob
+from hicache.tiering.l3.supervisor import TaskSupervisor
 
 
 # ----- StorageTier.submit_write on its own (no workers: nothing leaves the queue) ---------------

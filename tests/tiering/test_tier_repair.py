@@ -12,8 +12,8 @@ from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import FaultConfig, FaultInjectionBackend, Operation
 from hicache.codec import HEADER_SIZE, verify_page
 from hicache.errors import CodecError
-from hicache.tiering.config import PrefetchConfig
-from hicache.tiering.policies import PrefetchStopPolicy
+from hicache.tiering.common.config import PrefetchConfig
+from hicache.tiering.common.policies import PrefetchStopPolicy
 
 SEQ = tokens(1, 8)  # 8 pages
 WAIT = PrefetchConfig(stop_policy=PrefetchStopPolicy.WAIT_COMPLETE, threshold_tokens=4)

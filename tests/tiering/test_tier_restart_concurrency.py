@@ -29,10 +29,10 @@ from hicache.pools.req_to_token import ReqToTokenPool
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.tree import RadixCacheConfig
 from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.common.metrics import COUNTERS
+from hicache.tiering.common.policies import PrefetchStopPolicy, TerminationReason
 from hicache.tiering.controller import HiCacheController
-from hicache.tiering.metrics import COUNTERS
-from hicache.tiering.policies import PrefetchStopPolicy, TerminationReason
 
 WAIT = PrefetchStopPolicy.WAIT_COMPLETE
 SEQ = tokens(1, 8)
@@ -340,7 +340,7 @@ async def test_metrics_as_dict_and_prometheus() -> None:
 
 
 def test_an_unknown_counter_is_refused() -> None:
-    from hicache.tiering.metrics import HiCacheMetrics
+    from hicache.tiering.common.metrics import HiCacheMetrics
 
     with pytest.raises(KeyError, match="unknown counter"):
         HiCacheMetrics().add("no_such_counter")

@@ -6,8 +6,8 @@ import pytest
 from tier_harness import PAGE, Harness
 
 from hicache.keys import RadixKey
-from hicache.tiering.config import TierConfig
-from hicache.tiering.policies import WritePolicy
+from hicache.tiering.common.config import TierConfig
+from hicache.tiering.common.policies import WritePolicy
 
 SYSTEM = list(range(1, 9))  # two pages shared by every request
 

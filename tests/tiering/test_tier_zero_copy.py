@@ -13,7 +13,7 @@ from tier_harness import Harness
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.registered_memory import MemoryRegistrar
 from hicache.pools.presets import PoolPreset
-from hicache.tiering.config import PrefetchConfig, StorageConfig
+from hicache.tiering.common.config import PrefetchConfig, StorageConfig
 
 SEQ = tokens(1, 8)
 

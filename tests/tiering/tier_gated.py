@@ -16,7 +16,7 @@ from tier_harness import Harness
 from hicache.backends.base import StorageBackend
 from hicache.backends.wrappers import WrapperBackend
 from hicache.keys import RadixKey
-from hicache.tiering.storage_tier import PrefetchOp
+from hicache.tiering.l3.storage_tier import PrefetchOp
 
 
 class Gate:

@@ -23,7 +23,7 @@ from hicache.pools.req_to_token import ReqToTokenPool
 from hicache.radix.lifecycle import CachedRequest
 from hicache.radix.tree import RadixCacheConfig
 from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
 from hicache.tiering.controller import HiCacheController
 
 PAGE = 4

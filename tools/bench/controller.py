@@ -56,7 +56,7 @@ from hicache.pools.host import host_pools
 from hicache.pools.presets import ModelShape, PoolPreset, preset
 from hicache.radix.tree import RadixCacheConfig
 from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig
+from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig
 from hicache.tiering.controller import HiCacheController
 from hicache.tools.bench.controller_l3 import (
     BATCH_PAGES,

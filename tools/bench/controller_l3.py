@@ -12,9 +12,9 @@ import torch
 
 from hicache.backends.base import StorageBackend
 from hicache.layouts import Layout
-from hicache.tiering.bundler import BundlePage
 from hicache.tiering.controller import HiCacheController
-from hicache.tiering.storage_tier import PrefetchOp, WriteJob
+from hicache.tiering.l3.bundler import BundlePage
+from hicache.tiering.l3.storage_tier import PrefetchOp, WriteJob
 from hicache.tools.bench.rounds import spread
 
 __all__ = [

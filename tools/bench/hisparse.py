@@ -52,7 +52,7 @@ from hicache.serving.request import RequestRecord, StepRecord
 from hicache.serving.setup import open_engine, resolve_device
 from hicache.sparse.hot_buffer import HiSparseConfig
 from hicache.sparse.hot_copies import CopyMode, CopyTimes
-from hicache.tiering.config import HiCacheConfig, StorageConfig, TierConfig
+from hicache.tiering.common.config import HiCacheConfig, StorageConfig, TierConfig
 from hicache.tools.cli_parsing import check_memory, int_range
 from hicache.workloads.arrivals import TraceReplay
 from hicache.workloads.traces import TraceRequest

@@ -26,7 +26,7 @@ from hicache.pools.device import device_pools
 from hicache.pools.host import host_pools
 from hicache.pools.presets import ModelShape, PoolPreset, preset
 from hicache.radix import EvictionPolicy, RadixCache, RadixCacheConfig
-from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig
+from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig
 from hicache.tiering.controller import HiCacheController
 from hicache.tools.bench.controller_l3 import BATCH_PAGES, CpuLog, roundtrip_controller
 from hicache.tools.bench.radix import RadixBenchConfig, bench_trace, prepare_steps, replay

@@ -28,7 +28,7 @@ from hicache.scheduling.host_weight import DEFAULT_HOST_HIT_WEIGHT
 from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.engine import CacheMode
 from hicache.serving.setup import host_pages, open_engine
-from hicache.tiering.config import HiCacheConfig
+from hicache.tiering.common.config import HiCacheConfig
 from hicache.tools.cli_parsing import (
     CommandFailed,
     arg_type,

@@ -29,7 +29,7 @@ from hicache.scheduling.scheduler import SchedulePolicy
 from hicache.serving.engine import EngineConfig
 from hicache.serving.setup import device_slots, host_pages, resolve_device
 from hicache.sparse.hot_buffer import HOT_PAGES_MAX, HiSparseConfig
-from hicache.tiering.config import HiCacheConfig, check_config
+from hicache.tiering.common.config import HiCacheConfig, check_config
 from hicache.tools import cli_parsing
 from hicache.tools.cli_parsing import int_range
 from hicache.tools.config_flags import config_from_args

@@ -31,7 +31,7 @@ from hicache.server.limits import Limits
 from hicache.server.request_body import ChatTemplate, ServedModel
 from hicache.serving.engine import CacheMode
 from hicache.serving.setup import open_engine
-from hicache.tiering.config import HiCacheConfig, StorageConfig
+from hicache.tiering.common.config import HiCacheConfig, StorageConfig
 from hicache.tools.cli_parsing import CommandFailed
 from hicache.tools.serve.config import engine_config_of, hisparse_config
 

@@ -23,8 +23,8 @@ from hicache.models.config import ModelPreset
 from hicache.serving.engine import CacheMode, EngineConfig
 from hicache.serving.request import ServeRequest
 from hicache.serving.setup import open_engine
-from hicache.tiering.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
-from hicache.tiering.policies import PrefetchStopPolicy, WritePolicy
+from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
+from hicache.tiering.common.policies import PrefetchStopPolicy, WritePolicy
 from hicache.tools.cli import main
 from hicache.tools.services_redis import RedisCluster, RedisServer
 from hicache.workloads.synthetic import ChatConfig, MultiTurnChat

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.radix.node import TreeNode
-from hicache.tiering.bundler import PageHasher
-from hicache.tiering.config import StorageConfig
-from hicache.tiering.parts import TierPools
-from hicache.tiering.policies import admit_to_l3, admit_window
-from hicache.tiering.pool_host import host_pools_of
-from hicache.tiering.storage_tier import StorageTier, WriteJob
+from hicache.tiering.common.config import StorageConfig
+from hicache.tiering.common.parts import TierPools
+from hicache.tiering.common.policies import admit_to_l3, admit_window
+from hicache.tiering.host.pool import host_pools_of
+from hicache.tiering.l3.bundler import PageHasher
+from hicache.tiering.l3.storage_tier import StorageTier, WriteJob
 
 __all__ = ["L3Writer"]
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from hicache.backends.base import StorageBackend
 from hicache.codec import HEADER_SIZE
-from hicache.tiering.bundler import ObjectCheck, PageBundler
+from hicache.tiering.l3.bundler import ObjectCheck, PageBundler
 
 __all__ = ["CopyChecker", "SuspectKeys"]
 

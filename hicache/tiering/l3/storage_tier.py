@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hicache.backends.base import StorageBackend
-from hicache.tiering.bundler import BundlePage, PageBundler
-from hicache.tiering.config import PrefetchConfig, StorageConfig
-from hicache.tiering.failure_log import FailureLog
-from hicache.tiering.metrics import HiCacheMetrics
-from hicache.tiering.policies import TerminationReason
-from hicache.tiering.registration import register_buffers, unregister_buffers
-from hicache.tiering.repair import CopyChecker, SuspectKeys
-from hicache.tiering.supervisor import TaskSupervisor
+from hicache.tiering.common.config import PrefetchConfig, StorageConfig
+from hicache.tiering.common.metrics import HiCacheMetrics
+from hicache.tiering.common.policies import TerminationReason
+from hicache.tiering.l3.bundler import BundlePage, PageBundler
+from hicache.tiering.l3.failure_log import FailureLog
+from hicache.tiering.l3.registration import register_buffers, unregister_buffers
+from hicache.tiering.l3.repair import CopyChecker, SuspectKeys
+from hicache.tiering.l3.supervisor import TaskSupervisor
 
 __all__ = ["PrefetchOp", "StorageTier", "WriteJob"]
 

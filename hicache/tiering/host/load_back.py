@@ -2,7 +2,7 @@
 
 A prefix ending at a node needs, on the device: the anchor's slots on every node of its path,
 and each extra pool's data on the nodes its rule names (an SWA pool's window, a state pool's end
-node; see :func:`~hicache.tiering.pool_host.needed_nodes`). Load-back copies from host whatever
+node; see :func:`~hicache.tiering.host.pool.needed_nodes`). Load-back copies from host whatever
 of that the device lacks, all or nothing: slots are allocated for every pool first (evicting
 for them), and nothing is copied when any allocation fails.
 """
@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from hicache.radix.node import TreeNode
-from hicache.tiering.controller import GroupTransfer
-from hicache.tiering.metrics import HiCacheMetrics
-from hicache.tiering.parts import DeviceRoom, HostCopies, TierPools
-from hicache.tiering.pool_host import host_of, needed_nodes
+from hicache.tiering.common.metrics import HiCacheMetrics
+from hicache.tiering.common.parts import DeviceRoom, GroupTransfer, HostCopies, TierPools
+from hicache.tiering.host.pool import host_of, needed_nodes
 
 __all__ = ["LoadBack"]
 

@@ -10,7 +10,7 @@ Host pages are granted to a prefetch the moment L3 has said how many leading pag
 (:meth:`Prefetcher.grant`, called by the storage tier on the scheduler's event loop), within
 ``capacity_share`` of the host pool, evicting host-only leaves if needed. How many leading pages
 are usable, and which pools each of them needs read, follows every pool's hit rule
-(:func:`~hicache.tiering.pool_host.plan_reads`): an SWA pool's window at the end of the hit,
+(:func:`~hicache.tiering.host.pool.plan_reads`): an SWA pool's window at the end of the hit,
 a state pool's snapshot at its last page.
 
 A prefetch started with ``reserve`` keeps what it inserted for its request: the last inserted
@@ -29,14 +29,14 @@ from collections.abc import Callable
 from hicache.keys import RadixKey
 from hicache.radix.node import TreeNode
 from hicache.radix.tree import MatchResult
-from hicache.tiering.bundler import BundlePage, PageHasher
-from hicache.tiering.config import PrefetchConfig
-from hicache.tiering.host_eviction import HostEvictor
-from hicache.tiering.metrics import HiCacheMetrics
-from hicache.tiering.policies import TerminationReason, can_terminate, prefetch_timeout
-from hicache.tiering.pool_host import plan_reads
-from hicache.tiering.prefetch_insert import PrefetchInserter
-from hicache.tiering.storage_tier import PrefetchOp, StorageTier
+from hicache.tiering.common.config import PrefetchConfig
+from hicache.tiering.common.metrics import HiCacheMetrics
+from hicache.tiering.common.policies import TerminationReason, can_terminate, prefetch_timeout
+from hicache.tiering.host.eviction import HostEvictor
+from hicache.tiering.host.pool import plan_reads
+from hicache.tiering.l3.bundler import BundlePage, PageHasher
+from hicache.tiering.l3.prefetch_insert import PrefetchInserter
+from hicache.tiering.l3.storage_tier import PrefetchOp, StorageTier
 
 __all__ = ["Prefetcher"]
 

@@ -12,9 +12,9 @@ import torch
 
 from hicache.keys import RadixKey
 from hicache.radix.node import TreeNode
-from hicache.tiering.bundler import BundlePage
-from hicache.tiering.parts import NodeGrafts, TierPools
-from hicache.tiering.pool_host import set_host
+from hicache.tiering.common.parts import NodeGrafts, TierPools
+from hicache.tiering.host.pool import set_host
+from hicache.tiering.l3.bundler import BundlePage
 
 __all__ = ["PrefetchInserter"]
 

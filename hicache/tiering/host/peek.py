@@ -14,7 +14,7 @@ from hicache.pools.pool_spec import common_usable_prefix
 from hicache.radix.node import TreeNode
 from hicache.radix.shadow_rules import PoolRoles, path_presence, peek_path
 from hicache.radix.tier_peek import TierPeek
-from hicache.tiering.pool_host import held_anywhere
+from hicache.tiering.host.pool import held_anywhere
 
 __all__ = ["tiered_peek"]
 

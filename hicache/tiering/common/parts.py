@@ -23,7 +23,9 @@ part                      receives
 The tree satisfies :class:`NodeLocks`, :class:`NodeIndex`, :class:`DeviceRoom` and
 :class:`NodeGrafts` with public operations of its own (no part calls a private step of the tree);
 the controller satisfies :class:`HostCopies`, the host evictor :class:`HostPages`, the L3 writer
-:class:`BackupListener`.
+:class:`BackupListener`. :class:`GroupTransfer` is one device <-> host copy, as the controller
+starts it and the host parts wait on it; :class:`HeldPage` is a page as freeing it sees it (an
+L3 bundle page), so these views import neither tier.
 """
 
 from __future__ import annotations
@@ -35,18 +37,19 @@ from typing import Protocol
 import torch
 
 from hicache.keys import RadixKey
+from hicache.layouts import LayerTransfer
 from hicache.pools.host import HostPool
 from hicache.radix.eviction import SortKey
 from hicache.radix.node import TreeNode
 from hicache.radix.pool_ledger import PoolLedger
 from hicache.radix.shadow_rules import PoolRoles
 from hicache.radix.slots import SlotAllocator
-from hicache.tiering.bundler import BundlePage
-from hicache.tiering.controller import GroupTransfer
 
 __all__ = [
     "BackupListener",
     "DeviceRoom",
+    "GroupTransfer",
+    "HeldPage",
     "HostCopies",
     "HostPages",
     "NodeGrafts",
@@ -54,6 +57,39 @@ __all__ = [
     "NodeLocks",
     "TierPools",
 ]
+
+
+class GroupTransfer:
+    """One copy of a page set across every pool of the group; per-pool, per-layer events."""
+
+    def __init__(self, transfers: Mapping[str, LayerTransfer]) -> None:
+        self.transfers = dict(transfers)
+
+    @classmethod
+    def merged(cls, parts: list[GroupTransfer]) -> GroupTransfer:
+        """One transfer over several groups' (each pool is in one group only)."""
+        return cls({name: t for part in parts for name, t in part.transfers.items()})
+
+    def wait_layer(self, pool: str, layer: int) -> None:
+        """Make the current stream wait until ``layer`` of ``pool`` is copied (no host block);
+        nothing to wait for when this transfer does not copy ``pool``."""
+        transfer = self.transfers.get(pool)
+        if transfer is not None:
+            transfer.wait_layer(layer)
+
+    def done(self) -> bool:
+        return all(t.done() for t in self.transfers.values())
+
+    def synchronize(self) -> None:
+        for transfer in self.transfers.values():
+            transfer.synchronize()
+
+
+class HeldPage(Protocol):
+    """A page as freeing it sees it: its host page per pool (an L3 bundle page)."""
+
+    @property
+    def host_pages(self) -> Mapping[str, int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +105,7 @@ class TierPools:
     groups: Mapping[str, Sequence[str]]
     hosts: Mapping[str, HostPool]
 
-    def free_pages(self, pages: Iterable[BundlePage]) -> None:
+    def free_pages(self, pages: Iterable[HeldPage]) -> None:
         """Free every owner pool's host page of ``pages`` (sidecars share their owner's)."""
         owned: dict[str, list[int]] = {}
         for page in pages:

@@ -49,7 +49,7 @@ from hicache.keys import (
 from hicache.layouts import Layout, page_shape, storage_layout
 from hicache.pools.host import HostPool
 from hicache.radix.node import TreeNode
-from hicache.tiering.metrics import HiCacheMetrics
+from hicache.tiering.common.metrics import HiCacheMetrics
 
 __all__ = ["BundlePage", "Namespace", "ObjectCheck", "PageBundler", "PageHasher"]
 

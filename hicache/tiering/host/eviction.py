@@ -21,9 +21,9 @@ from collections import Counter
 import torch
 
 from hicache.radix.node import TreeNode
-from hicache.tiering.metrics import HiCacheMetrics
-from hicache.tiering.parts import NodeIndex, TierPools
-from hicache.tiering.pool_host import drop_host, host_of, host_pools_of
+from hicache.tiering.common.metrics import HiCacheMetrics
+from hicache.tiering.common.parts import NodeIndex, TierPools
+from hicache.tiering.host.pool import drop_host, host_of, host_pools_of
 
 __all__ = ["HostEvictor"]
 

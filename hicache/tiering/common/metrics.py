@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hicache.tiering.policies import TerminationReason
+from hicache.tiering.common.policies import TerminationReason
 
 __all__ = ["COUNTERS", "HiCacheMetrics"]
 

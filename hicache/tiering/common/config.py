@@ -32,7 +32,7 @@ from typing import Any
 
 from hicache.errors import BackendError, ConfigError
 from hicache.layouts import Layout
-from hicache.tiering.policies import (
+from hicache.tiering.common.policies import (
     L3Admission,
     PrefetchStopPolicy,
     WindowAdmission,

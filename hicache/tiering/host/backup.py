@@ -15,9 +15,15 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.radix.node import TreeNode
-from hicache.tiering.controller import GroupTransfer
-from hicache.tiering.parts import BackupListener, HostCopies, HostPages, NodeLocks, TierPools
-from hicache.tiering.pool_host import host_of, set_host
+from hicache.tiering.common.parts import (
+    BackupListener,
+    GroupTransfer,
+    HostCopies,
+    HostPages,
+    NodeLocks,
+    TierPools,
+)
+from hicache.tiering.host.pool import host_of, set_host
 
 __all__ = ["Backups"]
 
