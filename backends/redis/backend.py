@@ -155,7 +155,8 @@ class RedisBackend(StorageBackend):
         ttl = self.config.ttl
         # GETEX with EX keeps a page that is read from expiring; plain GET without a ttl.
         read = (lambda p, k: p.getex(k, ex=ttl)) if ttl else (lambda p, k: p.get(k))
-        replies, servers = await self._client.batch(self._rkeys(keys), read)
+        sizes = [segments_nbytes(segs) for segs in buffers]
+        replies, servers = await self._client.batch(self._rkeys(keys), read, sizes=sizes)
         out: list[int] = []
         staged = 0
         for reply, server, segs in zip(replies, servers, buffers, strict=True):
@@ -214,7 +215,9 @@ class RedisBackend(StorageBackend):
 
         # Shielded: a one-segment body is the caller's memory, which the client holds until its
         # pipeline ends (a retry sends it again); a cancelled put returns once nothing does.
-        return await outlive_cancel(asyncio.ensure_future(self._client.batch(list(bodies), queue)))
+        sizes = [memoryview(body).nbytes for body in bodies.values()]
+        sent = self._client.batch(list(bodies), queue, sizes=sizes)
+        return await outlive_cancel(asyncio.ensure_future(sent))
 
     async def _delete(self, keys: list[str]) -> list[bool]:
         replies, servers = await self._client.batch(self._rkeys(keys), lambda p, k: p.delete(k))

@@ -4,7 +4,9 @@ One client per backend: a single server behind a blocking connection pool (a cal
 ``timeout`` for a free connection instead of failing), a :class:`RedisCluster`, or the master a
 set of sentinels names. A batch is pipelined, never one round trip per key: one pipeline on a
 server; in a cluster, one pipeline per master the keys' slots map to, sent concurrently, so a
-master that is down fails only its own keys. redis-py follows MOVED and ASK itself.
+master that is down fails only its own keys. redis-py follows MOVED and ASK itself. A batch of
+large values is cut into a few pipelines per server, run at once on their own connections
+(:data:`STRIPE_BYTES`).
 
 Deadlines: ``timeout`` bounds connecting, and each batch, SCAN step or setup call as a whole
 (one timer each). Not redis-py's ``socket_timeout`` (5 s by default in some versions), which
@@ -39,10 +41,13 @@ __all__ = [
     "CLIENT_NAME",
     "FAILURES",
     "MAX_BULK_DEFAULT",
+    "MAX_STRIPES",
     "Queue",
     "RedisClient",
+    "STRIPE_BYTES",
     "close_quietly",
     "connect",
+    "stripe_runs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +58,12 @@ FAILURES: tuple[type[Exception], ...] = (RedisError, OSError, asyncio.TimeoutErr
 CLIENT_NAME = "hicache"
 # proto-max-bulk-len's default: the server refuses a longer value.
 MAX_BULK_DEFAULT = 512 << 20
+# A batch of large values goes as several pipelines on their own connections, each of at least
+# this many bytes, at most MAX_STRIPES per server: one connection moved 4 MiB values at 0.44-0.58
+# GB/s here, eight at 1.9-2.6 GB/s (the server reads one while the client writes another;
+# docs/BENCHMARKS.md, issue 47). Small batches stay one pipeline: one round trip.
+STRIPE_BYTES = 4 << 20
+MAX_STRIPES = 8
 #: Queues one key's commands on a pipeline: ``queue(pipeline, redis_key)``.
 Queue = Callable[[Any, bytes], None]
 T = TypeVar("T")
@@ -127,6 +138,24 @@ def _build(cfg: RedisConfig, password: str | None) -> Any:
     return Redis.from_pool(pool)
 
 
+def stripe_runs(group: list[int], sizes: list[int] | None) -> list[list[int]]:
+    """``group`` cut into runs of at least :data:`STRIPE_BYTES` (the last may be shorter), at
+    most :data:`MAX_STRIPES` of them; all of it when ``sizes`` is None or the group is small."""
+    if sizes is None:
+        return [group]
+    total = sum(sizes[i] for i in group)
+    share = max(STRIPE_BYTES, -(-total // MAX_STRIPES))
+    parts: list[list[int]] = [[]]
+    held = 0
+    for i in group:
+        if held >= share:
+            parts.append([])
+            held = 0
+        parts[-1].append(i)
+        held += sizes[i]
+    return parts
+
+
 def _where(cfg: RedisConfig) -> str:
     """The deployment in words, for messages; never with credentials."""
     host, port = cfg.address
@@ -149,15 +178,17 @@ class RedisClient:
         self.timeout = cfg.timeout
 
     async def batch(
-        self, keys: list[bytes], queue: Queue, per_key: int = 1
+        self, keys: list[bytes], queue: Queue, per_key: int = 1, sizes: list[int] | None = None
     ) -> tuple[list[Any], list[str]]:
-        """Each key's ``per_key`` commands (queued by ``queue``) in one pipeline per server:
-        the replies in key order, and the server each key went to, in words (:attr:`where`, or
-        ``cluster node HOST:PORT``), so that the caller tells one server's outage from
-        another's. A reply is an exception where the command failed, and every command of a
-        pipeline that failed as a whole (the server could not be reached) gets that failure:
-        the caller counts them, nothing is raised."""
+        """Each key's ``per_key`` commands (queued by ``queue``) in one pipeline per server
+        (several, on their own connections, when ``sizes``, each key's bytes, add up to more
+        than :data:`STRIPE_BYTES`): the replies in key order, and the server each key went to,
+        in words (:attr:`where`, or ``cluster node HOST:PORT``), so that the caller tells one
+        server's outage from another's. A reply is an exception where the command failed, and
+        every command of a pipeline that failed as a whole (the server could not be reached)
+        gets that failure: the caller counts them, nothing is raised."""
         groups = self._groups(keys)
+        stripes = [(server, part) for server, g in groups.items() for part in stripe_runs(g, sizes)]
         out: list[Any] = [None] * (len(keys) * per_key)
         servers = [self.where] * len(keys)
 
@@ -173,11 +204,10 @@ class RedisClient:
                 out[i * per_key : (i + 1) * per_key] = replies[n * per_key : (n + 1) * per_key]
                 servers[i] = server
 
-        if len(groups) == 1:
-            [(server, group)] = groups.items()
-            await run(server, group)
+        if len(stripes) == 1:
+            await run(*stripes[0])
         else:
-            await asyncio.gather(*(run(server, g) for server, g in groups.items()))
+            await asyncio.gather(*(run(server, part) for server, part in stripes))
         return out, servers
 
     def _groups(self, keys: list[bytes]) -> dict[str, list[int]]:

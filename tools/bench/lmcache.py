@@ -32,6 +32,11 @@ by one thread and by as many as the machine has): ``floor_N_put_ratio`` and
 ratio a store that copies the chunks through the page cache can reach on the machine it ran
 on, and ``put_over_floor_N`` / ``get_over_floor_N`` ours over the floor's. Before each side's
 put, :func:`~hicache.tools.bench.floor.settle_memory` hands every side the same memory state.
+With ``--remote redis`` the store is a ``redis-server`` the run starts (nothing saved, no memory
+limit) instead of a disk: ours is the plugin with ``redis://`` (:mod:`hicache.backends.redis`),
+theirs LMCache's own ``redis`` remote-storage plugin (its ``RedisConnector`` over redis-py's
+asyncio client), both behind LMCache's ``RemoteBackend``; no page-cache floor runs, and the
+server is flushed after each side's round (untimed), so it holds one round's chunks at most.
 Runs only where LMCache is installed (the LMCache venv).
 """
 
@@ -43,7 +48,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +60,8 @@ from hicache.tools.cli_parsing import check_memory, input_dir, int_range
 __all__ = ["ChunkShape", "add_bench_lmcache_parser", "run_bench_lmcache"]
 
 _OURS, _THEIRS = "hicache", "lmcache"
-_TIERS = {_OURS: "RemoteBackend-hicache", _THEIRS: "LocalDiskBackend"}  # LMCache's names
+_OUR_TIER = "RemoteBackend-hicache"  # LMCache's name for the plugin's backend
+_REDIS_TIER = "RemoteBackend-redis"  # and for its own redis plugin's
 _MODEL = "bench/model"
 _POLL_S = 0.0005
 _STORED_TIMEOUT_S = 300.0
@@ -104,6 +110,12 @@ def add_bench_lmcache_parser(bench_sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--dir", type=input_dir, help="where the two stores go (default: a temporary directory)"
     )
+    p.add_argument(
+        "--remote",
+        choices=["redis"],
+        help="compare over a redis-server the run starts (the plugin over redis:// against "
+        "LMCache's own redis connector) instead of over a disk",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     return p
 
@@ -117,9 +129,13 @@ def run_bench_lmcache(args: argparse.Namespace) -> list[dict[str, Any]]:
     _require_lmcache()
     with contextlib.ExitStack() as stack:
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-lmc-"))
-        _check_room(root, shape, args.rounds)
-        sides = stack.enter_context(_sides(root, shape, args.rounds))
-        return [_compare(sides, shape, args.rounds, root)]
+        if args.remote == "redis":
+            store = stack.enter_context(_redis_store(root))
+        else:
+            _check_room(root, shape, args.rounds)
+            store = _disk_store(root, shape, args.rounds)
+        sides = stack.enter_context(_sides(store, shape))
+        return [_compare(sides, shape, args.rounds, store)]
 
 
 def _require_lmcache() -> None:
@@ -158,25 +174,81 @@ class _Side:
     tier: str  # the name LMCache gives the backend under test
 
 
+@dataclass(frozen=True, slots=True)
+class _Store:
+    """Where both sides store: each side's configuration fields and LMCache's name for the
+    tier they build, whether the page-cache floors run, and what runs after each side's round
+    (untimed)."""
+
+    root: str
+    fields: dict[str, dict[str, Any]]
+    tiers: dict[str, str]
+    floors: bool
+    after_round: Callable[[], None]
+
+
+def _disk_store(root: str, shape: ChunkShape, rounds: int) -> _Store:
+    fields = {
+        _OURS: _plugin_fields(f"disk://{os.path.join(root, _OURS)}"),
+        _THEIRS: _local_disk_fields(os.path.join(root, _THEIRS), shape, rounds),
+    }
+    tiers = {_OURS: _OUR_TIER, _THEIRS: "LocalDiskBackend"}
+    return _Store(root, fields, tiers, True, lambda: None)
+
+
 @contextlib.contextmanager
-def _sides(root: str, shape: ChunkShape, rounds: int) -> Iterator[tuple[_Side, _Side]]:
+def _redis_store(root: str) -> Iterator[_Store]:
+    """A ``redis-server`` for the run; ours under a key prefix, theirs LMCache's ``redis``
+    plugin (its ``RedisConnectorAdapter``, reading ``remote_storage_plugin.redis.redis_url``)."""
+    from hicache.tools.services_redis import RedisServer
+
+    with RedisServer(root) as server:
+        fields = {
+            _OURS: _plugin_fields(server.url(key_prefix="hicache/")),
+            _THEIRS: {
+                "remote_serde": "naive",
+                "remote_storage_plugins": ["redis"],
+                "extra_config": {"remote_storage_plugin.redis.redis_url": server.url()},
+            },
+        }
+        tiers = {_OURS: _OUR_TIER, _THEIRS: _REDIS_TIER}
+
+        def flush() -> None:
+            server.cli("FLUSHALL")
+
+        yield _Store(root, fields, tiers, False, flush)
+
+
+@contextlib.contextmanager
+def _sides(store: _Store, shape: ChunkShape) -> Iterator[tuple[_Side, _Side]]:
     """(ours, LMCache's) storage managers, built by LMCache from their configs; closed after."""
     from lmcache.v1.event_manager import EventManager
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-    configs = {
-        _OURS: _config(shape, _plugin_fields(f"disk://{os.path.join(root, _OURS)}")),
-        _THEIRS: _config(shape, _local_disk_fields(os.path.join(root, _THEIRS), shape, rounds)),
-    }
     with contextlib.ExitStack() as stack:
         sides = []
-        for name, config in configs.items():
+        for name in (_OURS, _THEIRS):
+            config = _config(shape, store.fields[name])
             manager = StorageManager(config, _metadata(shape), EventManager())
             stack.callback(manager.close)
-            if _TIERS[name] not in manager.storage_backends:
-                raise RuntimeError(f"LMCache did not build {_TIERS[name]} (see its log above)")
-            sides.append(_Side(name, manager, _TIERS[name]))
+            if store.tiers[name] == _REDIS_TIER:
+                stack.callback(_drain_redis_connector, manager.storage_backends[_REDIS_TIER])
+            if store.tiers[name] not in manager.storage_backends:
+                raise RuntimeError(f"LMCache did not build {store.tiers[name]} (see its log above)")
+            sides.append(_Side(name, manager, store.tiers[name]))
         yield sides[0], sides[1]
+
+
+def _drain_redis_connector(backend: Any) -> None:
+    """Stop LMCache's ``RedisConnector``'s job queue from outside its loop, then make its own
+    stop a no-op: its ``close`` (run on that loop) waits on the loop for the queue to stop and
+    so never returns (LMCache 0.5.6)."""
+    import asyncio
+
+    connector = getattr(backend.connection, "_connector", backend.connection)
+    executor = connector.pq_executor
+    asyncio.run_coroutine_threadsafe(executor.shutdown_async(True), backend.loop).result(30)
+    executor.shutdown = lambda wait=True: None
 
 
 def _config(shape: ChunkShape, tier_fields: dict[str, Any]) -> Any:
@@ -225,14 +297,15 @@ def _metadata(shape: ChunkShape) -> Any:
 
 
 def _compare(
-    sides: tuple[_Side, _Side], shape: ChunkShape, rounds: int, root: str
+    sides: tuple[_Side, _Side], shape: ChunkShape, rounds: int, store: _Store
 ) -> dict[str, Any]:
     import torch
 
     # Random bytes (as bf16 they include NaNs: compared as bytes); each chunk its own.
     source = torch.randint(0, 256, (shape.chunks, shape.chunk_bytes), dtype=torch.uint8)
     by_name = {side.name: side for side in sides}
-    floors = floor_sides(root, shape.chunks, shape.chunk_bytes)
+    root = store.root
+    floors = floor_sides(root, shape.chunks, shape.chunk_bytes) if store.floors else {}
     names = [_OURS, _THEIRS, *floors]
     timings: dict[str, dict[str, list[float]]] = {n: {"put": [], "get": []} for n in names}
     try:
@@ -244,6 +317,7 @@ def _compare(
                     keys = _keys(round_no, name == _THEIRS, shape.chunks)
                     settle_memory(root, shape.round_bytes)  # as the floors do: see floor.py
                     put_s, get_s = _round_trip(by_name[name], keys, source, round_no == 0)
+                    store.after_round()
                 timings[name]["put"].append(put_s)
                 timings[name]["get"].append(get_s)
     finally:
@@ -252,7 +326,7 @@ def _compare(
     row: dict[str, Any] = {
         "chunks": shape.chunks, "chunk_tokens": shape.tokens, "layers": shape.layers,
         "heads": shape.heads, "head_dim": shape.head_dim, "dtype": "bfloat16",
-        "chunk_bytes": shape.chunk_bytes, "rounds": rounds,
+        "chunk_bytes": shape.chunk_bytes, "rounds": rounds, "lmcache_tier": store.tiers[_THEIRS],
     }  # fmt: skip
     ours, theirs = timings[_OURS], timings[_THEIRS]
     for op in ("put", "get"):

@@ -21,6 +21,7 @@ from redis_kit import wait_cluster_ok
 
 from hicache.backends.base import MISS
 from hicache.backends.redis import RedisBackend
+from hicache.backends.redis.client import MAX_STRIPES, stripe_runs
 from hicache.backends.registry import open_backend
 from hicache.codec import decode_page
 from hicache.errors import BackendUnavailableError, CodecError
@@ -248,6 +249,24 @@ async def test_a_batch_is_one_pipeline(
     await backend.put_missing(keys, [b"v"] * 32)
     await backend.delete(keys)
     assert len(made) == 5
+
+
+@pytest.mark.asyncio
+async def test_a_batch_of_large_values_is_cut_into_a_few_pipelines_by_bytes(
+    backend: RedisBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = _count_pipelines(backend, monkeypatch)
+    size = 1 << 20  # under the shared server's proto-max-bulk-len
+    keys = [f"l-{i}" for i in range(10)]
+    values = [bytes([i]) * size for i in range(10)]
+    assert await backend.put(keys, values) == [True] * 10
+    assert len(made) == 3  # 10 MiB in runs of STRIPE_BYTES (4 MiB): 4 + 4 + 2
+    buffers = [bytearray(size) for _ in keys]
+    assert await backend.get_into(keys, buffers) == [size] * 10
+    assert [bytes(b) for b in buffers] == values  # each reply back in its own key's buffer
+    assert len(made) == 6
+    assert len(stripe_runs(list(range(64)), [16 << 20] * 64)) == MAX_STRIPES  # at most this many
+    assert stripe_runs([3, 1, 2], None) == [[3, 1, 2]]
 
 
 @pytest.mark.asyncio

@@ -19,10 +19,12 @@ from lmcache_kit import CHUNK, Node, chunk_key, fill, run_on, wait_stored
 from hicache.codec import HEADER_SIZE
 
 
+@pytest.mark.parametrize("store", ["file", "redis"])
 def test_put_get_contains_remove_through_remote_backend(
-    tmp_path: Path, make_node: Callable[..., Node]
+    tmp_path: Path, make_node: Callable[..., Node], request: pytest.FixtureRequest, store: str
 ) -> None:
-    node = make_node(f"file://{tmp_path}")
+    url = request.getfixturevalue("redis_url") if store == "redis" else f"file://{tmp_path}"
+    node = make_node(url)
     key, absent = chunk_key(0x1234), chunk_key(0x5678)
     obj = node.allocate()
     expected = fill(obj, seed=1)

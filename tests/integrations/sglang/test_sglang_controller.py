@@ -53,12 +53,13 @@ def test_backup_is_acknowledged_with_every_token(tmp_path) -> None:
         assert ctl.storage_backend.batch_exists(HASHES) == len(HASHES)
 
 
-@pytest.mark.parametrize("scheme", ["file", "disk"])
-def test_prefetch_ends_in_completed_req_with_the_pages(tmp_path, scheme: str) -> None:
-    with zero_copy_controller("page_first", 2, f"{scheme}://{tmp_path}") as (writer, source):
+@pytest.mark.parametrize("scheme", ["file", "disk", "redis"])
+def test_prefetch_ends_in_completed_req_with_the_pages(tmp_path, request, scheme: str) -> None:
+    url = request.getfixturevalue("redis_url") if scheme == "redis" else f"{scheme}://{tmp_path}"
+    with zero_copy_controller("page_first", 2, url) as (writer, source):
         _, written = backup(writer)
     target = mha_pools("page_first")
-    reader = controller(target, f"{scheme}://{tmp_path}", zero_copy=True)
+    reader = controller(target, url, zero_copy=True)
     try:
         acks, operation = prefetch(reader)
         assert operation.storage_hit_count == len(TOKENS)

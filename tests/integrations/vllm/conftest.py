@@ -2,7 +2,8 @@
 tests run in the vLLM venv and each module skips itself elsewhere.
 
 ``contract_url`` adds a real ``mooncake_master`` (one for the session, each test in a key prefix
-of its own) to the local stores, for the contract tests vLLM applies to its own ``fs`` tier.
+of its own) and a real ``redis-server`` (tests/integrations/conftest.py) to the local stores,
+for the contract tests vLLM applies to its own ``fs`` tier.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return f"{request.param}://{tmp_path / 'store'}"
 
 
-@pytest.fixture(params=["disk", "file", "memory", "mooncake"])
+@pytest.fixture(params=["disk", "file", "memory", "mooncake", "redis"])
 def contract_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "mooncake":
         master = request.getfixturevalue("mooncake")
@@ -54,6 +55,8 @@ def contract_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         )
     if request.param == "memory":
         return "memory://"
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_url"))  # tests/integrations/conftest.py
     return f"{request.param}://{tmp_path / 'store'}"
 
 
