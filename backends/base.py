@@ -69,6 +69,10 @@ class Capabilities:
     zero_copy: bool = False  # reads and writes go straight to or from registered memory
     listable: bool = True  # scan() works; if not, scan() raises a HiCacheError
     max_object_bytes: int | None = None  # larger objects are refused by put
+    # get_into checked the stored payload checksum of every hicache page it returned that is
+    # larger than this many bytes (disk://, as it reads); a reader's codec need not hash those
+    # payloads again (codec.check_into's payload_checked). None: it checks no page's own sum.
+    checks_pages_over: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,7 @@ __all__ = [
     "PageHeader",
     "PageMeta",
     "check_page",
+    "payload_checked_by",
     "decode_into",
     "decode_page",
     "encode_page",
@@ -140,12 +141,20 @@ def decode_into(
 
 
 def check_into(
-    key: str, header_buf: object, payload_buf: object, nread: int, expect: PageMeta
+    key: str,
+    header_buf: object,
+    payload_buf: object,
+    nread: int,
+    expect: PageMeta,
+    payload_checked: bool = False,
 ) -> None:
     """:func:`decode_into` for a reader that needs no header back: the same checks and errors.
 
     An uncompressed page of the expected kind is checked without building its header (the
     common case, per page of every L3 read); anything else goes through :func:`decode_into`.
+    ``payload_checked``: the backend checked this page's stored payload against the checksum
+    in this header as it read it (:func:`payload_checked_by`), so it is not hashed again; the
+    header, key, kind and lengths are checked all the same.
     """
     _, fields = checked_body(key, flat_bytes(header_buf))
     raw_len, payload_len, checksum, raw_checksum = fields[18:22]
@@ -158,10 +167,16 @@ def check_into(
     )
     dest = flat_bytes(payload_buf)
     if plain and dest.nbytes >= payload_len:
-        if xxhash.xxh3_64_intdigest(dest[:payload_len]) != checksum:
+        if not payload_checked and xxhash.xxh3_64_intdigest(dest[:payload_len]) != checksum:
             raise PayloadChecksumError(f"{key}: payload checksum mismatch")
         return
     decode_into(key, header_buf, payload_buf, nread, expect)
+
+
+def payload_checked_by(checks_pages_over: int | None, nread: int) -> bool:
+    """Whether a backend whose ``Capabilities.checks_pages_over`` is ``checks_pages_over``
+    checked the page checksum of an object of ``nread`` bytes it returned."""
+    return checks_pages_over is not None and nread > checks_pages_over
 
 
 def check_page(key: str, data: object) -> PageHeader:

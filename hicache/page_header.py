@@ -72,6 +72,7 @@ __all__ = [
     "pack_header",
     "parse_header",
     "signature",
+    "stored_payload_checksum",
 ]
 
 MAGIC = b"HCKV"
@@ -243,6 +244,24 @@ def pack_header(
         raw_checksum,
     )
     return body + CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def stored_payload_checksum(head: memoryview, object_len: int) -> int | None:
+    """The stored payload's xxh3-64 that the page header at the start of ``head`` gives, when
+    it is a well-formed header (magic, version, its own checksum) of an object of
+    ``object_len`` bytes; None otherwise. Blind to the key: for a store that checks a page's
+    payload where its bytes pass (``disk://``); the reader still checks the rest."""
+    if head.nbytes < HEADER_SIZE:
+        return None
+    raw = head[:HEADER_SIZE].tobytes()
+    if raw[:4] != MAGIC:
+        return None
+    fields = BODY.unpack_from(raw)
+    if fields[1] != FORMAT_VERSION or HEADER_SIZE + fields[19] != object_len:
+        return None
+    if xxhash.xxh3_64_intdigest(raw[: BODY.size]) != CHECK.unpack_from(raw, BODY.size)[0]:
+        return None
+    return int(fields[20])
 
 
 def parse_header(key: str, header: object) -> PageHeader:

@@ -47,6 +47,7 @@ from hicache.backends.disk.audit import DamagedRegion, audit_segments
 from hicache.backends.disk.catalog import Catalog
 from hicache.backends.disk.config import DiskConfig
 from hicache.backends.disk.format import (
+    LARGE_RECORD_BYTES,
     MAX_GAP,
     RECORD_HEADER,
     LogOp,
@@ -74,7 +75,11 @@ class DiskBackend(StorageBackend):
     url_schemes = ("disk",)
     url_parts = frozenset({"host", "path"})  # the host may only be localhost
     capabilities = Capabilities(
-        persistent=True, shared_across_processes=True, zero_copy=False, listable=True
+        persistent=True,
+        shared_across_processes=True,
+        zero_copy=False,
+        listable=True,
+        checks_pages_over=LARGE_RECORD_BYTES,  # reads.py: a large record's page sum as it reads
     )
     config_type = DiskConfig
 

@@ -13,6 +13,13 @@ Three kinds of file, each self-describing so it can be checked on its own:
   A segment can be walked from its header to its end without any index (``verify`` and
   reclaim do), and a read checks the header it lands on against the index entry, so a stale
   or damaged entry reads as a miss.
+  A large record whose payload is a hicache page (a well-formed page header for the payload's
+  length: :func:`hicache.page_header.stored_payload_checksum`) is flagged ``PAGE_DIGEST`` and
+  its header's xxh3 is the page's own: of the payload after the page header, the page header
+  being checked by its own checksum. Every byte is still checked on a read, with one hash
+  instead of two (the page's, which the codec checks anyway) and nothing hashed at the put
+  (the codec hashed the page as it encoded it). A reader older than the flag reads such a
+  record as damaged: a miss.
 - **Index log** (``index/wNNN.GGGGGGGG.log``): a 32-byte header naming slot and generation,
   then frames, one per append, each a CRC32 over its records: PUT (key, segment, offset,
   length, sequence), DELETE (key, sequence), RECLAIM (a segment is gone), ROTATE (appends
@@ -37,12 +44,15 @@ from enum import IntEnum
 
 import xxhash
 
+from hicache.page_header import HEADER_SIZE, stored_payload_checksum
+
 __all__ = [
     "FORMAT_VERSION",
     "LARGE_RECORD_BYTES",
     "LOG_HEADER",
     "LOG_RECORD",
     "MAX_GAP",
+    "PAGE_DIGEST",
     "RECORD_HEADER",
     "SEGMENT_HEADER",
     "LogOp",
@@ -63,7 +73,9 @@ __all__ = [
     "parse_segment_header",
     "payload_gap",
     "payload_hash",
+    "payload_intact",
     "record_bytes",
+    "record_digest",
     "segment_code",
     "segment_header",
     "split_code",
@@ -81,7 +93,9 @@ _REC = struct.Struct("<4sHHQQQ")
 _REC_CRC = struct.Struct("<I4x")
 _REC_MAGIC = b"HDSR"
 RECORD_HEADER = _REC.size + _REC_CRC.size  # 40
-_GAP_BITS = 0x3F  # the flags' bits that hold the gap before the payload; the rest are zero
+_GAP_BITS = 0x3F  # the flags' bits that hold the gap before the payload
+PAGE_DIGEST = 0x40  # the flag of a record whose xxh3 is its page's (see above)
+_FLAG_BITS = _GAP_BITS | PAGE_DIGEST  # the rest are zero
 _ALIGN = 64
 MAX_GAP = _ALIGN - 1  # the most zero bytes a record has between its key and its payload
 # A record larger than this may have a gap before its payload (and is read on its own, its
@@ -129,6 +143,7 @@ class RecordHeader:
     seq: int
     payload_hash: int
     gap: int = 0  # zero bytes between the key and the payload
+    page_digest: bool = False  # payload_hash is the page's own (PAGE_DIGEST)
 
 
 def align8(n: int) -> int:
@@ -188,9 +203,10 @@ def payload_hash(segs: list[memoryview]) -> int:
 _pack_rec, _pack_rec_crc, _crc32 = _REC.pack, _REC_CRC.pack, zlib.crc32  # bound once: hot
 
 
-def pack_record_header(key: bytes, length: int, seq: int, digest: int, gap: int = 0) -> bytes:
-    """The 40-byte header of a record whose key, ``gap`` zero bytes and payload follow it."""
-    body = _pack_rec(_REC_MAGIC, len(key), gap, length, seq, digest)
+def pack_record_header(key: bytes, length: int, seq: int, digest: int, flags: int = 0) -> bytes:
+    """The 40-byte header of a record whose key, a gap of ``flags & 63`` zero bytes and payload
+    follow it (``flags`` may add :data:`PAGE_DIGEST`)."""
+    body = _pack_rec(_REC_MAGIC, len(key), flags, length, seq, digest)
     return body + _pack_rec_crc(_crc32(key, _crc32(body)))
 
 
@@ -202,7 +218,7 @@ def parse_record_header(data: memoryview | bytes, key: bytes | None = None) -> R
     if len(data) < RECORD_HEADER:
         return None
     magic, key_len, flags, length, seq, digest = _REC.unpack_from(data)
-    if magic != _REC_MAGIC or flags & ~_GAP_BITS or len(data) < RECORD_HEADER + key_len:
+    if magic != _REC_MAGIC or flags & ~_FLAG_BITS or len(data) < RECORD_HEADER + key_len:
         return None
     stored_key = bytes(data[RECORD_HEADER : RECORD_HEADER + key_len])
     if key is not None and stored_key != key:
@@ -210,7 +226,34 @@ def parse_record_header(data: memoryview | bytes, key: bytes | None = None) -> R
     (crc,) = _REC_CRC.unpack_from(data, _REC.size)
     if zlib.crc32(stored_key, zlib.crc32(bytes(data[: _REC.size]))) != crc:
         return None
-    return RecordHeader(key_len, length, seq, digest, flags)
+    return RecordHeader(key_len, length, seq, digest, flags & _GAP_BITS, bool(flags & PAGE_DIGEST))
+
+
+def record_digest(segs: list[memoryview], length: int) -> tuple[int, int]:
+    """``(xxh3, flags)`` a record of payload ``segs`` (``length`` bytes) is stored with: the
+    page's own checksum and :data:`PAGE_DIGEST` when the first segment is a page header for
+    ``length`` bytes (no pass over the payload), else the payload's xxh3 and no flag."""
+    if length > LARGE_RECORD_BYTES and segs[0].nbytes >= HEADER_SIZE:
+        checksum = stored_payload_checksum(segs[0], length)
+        if checksum is not None:
+            return checksum, PAGE_DIGEST
+    return payload_hash(segs), 0
+
+
+def payload_intact(payload: memoryview, digest: int, page_digest: bool) -> bool:
+    """Whether a whole payload read back checks out against its record header's xxh3 and, for
+    a large record holding a page, against the page's own checksum (see reads.py)."""
+    page_sum = (
+        stored_payload_checksum(payload, payload.nbytes)
+        if payload.nbytes > LARGE_RECORD_BYTES
+        else None
+    )
+    if page_digest:
+        if page_sum != digest:
+            return False
+    elif xxhash.xxh3_64_intdigest(payload) != digest:
+        return False
+    return page_sum is None or xxhash.xxh3_64_intdigest(payload[HEADER_SIZE:]) == page_sum
 
 
 # ----- index logs -----------------------------------------------------------------------------

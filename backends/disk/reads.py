@@ -22,8 +22,9 @@ from __future__ import annotations
 import errno
 import os
 import struct
+from typing import Any
 
-from xxhash import xxh3_64, xxh3_64_intdigest
+from xxhash import xxh3_64
 
 from hicache.backends._io_threads import IOThreads
 from hicache.backends.base import MISS, copy_into_segments
@@ -31,14 +32,18 @@ from hicache.backends.disk.direct import read_span
 from hicache.backends.disk.format import (
     LARGE_RECORD_BYTES,
     MAX_GAP,
+    PAGE_DIGEST,
     RECORD_HEADER,
     payload_hash,
+    payload_intact,
     record_bytes,
 )
 from hicache.backends.disk.index import Entry
 from hicache.backends.disk.segments import SegmentFiles
 from hicache.backends.disk.writer import PARALLEL_BYTES
 from hicache.backends.segments import IOV_MAX, segments_after, trim
+from hicache.page_header import HEADER_SIZE as PAGE_HEADER
+from hicache.page_header import stored_payload_checksum
 
 __all__ = ["NOWAIT", "PIECE_BYTES", "ReadItem", "read_records", "read_spread", "trim"]
 
@@ -203,18 +208,58 @@ def _read_in_pieces(fd: int, item: ReadItem, flags: int) -> int:
     fields = _header_fields(head, 0, kb, length, seq)
     if fields is None:
         return _BAD
-    digest, gap = fields
-    at, hasher, done = offset + head.nbytes + gap, xxh3_64(), 0
+    digest, record_flags = fields
+    at, done = offset + head.nbytes + (record_flags & _GAP_BITS), 0
+    checks = _PieceChecks(digest, record_flags & PAGE_DIGEST)
     while done < length:
         n = min(PIECE_BYTES, length - done)
         piece = trim(segments_after(target, done), n)
         failed = _fill(fd, piece, at + done, flags)
         if failed is not None:
             return failed
-        for view in piece:
-            hasher.update(view)
+        if done == 0 and not checks.start(piece, length):
+            return _BAD
+        checks.update(piece, PAGE_HEADER if done == 0 else 0)
         done += n
-    return _HIT if hasher.intdigest() == digest else _BAD
+    return _HIT if checks.passed() else _BAD
+
+
+class _PieceChecks:
+    """The hashes a large record's payload is checked with, piece by piece as it is read:
+    the record's xxh3 of the whole payload, and the page's own checksum of what follows the
+    page header where the payload is a page. A ``PAGE_DIGEST`` record has only the latter (its
+    record xxh3 is the page's). So every page read here had its page checksum checked, and
+    ``get_into``'s callers need not hash it again (``Capabilities.checks_pages_over``)."""
+
+    def __init__(self, digest: int, page_digest: int) -> None:
+        self.digest = digest
+        self.record = None if page_digest else xxh3_64()
+        self.page: Any = None
+        self.page_sum = -1
+
+    def start(self, first: list[memoryview], length: int) -> bool:
+        """Look at the first piece; False where a ``PAGE_DIGEST`` record holds no page header
+        for its length, or one whose checksum is not the record's."""
+        head = memoryview(b"".join(v.tobytes() for v in trim(first, PAGE_HEADER)))
+        page_sum = stored_payload_checksum(head, length)
+        if self.record is None and page_sum != self.digest:
+            return False
+        if page_sum is not None:
+            self.page, self.page_sum = xxh3_64(), page_sum
+        return True
+
+    def update(self, piece: list[memoryview], skip: int) -> None:
+        if self.record is not None:
+            for view in piece:
+                self.record.update(view)
+        if self.page is not None:
+            for view in segments_after(piece, skip) if skip else piece:
+                self.page.update(view)
+
+    def passed(self) -> bool:
+        if self.record is not None and self.record.intdigest() != self.digest:
+            return False
+        return self.page is None or self.page.intdigest() == self.page_sum
 
 
 def _fill(fd: int, iov: list[memoryview], at: int, flags: int) -> int | None:
@@ -256,12 +301,12 @@ def _read_run_direct(
         fields = (
             _header_fields(data, at, kb, length, seq) if at + RECORD_HEADER <= data.nbytes else None
         )
-        body = at + RECORD_HEADER + len(kb) + (fields[1] if fields is not None else 0)
+        body = at + RECORD_HEADER + len(kb) + (fields[1] & _GAP_BITS if fields is not None else 0)
         if fields is None or body + length > data.nbytes:
             bad.append(i)  # damaged, or past the end of the file: a segment cut short
             continue
         payload = data[body : body + length]
-        if xxh3_64_intdigest(payload) != fields[0]:
+        if not payload_intact(payload, fields[0], bool(fields[1] & PAGE_DIGEST)):
             bad.append(i)
             continue
         copy_into_segments(payload, target)
@@ -279,10 +324,11 @@ def _header_digest(buf: memoryview, at: int, key: bytes, length: int, seq: int) 
 def _header_fields(
     buf: memoryview, at: int, key: bytes, length: int, seq: int
 ) -> tuple[int, int] | None:
-    """``(payload xxh3, gap before the payload)`` of the record header at ``at`` of ``buf``
-    (its key following it), when the header is the index entry's; None otherwise."""
+    """``(payload xxh3, flags)`` of the record header at ``at`` of ``buf`` (its key following
+    it), when the header is the index entry's; None otherwise. The flags' low six bits are the
+    gap before the payload; ``PAGE_DIGEST`` may be set (format.py)."""
     magic, key_len, flags, stored_len, stored_seq, digest = _REC.unpack_from(buf, at)
-    ok = magic == _MAGIC and not flags & ~_GAP_BITS
+    ok = magic == _MAGIC and not flags & ~(_GAP_BITS | PAGE_DIGEST)
     if not ok or (key_len, stored_len, stored_seq) != (len(key), length, seq):
         return None
     if buf[at + RECORD_HEADER : at + RECORD_HEADER + key_len] != key:

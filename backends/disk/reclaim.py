@@ -24,10 +24,14 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from xxhash import xxh3_64_intdigest
-
 from hicache.backends.disk.catalog import Catalog
-from hicache.backends.disk.format import MAX_GAP, RECORD_HEADER, parse_record_header, split_code
+from hicache.backends.disk.format import (
+    MAX_GAP,
+    RECORD_HEADER,
+    parse_record_header,
+    payload_intact,
+    split_code,
+)
 from hicache.backends.disk.layout import try_lock_slot
 from hicache.backends.disk.segments import Found, list_segments, segment_name
 from hicache.backends.disk.writer import Appender
@@ -200,6 +204,6 @@ def _read_checked(fd: int, rec: Found) -> memoryview | None:
         return None
     body = RECORD_HEADER + len(kb) + h.gap
     payload = memoryview(data)[body : body + rec.length]
-    if payload.nbytes != rec.length or xxh3_64_intdigest(payload) != h.payload_hash:
+    if payload.nbytes != rec.length or not payload_intact(payload, h.payload_hash, h.page_digest):
         return None
     return payload

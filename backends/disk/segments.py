@@ -18,14 +18,13 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import xxhash
-
 from hicache.backends.disk.direct import open_direct
 from hicache.backends.disk.format import (
     RECORD_HEADER,
     SEGMENT_HEADER,
     parse_record_header,
     parse_segment_header,
+    payload_intact,
     record_bytes,
     segment_code,
     segment_header,
@@ -215,7 +214,9 @@ def walk_segment(
         intact = None
         if payloads:
             data = os.pread(fd, h.length, off + RECORD_HEADER + h.key_len + h.gap)
-            intact = len(data) == h.length and xxhash.xxh3_64_intdigest(data) == h.payload_hash
+            intact = len(data) == h.length and payload_intact(
+                memoryview(data), h.payload_hash, h.page_digest
+            )
         key = bytes(head[RECORD_HEADER : RECORD_HEADER + h.key_len]).decode("ascii", "replace")
         yield Found(off, key, h.length, h.seq, intact, h.gap)
         off = end

@@ -38,6 +38,7 @@ from hicache.backends.disk.format import (
     payload_gap,
     payload_hash,
     record_bytes,
+    record_digest,
     segment_code,
     split_code,
 )
@@ -188,8 +189,12 @@ class Appender:
                 iov, log, entries = run.iov, run.log, run.entries
             if moved_seqs is not None:
                 seq = moved_seqs[i]
-            digest = xxh3_64_intdigest(segs[0]) if len(segs) == 1 else payload_hash(segs)
-            iov.append(header(kb, length, seq, digest, gap))
+            if large:  # a page's own checksum where it is one (format.record_digest)
+                digest, flag = record_digest(segs, length)
+            else:
+                digest = xxh3_64_intdigest(segs[0]) if len(segs) == 1 else payload_hash(segs)
+                flag = 0
+            iov.append(header(kb, length, seq, digest, gap | flag))
             iov.append(kb)
             if gap:
                 iov.append(_ZEROS[:gap])

@@ -10,7 +10,7 @@ import enum
 import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from hicache.backends.base import MISS, StorageBackend, join_segments, segments_nbytes
@@ -125,6 +125,8 @@ class FaultInjectionBackend(WrapperBackend):
         sleep: SleepFn = asyncio.sleep,
     ) -> None:
         super().__init__(inner)
+        # Bytes it corrupts after the inner backend read them were checked by nobody.
+        self.capabilities = replace(self.capabilities, checks_pages_over=None)
         self._sleep = sleep
         self._faults = {"injected_failures": 0, "injected_stalls": 0, "injected_corruptions": 0}
         self.set_faults(config or FaultConfig())

@@ -28,7 +28,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from hicache.backends.base import MISS, StorageBackend
-from hicache.codec import HEADER_SIZE, check_into, encode_page
+from hicache.codec import HEADER_SIZE, check_into, encode_page, payload_checked_by
 from hicache.errors import (
     BackendError,
     BackendUnavailableError,
@@ -221,7 +221,9 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
         try:
             if payload_len > self._pages.full_bytes:
                 raise InvalidArgumentError(f"{name}: {size} bytes, more than a chunk's page")
-            check_into(name, header, obj.byte_array, size, self._pages.expected(payload_len))
+            expected = self._pages.expected(payload_len)
+            checked = payload_checked_by(self._backend.capabilities.checks_pages_over, size)
+            check_into(name, header, obj.byte_array, size, expected, checked)
         except (CodecError, InvalidArgumentError) as exc:
             self._counters["bad_pages"] += 1
             logger.warning("hicache page refused, read as a miss: %s: %s", type(exc).__name__, exc)

@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from hicache.backends.base import MISS, StorageBackend
 from hicache.backends.registry import open_backend
-from hicache.codec import HEADER_SIZE, PageMeta, check_into, encode_page
+from hicache.codec import HEADER_SIZE, PageMeta, check_into, encode_page, payload_checked_by
 from hicache.dtypes import DType
 from hicache.errors import (
     BackendLoadError,
@@ -323,7 +323,8 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untype
         if size == MISS:
             return False
         try:
-            check_into(name, header, dest, size, self._meta)
+            checked = payload_checked_by(self._backend.capabilities.checks_pages_over, size)
+            check_into(name, header, dest, size, self._meta, checked)
         except (CodecError, InvalidArgumentError) as exc:
             log.warning("hicache vLLM tier: page refused: %s: %s", type(exc).__name__, exc)
             return False

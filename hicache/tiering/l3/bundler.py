@@ -30,7 +30,15 @@ import numpy as np
 import torch
 
 from hicache.backends.base import StorageBackend
-from hicache.codec import HEADER_SIZE, NO_PARENT, PageMeta, check_into, encode_page, meta_at
+from hicache.codec import (
+    HEADER_SIZE,
+    NO_PARENT,
+    PageMeta,
+    check_into,
+    encode_page,
+    meta_at,
+    payload_checked_by,
+)
 from hicache.errors import (
     CodecError,
     InvalidArgumentError,
@@ -291,7 +299,8 @@ class PageBundler:
                 if corrupt is not None:  # listed by L3, not delivered: see below
                     corrupt.append(key)
                 continue  # a missing object after the hit ended: nobody needs it
-            outcome = self._decode(key, header, target, n, self._templates[name])
+            checked = payload_checked_by(backend.capabilities.checks_pages_over, n)
+            outcome = self._decode(key, header, target, n, self._templates[name], checked)
             if outcome is not ObjectCheck.OK:
                 bad_page = min(bad_page, i)
                 # Missing too: the caller reads only pages L3 listed, so a miss here is a
@@ -314,13 +323,19 @@ class PageBundler:
         return arena[self._checked_page(name, host_page)]  # type: ignore[no-any-return]
 
     def _decode(
-        self, key: str, header: np.ndarray | bytearray, target: object, n: int, meta: PageMeta
+        self,
+        key: str,
+        header: np.ndarray | bytearray,
+        target: object,
+        n: int,
+        meta: PageMeta,
+        payload_checked: bool = False,
     ) -> ObjectCheck:
         if n < 0:
             self.metrics.add("missing_pages")
             return ObjectCheck.MISSING
         try:
-            check_into(key, header, target, n, meta)
+            check_into(key, header, target, n, meta, payload_checked)
         except (PageKindMismatchError, UnsupportedVersionError):
             # Intact, but another configuration's page or a newer writer's: a miss for this
             # reader, and not ours to delete.
