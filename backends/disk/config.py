@@ -26,9 +26,9 @@ class DiskConfig:
     segment_bytes: int | None = None
     fsync: bool = False  # acknowledged puts are durable: data, then log, synced before return
     direct: bool = False  # segments read and written with O_DIRECT, through aligned staging
-    # Threads that share a large batch's reads or writes (1: none); None: one per CPU this
-    # process may use, at most 8 (a copy thread per core: more only queue behind each other;
-    # docs/BENCHMARKS.md has the floors by thread count).
+    # Threads that share a large batch's reads (1: none; a segment is written by one); None:
+    # one per CPU this process may use, at most 8 (a copy thread per core: more only queue
+    # behind each other; docs/BENCHMARKS.md has the floors by thread count).
     io_threads: int | None = None
     read_only: bool = False  # open an existing store and never write to it
     reinsert: bool = True  # objects read since they were written survive their segment's reclaim

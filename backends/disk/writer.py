@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from xxhash import xxh3_64_intdigest
 
-from hicache.backends._io_threads import IOThreads
 from hicache.backends.disk.catalog import Catalog, snapshot_lock, snapshot_positions, write_snapshot
 from hicache.backends.disk.config import DiskConfig
 from hicache.backends.disk.direct import DirectTail, open_direct
@@ -44,17 +43,18 @@ from hicache.backends.disk.format import (
 )
 from hicache.backends.disk.logs import LogWriter
 from hicache.backends.disk.segments import create_segment, next_number, segment_name
-from hicache.backends.segments import IOV_MAX, segments_after, segments_nbytes, split_iov
+from hicache.backends.segments import segments_after, segments_nbytes, split_iov
 from hicache.keys import KEY_MAX_LEN
 
 __all__ = ["Appender"]
 
 logger = logging.getLogger(__name__)
 
-# A run at least this large is written by several threads, each a stretch of it: new pages of
-# the page cache cost a fault each on a VM, and two cores take them twice as fast as one
-# (128 pages of 1 MiB: 0.42 GB/s from one thread here, where a file per page over four
-# threads wrote 0.70).
+# A batch at least this large is read by several threads, each a stretch of it (reads.py). It
+# is written by one: 64 pages of 8 MiB into one file, in the same memory state each time, went
+# at 4.2 GB/s from one thread and 2.9 from two writing halves of it (the file's lock: they take
+# turns), while two threads each writing a file of its own went at 7.2 (docs/BENCHMARKS.md,
+# issue 48). An earlier measure here without the memory state settled had favoured two.
 PARALLEL_BYTES = 8 << 20
 _ZEROS = bytes(64)  # a record's gap and padding
 
@@ -97,7 +97,6 @@ class Appender:
         self._direct_fd = -1  # the open segment's O_DIRECT descriptor (direct=true)
         self._tail: DirectTail | None = None
         self.room: Callable[[int], bool] = lambda nbytes: True  # set by the reclaimer
-        self.io: IOThreads | None = None  # threads for large runs, set by the backend
 
     @property
     def current_segment(self) -> int:
@@ -248,15 +247,10 @@ class Appender:
                 if self.config.fsync:
                     os.fdatasync(self._direct_fd)
                 return True
-            if len(iov) <= IOV_MAX and (nbytes < PARALLEL_BYTES or self.io is None):
-                self._pwrite_all(iov, offset, nbytes)
-            else:
-                parts = split_iov(iov, offset, self.io.threads if self.io else 1)
-                if self.io is None:
-                    for part, at, want in parts:
-                        self._pwrite_all(part, at, want)
-                else:
-                    self.io.spread(self._pwrite_parts, parts)
+            # One thread per segment: two writing stretches of one file take turns on its lock
+            # and together wrote slower than one (see PARALLEL_BYTES).
+            for part, at, want in split_iov(iov, offset, 1):  # more than IOV_MAX pieces: cut
+                self._pwrite_all(part, at, want)
             if self.config.fsync:
                 os.fdatasync(self._seg_fd)
             return True
@@ -264,12 +258,6 @@ class Appender:
             self._count_error(exc, "a write failed")
             self._seal()
             return False
-
-    def _pwrite_parts(self, parts: list[tuple[list[memoryview | bytes], int, int]]) -> list[int]:
-        """Each ``(iov, offset, size)`` of ``parts`` written whole (an IOThreads group)."""
-        for iov, offset, want in parts:
-            self._pwrite_all(iov, offset, want)
-        return [want for _, _, want in parts]
 
     def _pwrite_all(self, iov: list[memoryview | bytes], offset: int, want: int) -> None:
         """``iov`` at ``offset``, whole (a call may take threads: see ``PARALLEL_BYTES``)."""
