@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hicache.tools.services import MotoServer, moto_server
+from hicache.tools.services.moto import MotoServer, moto_server
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ from hicache.errors import (
     UnsupportedVersionError,
 )
 from hicache.layouts import Layout
-from hicache.tools.bench.codec import kv_like
+from hicache.tools.bench.cache.codec import kv_like
 
 KEY = "ns-fmt-page0"
 

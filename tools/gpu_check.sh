@@ -63,7 +63,7 @@ main() {
     fi
 
     echo "== bench layouts --json (limit ${bench_limit}s)"
-    local bench=(-m hicache.tools.bench.layouts)
+    local bench=(-m hicache.tools.bench.cache.layouts)
     if (cd "$src" && "$py" -m hicache.tools.cli bench layouts --help >/dev/null 2>&1); then
         bench=(-m hicache.tools.cli bench layouts)
     fi

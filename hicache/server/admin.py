@@ -80,7 +80,7 @@ class AdminApi:
             return {"dropped_tokens": 0}
         dropped = tree.evict(tree.evictable_size)
         if tiered is not None:
-            dropped += tiered.host_evictor.evict(1 << 62)
+            dropped += tiered.evict_host(1 << 62)
         return {"dropped_tokens": dropped}
 
     async def _attach(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +100,7 @@ class AdminApi:
         except (BackendError, ConfigError, InvalidArgumentError) as exc:
             raise ApiError(scrub(f"L3 {url} not attached: {exc}", url), "url") from None
         try:
-            await cache.controller.attach_l3(url)
+            await cache.attach_l3(url)
         except (BackendError, ConfigError, InvalidArgumentError, OSError) as exc:
             raise ApiError(scrub(f"L3 {url} not attached: {exc}", url), "url") from None
         return {"l3": redact_url(url)}

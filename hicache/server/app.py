@@ -141,6 +141,6 @@ class HttpServer:
         try:
             await cache.quiesce(self.listen.drain_s)
         except TimeoutError:
-            queued = cache.storage.queued_pages
+            queued = cache.l3_queued_pages
             logger.warning("shutdown: %d pages still queued for L3 after %.0f s", queued,
                            self.listen.drain_s)  # fmt: skip

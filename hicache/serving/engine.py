@@ -146,7 +146,7 @@ class Engine(EngineAdmission):
                 await _wait_event(wake, _IDLE_S)
                 wake.clear()
             elif self.hiradix is not None:  # a finished prefetch or write wakes it early
-                await self.hiradix.storage.wait_for_activity(pause)
+                await self.hiradix.wait_for_activity(pause)
             else:
                 await asyncio.sleep(pause)
         if self.hiradix is not None:
@@ -157,7 +157,7 @@ class Engine(EngineAdmission):
         tree = self.hiradix
         error = f"no device memory could be had for {self.config.stall_s} s"
         for request in list(waiting):
-            if tree is not None and not tree.prefetcher.may_run(request.rid):
+            if tree is not None and not tree.prefetch_may_run(request.rid):
                 continue  # still waiting on its prefetch, which its stop policy allows
             waiting.remove(request)
             self._fail(request, error, source)
@@ -180,8 +180,8 @@ class Engine(EngineAdmission):
         """End a request that left the queue or the batch with ``error``; a prefetch it still
         has is stopped and what that reserved released."""
         if self.hiradix is not None:
-            self.hiradix.prefetcher.terminate(request.rid)
-            self.hiradix.prefetcher.release(request.rid)
+            self.hiradix.prefetch_terminate(request.rid)
+            self.hiradix.prefetch_release(request.rid)
         request.state = RequestState.FAILED
         request.record.error = error
         source.finished(request, self.now())
@@ -195,7 +195,7 @@ class Engine(EngineAdmission):
         active = [r for r in running if r.hot is None or r.hot.entered or not self._prefilled(r)]
         if not active:  # all wait for host memory to take their prompt (HiSparse)
             assert self.hiradix is not None
-            await self.hiradix.storage.wait_for_activity(0.01)
+            await self.hiradix.wait_for_activity(0.01)
             return done
         chunks = []
         for request in active:

@@ -31,6 +31,7 @@ from hicache.serving.l3_reads import L3Reads
 from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestRecord, RequestState, ServeRequest
 from hicache.tiering.cache import HiRadixCache
+from hicache.tiering.contract import TieredCache
 
 if TYPE_CHECKING:
     from hicache.pools.req_to_token import ReqToTokenPool
@@ -60,7 +61,8 @@ class EngineAdmission:
         raise NotImplementedError  # the engine's clock
 
     @property
-    def hiradix(self) -> HiRadixCache | None:
+    def hiradix(self) -> TieredCache | None:
+        """The tree when tiered, seen through its contract (:mod:`hicache.tiering.contract`)."""
         return self.tree if isinstance(self.tree, HiRadixCache) else None
 
     @staticmethod
@@ -128,7 +130,7 @@ class EngineAdmission:
                 ahead += self._read_ahead(request)
                 continue
             tree = self.hiradix
-            if tree is not None and not tree.prefetcher.may_run(request.rid):
+            if tree is not None and not tree.prefetch_may_run(request.rid):
                 taken += request.had_turn  # reading back what it lacks, next to run
                 in_line += 1
                 reading = True
@@ -176,7 +178,7 @@ class EngineAdmission:
         reads, tree = self.l3_reads, self.hiradix
         if reads is None or tree is None or request.had_turn:
             return 0
-        if tree.prefetcher.reading(request.rid) or request.read_ahead:
+        if tree.prefetch_reading(request.rid) or request.read_ahead:
             return 1  # reading already, or read ahead once (its turn may still read the rest)
         request.read_ahead = reads.maybe_prefetch(request, ahead=True)
         return 1
@@ -219,7 +221,7 @@ class EngineAdmission:
         rec.admitted_s = self.now()
         rec.hit_device, rec.hit_host, rec.hit_l3 = hits
         if self.hiradix is not None:  # its prefetched pages are its own now (locked)
-            self.hiradix.prefetcher.release(request.rid)
+            self.hiradix.prefetch_release(request.rid)
         return True
 
     def _cached_prefix(
@@ -232,7 +234,7 @@ class EngineAdmission:
         prefix, last = match.device_indices, match.last_device_node
         tree = self.hiradix
         # Read, not taken: the credit is dropped only once the request is admitted (_start).
-        from_l3 = tree.prefetcher.inserted_tokens.get(request.rid, 0) if tree is not None else 0
+        from_l3 = tree.prefetch_inserted_tokens(request.rid) if tree is not None else 0
         if tree is None or not match.host_hit_length or match.last_host_node is None:
             return prefix, last, (match.prefix_len, 0, 0)
         anchor_loaded, node = tree.init_load_back(match.last_host_node)

@@ -43,8 +43,7 @@ from hicache.radix.node import TreeNode
 from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestState, ServeRequest
 from hicache.sparse.hot_buffer import HotBuffer, HotRequest, canonical_pages
-from hicache.tiering.cache import HiRadixCache
-from hicache.tiering.host.pool import set_host
+from hicache.tiering.contract import TieredCache
 
 __all__ = ["HiSparseRequests", "HotEntry"]
 
@@ -63,14 +62,14 @@ class HiSparseRequests:
     """HiSparse for one engine: its hot ``buffer`` over the tiered ``tree``'s host pool."""
 
     def __init__(
-        self, buffer: HotBuffer, tree: HiRadixCache, pools: dict[str, Any], slots: PoolSlots
+        self, buffer: HotBuffer, tree: TieredCache, pools: dict[str, Any], slots: PoolSlots
     ) -> None:
         self.buffer = buffer
         self.tree = tree
         self.pool_slots = slots
         self._latent = pools[tree.roles.anchor].buffer
         self._indexer = pools["indexer"].buffer
-        self._host_index = canonical_pages(tree.controller.host_pools["indexer"])[:, 0]
+        self._host_index = canonical_pages(tree.host_pools["indexer"])[:, 0]
         self.page_size = tree.page_size
 
     def refusal(self, request: ServeRequest, anchor_tokens: int) -> str | None:
@@ -104,7 +103,7 @@ class HiSparseRequests:
             return False
         row, index_slots = taken
         own_pages = -(-total // ps) - len(request.prompt) // ps
-        own = self.tree.host_evictor.alloc(own_pages)
+        own = self.tree.alloc_host_pages(own_pages)
         if own is None:
             self.buffer.give_back(row, index_slots)
             return False
@@ -181,7 +180,7 @@ class HiSparseRequests:
             hot = request.hot
             assert hot is not None and request.cached is not None
             entry = self.enter(request, commit)
-            if entry is HotEntry.HOST_BUSY and self.tree.prefetcher.yield_reserved():
+            if entry is HotEntry.HOST_BUSY and self.tree.prefetch_yield_reserved():
                 # host memory that queued requests' prefetches kept may go to a running one
                 entry = self.enter(request, commit)
             if entry is HotEntry.ENTERED:
@@ -200,12 +199,7 @@ class HiSparseRequests:
 
     def _on_host(self, node: TreeNode) -> bool:
         """Whether ``node``'s pages are on host once this returns (copied now if need be)."""
-        if node.host_value is None:
-            return self.tree.backups.backup(node, evicting=True) and node.host_value is not None
-        for entry in self.tree.backups.in_flight:
-            if entry.node is node:
-                entry.transfer.synchronize()
-        return True
+        return self.tree.backup_now(node)
 
     def _copy_tail(self, hot: HotRequest, row: torch.Tensor, start: int, end: int) -> None:
         """The prompt's tokens past the tree's pages, into the request's first own page."""
@@ -266,19 +260,14 @@ class HiSparseRequests:
             return 0
         own = hot.own_host[:count]
         self._copy_index_keys(hot, start * ps, own)
-        _, have, leaf = self.tree.hang_leaf(key, start * ps)
-        if leaf is None:  # all there already (or, never here, its prefix gone)
-            self._free_extras(extras)
+        # the tree takes the last ``taken`` of ``own`` (it held the others) and every extra page
+        taken = self.tree.insert_host_pages(key, start * ps, own, extras, cached.priority)
+        if not taken:  # all there already (or, never here, its prefix gone)
             return 0
-        taken = own[(have // ps) - start :].clone()
-        leaf.host_value = taken
-        leaf.priority = cached.priority
         kept = torch.ones(len(hot.own_host), dtype=torch.bool)
-        kept[count - len(taken) : count] = False
+        kept[count - taken : count] = False
         hot.own_host = hot.own_host[kept]
-        for node in self._place_extras(leaf, have, extras):
-            self.tree.writer.after_backup(node)
-        return len(taken)
+        return taken
 
     def _extras_to_host(self, request: ServeRequest, lo: int, hi: int) -> _Extras | None:
         """dsv4: copies on host of the request's extra pools over positions ``lo .. hi - 1``
@@ -294,43 +283,19 @@ class HiSparseRequests:
             slots = state.rows[name][first:hi]
             pages = None
             if not bool((slots < 0).any()):
-                pages = self.tree.host_evictor.alloc_pool(name, (hi - first) // self.page_size)
+                pages = self.tree.alloc_pool_host_pages(name, (hi - first) // self.page_size)
             if pages is None:
                 self._free_extras(out)
                 return None
             # slots on the CPU, as every backup passes them: the copy plan checks them there
-            self.tree.backups.copies.write(slots, pages, owner=name).synchronize()
+            self.tree.copy_to_host(slots, pages, owner=name).synchronize()
             out[name] = (first, pages)
         return out
 
     def _free_extras(self, extras: _Extras) -> None:
-        hosts = self.tree.host_evictor.host_pools
+        hosts = self.tree.host_pools
         for name, (_, pages) in extras.items():
             hosts[name].free(pages)
-
-    def _place_extras(self, leaf: TreeNode, have: int, extras: _Extras) -> list[TreeNode]:
-        """Give the new ``leaf`` (starting at position ``have``, its anchor's host pages set)
-        the extra pools' host pages; where a window's pages begin after ``have``, the leaf is
-        cut there (its anchor's and every page-wide pool's pages with it) and the window's go
-        on the lower part. The nodes it became, in path order. Pages of positions before
-        ``have`` (the tree had those already) are freed."""
-        ps, hosts = self.page_size, self.tree.host_evictor.host_pools
-        later: dict[str, torch.Tensor] = {}
-        for name, (first, pages) in extras.items():
-            skip = max(0, have - first) // ps
-            if skip:
-                hosts[name].free(pages[:skip])
-            if first <= have:
-                set_host(leaf, name, pages[skip:])
-            else:
-                later[name] = pages
-        if not later:
-            return [leaf]
-        (cut,) = {extras[name][0] - have for name in later}  # one window length on dsv4
-        upper = self.tree.split_node(leaf, cut)
-        for name, pages in later.items():
-            set_host(leaf, name, pages)
-        return [upper, leaf]
 
     def _copy_index_keys(self, hot: HotRequest, start: int, pages: torch.Tensor) -> None:
         """The indexer keys of positions ``start ..`` (whole ``pages``) from the request's

@@ -5,19 +5,19 @@ scheduled it prefetches again if what was cached then has been evicted meanwhile
 its last prefetch left pages in L3 for lack of host room (then as an ``urgent`` prefetch, which
 may go past the prefetch share of host memory as a load-back would), or if what its prefetch
 kept for it was given up to a running request
-(:meth:`~hicache.tiering.l3.prefetcher.Prefetcher.yield_reserved`). The requests next in line
+(:meth:`~hicache.tiering.contract.TieredCache.prefetch_yield_reserved`). The requests next in line
 after those of an admission round start that read then ("ahead": while the step before their
 turn computes, and only where the prefetch share of host memory has room for all of it), so
 that their pages are on the host when their turn comes rather than a step later. What a
 prefetch inserts stays reserved for the request until it is admitted
-(:meth:`~hicache.tiering.l3.prefetcher.Prefetcher.release`). A read expected to be slower than
+(:meth:`~hicache.tiering.contract.TieredCache.prefetch_release`). A read expected to be slower than
 computing the same tokens (measured rates) is skipped when ``skip_slow`` is on.
 """
 
 from __future__ import annotations
 
 from hicache.serving.request import ServeRequest
-from hicache.tiering.cache import HiRadixCache
+from hicache.tiering.contract import TieredCache
 
 __all__ = ["L3Reads"]
 
@@ -25,7 +25,7 @@ __all__ = ["L3Reads"]
 class L3Reads:
     """The L3 read-back decisions of one engine over its tiered cache."""
 
-    def __init__(self, tree: HiRadixCache, skip_slow: bool) -> None:
+    def __init__(self, tree: TieredCache, skip_slow: bool) -> None:
         self.tree = tree
         self.skip_slow = skip_slow
         self.prefill_tokens_per_s: float | None = None  # the engine's, smoothed
@@ -38,7 +38,7 @@ class L3Reads:
         now what it would read then, if the prefetch share of host memory has room for all of
         it (the share past it stays for the reads of requests next to run)."""
         tree = self.tree
-        if not tree.storage.enabled or not len(request.key):
+        if not tree.l3_enabled or not len(request.key):
             return False
         # This round's peek where the plan took one (the round's one look at the tree for
         # it); matched only when a read starts, which then takes the round's match instead of
@@ -46,12 +46,11 @@ class L3Reads:
         peek = request.prefix_match if admitting or ahead else None
         cached = (peek or tree.peek_tiers(request.key)).total
         missing = len(request.key) - cached
-        prefetcher = tree.prefetcher
-        threshold = prefetcher.config.threshold_tokens
-        short = prefetcher.shortfall_tokens(request.rid)
+        threshold = tree.prefetch_threshold_tokens
+        short = tree.prefetch_shortfall_tokens(request.rid)
         short = short if (admitting or ahead) and not request.had_turn else 0
         # pages its last read kept that a running request's need took back (yield_reserved)
-        gone = (admitting or ahead) and prefetcher.yielded(request.rid)
+        gone = (admitting or ahead) and tree.prefetch_yielded(request.rid)
         unchanged = cached >= request.cached_at_submit and not gone
         if missing < threshold or (unchanged and short < threshold):
             request.cached_at_submit = min(request.cached_at_submit, cached)
@@ -61,7 +60,7 @@ class L3Reads:
             tree.metrics.add("prefetch_skipped_slow")
             return False
         match = tree.match_prefix(request.key, count_hits=False)
-        return prefetcher.start(
+        return tree.prefetch_start(
             request.rid, request.key, match, reserve=True, urgent=admitting, whole=ahead
         )
 
@@ -70,8 +69,8 @@ class L3Reads:
         has not been next to run yet (it reads them back then)."""
         if request.had_turn:
             return False
-        prefetcher = self.tree.prefetcher
-        return prefetcher.shortfall_tokens(request.rid) >= prefetcher.config.threshold_tokens
+        tree = self.tree
+        return tree.prefetch_shortfall_tokens(request.rid) >= tree.prefetch_threshold_tokens
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if seconds > 0 and tokens >= 64:
@@ -84,8 +83,8 @@ class L3Reads:
         tree = self.tree
         if not self.skip_slow or tokens <= 0:
             return True
-        read_rate, compute_rate = tree.storage.read_bytes_per_s, self.prefill_tokens_per_s
+        read_rate, compute_rate = tree.l3_read_bytes_per_s, self.prefill_tokens_per_s
         if read_rate is None or compute_rate is None:
             return True  # nothing measured yet: try, and measure
-        per_token = tree.controller.page_bytes / tree.page_size
+        per_token = tree.page_bytes / tree.page_size
         return tokens * per_token / read_rate < tokens / compute_rate

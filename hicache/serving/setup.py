@@ -40,11 +40,13 @@ class ServingSetup:
 
     @property
     def controller(self) -> HiCacheController | None:
+        """The cache's controller: for ``tools/serve`` and tests only, until they use the
+        cache's contract (:mod:`hicache.tiering.contract`); nothing in ``hicache`` does."""
         return self.cache.controller if self.cache is not None else None
 
     async def l3_stats(self) -> dict[str, int | float]:
         """The L3 backend's own counters (``bytes_staged`` among them); empty without L3."""
-        backend = self.cache.storage.backend if self.cache is not None else None
+        backend = self.cache.l3_backend if self.cache is not None else None
         return await backend.stats() if backend is not None else {}
 
     async def close(self, drain_s: float = 10.0) -> None:

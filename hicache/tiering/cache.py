@@ -26,8 +26,10 @@ The cache owns the controller (device <-> host copies, the storage tier) and com
 parts: backups, host eviction, load-back (``host/``), prefetch insert, the L3 writer and the
 prefetcher (``l3/``). It is the only module that knows them all; each part receives only what it
 uses, the narrow views of :mod:`~hicache.tiering.common.parts`, which the tree fulfils with
-public operations. Everything here runs on the scheduler's thread; :meth:`check_events` applies,
-once per scheduler step, what the controller finished meanwhile.
+public operations. An engine calls only :class:`~hicache.tiering.contract.TieredCache` (what
+only reaches the parts: :class:`~hicache.tiering.contract.TieredCacheOps`). Everything here
+runs on the scheduler's thread; :meth:`check_events` applies, once per scheduler step, what
+the controller finished meanwhile.
 
 Per-pool lifecycles: the tree is a :class:`~hicache.radix.shadow.ShadowRadixCache`, so a model
 with more than one kind of cached state gives each extra pool (an SWA window pool, a Mamba state
@@ -43,7 +45,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
@@ -61,12 +65,13 @@ from hicache.tiering.common.config import HiCacheConfig
 from hicache.tiering.common.metrics import HiCacheMetrics
 from hicache.tiering.common.parts import GroupTransfer, TierPools
 from hicache.tiering.common.policies import TerminationReason, WritePolicy, backup_on_hit
+from hicache.tiering.contract import ExtraPages, TieredCache, TieredCacheOps
 from hicache.tiering.controller import HiCacheController
 from hicache.tiering.host.backup import Backups
 from hicache.tiering.host.eviction import HostEvictor
 from hicache.tiering.host.load_back import LoadBack
 from hicache.tiering.host.peek import tiered_peek
-from hicache.tiering.host.pool import split_host
+from hicache.tiering.host.pool import hang_host_leaf, split_host
 from hicache.tiering.l3.bundler import BundlePage, PageHasher
 from hicache.tiering.l3.prefetch_insert import PrefetchInserter
 from hicache.tiering.l3.prefetcher import Prefetcher
@@ -75,7 +80,7 @@ from hicache.tiering.l3.writer import L3Writer
 __all__ = ["HiRadixCache"]
 
 
-class HiRadixCache(ShadowRadixCache):
+class HiRadixCache(ShadowRadixCache, TieredCacheOps):
     """A :class:`~hicache.radix.RadixCache` whose nodes move between device, host and L3.
 
     Build one with :meth:`open` (pools and a config; it connects L3) and end it with
@@ -164,11 +169,6 @@ class HiRadixCache(ShadowRadixCache):
         if not self.controller.config.storage.discard_on_close:
             return frozenset()
         return self.writer.hasher.namespace_tags()
-
-    @property
-    def idle(self) -> bool:
-        """Nothing in flight: no copy to host, L3 write or prefetch unsettled."""
-        return not (self.backups.in_flight or self.prefetcher.running or self.storage.busy)
 
     async def quiesce(self, timeout_s: float = 60.0) -> None:
         """Wait until every queued write and running prefetch has settled, applying results.
@@ -320,6 +320,21 @@ class HiRadixCache(ShadowRadixCache):
         its parent was gone). See :class:`~hicache.tiering.l3.prefetch_insert.PrefetchInserter`."""
         return self.inserter.insert(key, start, bundle)
 
+    def insert_host_pages(
+        self,
+        key: RadixKey,
+        start: int,
+        anchor_pages: torch.Tensor,
+        extras: ExtraPages,
+        priority: int = 0,
+    ) -> int:
+        """See :meth:`TieredCache.insert_host_pages`."""
+        pools = self.host_evictor.pools
+        taken, nodes = hang_host_leaf(self, pools, key, start, anchor_pages, extras, priority)
+        for node in nodes:
+            self.writer.after_backup(node)
+        return taken
+
     # ----- device -> host -------------------------------------------------------------------
     def _backup(self, node: TreeNode, evicting: bool = False) -> bool:
         """Copy ``node``'s data that host lacks (every pool); whether its anchor is on host or
@@ -416,12 +431,9 @@ class HiRadixCache(ShadowRadixCache):
         req.last_node = None
         req.allocated = 0
 
-    # ----- events ---------------------------------------------------------------------------
-    def check_events(self) -> None:
-        """Apply finished device-to-host copies, L3 writes and prefetches; once per step."""
-        self.backups.settle()
-        self.writer.apply_acks()
-        self.prefetcher.apply_finished()
-
     def reset(self) -> None:
         raise InvalidArgumentError("a HiRadixCache is not reset in place; build a new one")
+
+
+if TYPE_CHECKING:  # mypy checks that the cache is what the engine is told it is
+    _declared: type[TieredCache] = HiRadixCache

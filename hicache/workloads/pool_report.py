@@ -27,10 +27,10 @@ def _device_bytes(pool: DevicePool) -> int:
 
 async def _l3_usage(cache: HiRadixCache) -> dict[str, tuple[int, int]] | None:
     """Per pool, (stored bytes, objects) in L3; None without L3 or when it cannot be listed."""
-    backend = cache.storage.backend
+    backend = cache.l3_backend
     if backend is None:
         return None
-    by_digest = {fmt.digest: name for name, fmt in cache.controller.bundler.formats.items()}
+    by_digest = {fmt.digest: name for name, fmt in cache.page_formats.items()}
     out = dict.fromkeys(by_digest.values(), (0, 0))
     try:
         async for info in backend.scan():
@@ -54,7 +54,7 @@ async def pool_bytes(
     for name, pool in device_pools.items():
         host: int | None = None
         if cache is not None:
-            host_pool = cache.controller.host_pools[name]
+            host_pool = cache.host_pools[name]
             host = host_pool.used_pages * host_pool.spec.page_bytes
         out[name] = {
             "device": _device_bytes(pool),

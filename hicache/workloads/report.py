@@ -205,7 +205,7 @@ def config_row(
     sizes: dict[str, Any],
 ) -> dict[str, Any]:
     """One configuration's JSON row: the summary, TTFT per round and what each pool holds."""
-    metrics = setup.controller.metrics.as_dict() if setup.controller else {}
+    metrics = setup.cache.metrics.as_dict() if setup.cache is not None else {}
     # A wrapped L3 (--l3-bandwidth) reports its inner backend's counters as "inner.<name>".
     metrics["bytes_staged"] = float(
         sum(v for k, v in l3.items() if k.rsplit(".", 1)[-1] == "bytes_staged")

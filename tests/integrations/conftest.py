@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from hicache.tools.services_redis import RedisServer
+    from hicache.tools.services.redis import RedisServer
 
 _PREFIXES = itertools.count()
 
@@ -27,7 +27,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     if importlib.util.find_spec("redis") is None:
         pytest.skip("redis-py is not installed in this venv (the redis extra)")
-    from hicache.tools.services_redis import RedisServer
+    from hicache.tools.services.redis import RedisServer
 
     with RedisServer(str(tmp_path_factory.mktemp("redis"))) as server:
         yield server

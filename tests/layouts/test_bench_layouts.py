@@ -10,7 +10,7 @@ import torch
 
 from hicache.errors import InvalidArgumentError
 from hicache.layouts import KV_LAYOUTS, SpecPreset
-from hicache.tools.bench.layouts import (
+from hicache.tools.bench.cache.layouts import (
     LayoutBenchConfig,
     add_bench_layouts_parser,
     main,

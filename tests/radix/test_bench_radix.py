@@ -13,7 +13,7 @@ import pytest
 
 from hicache.errors import InvalidArgumentError, TraceFormatError
 from hicache.radix import EvictionPolicy
-from hicache.tools.bench.radix import (
+from hicache.tools.bench.cache.radix import (
     RadixBenchConfig,
     add_bench_radix_parser,
     bench_trace,

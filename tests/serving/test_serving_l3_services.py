@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from hicache.tools.cli import main
-from hicache.tools.services import MotoServer
+from hicache.tools.services.moto import MotoServer
 
 # A tiny model and a workload whose working set is larger than device and host together, so
 # pages come back from L3 within one run.
@@ -75,7 +75,7 @@ def test_serve_with_s3_l3_hits_and_keeps_outputs(
 def mooncake_url(tmp_path: pathlib.Path) -> Iterator[str]:
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not installed")
     from hicache.errors import BackendUnavailableError
-    from hicache.tools.services_mooncake import MooncakeMaster, mooncake_master_path
+    from hicache.tools.services.mooncake import MooncakeMaster, mooncake_master_path
 
     try:
         mooncake_master_path()

@@ -1,5 +1,5 @@
 """Fill and damage stores for the operating tools' tests: pages written through the real write
-path (chains with parent hashes, :func:`hicache.tools.bench.store_tools.write_chain`), then
+path (chains with parent hashes, :func:`hicache.tools.bench.stores.store_tools.write_chain`), then
 damaged on purpose. A plain module (not conftest) so that test modules can import it by name."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hicache.backends.base import StorageBackend
 from hicache.codec import decode_page
 from hicache.errors import CodecError
 from hicache.keys import PageKeyScheme, RadixKey
-from hicache.tools.bench.store_tools import page_scheme, write_chain
+from hicache.tools.bench.stores.store_tools import page_scheme, write_chain
 
 PAGE_TOKENS = 16  # page_scheme()'s page size
 

@@ -10,8 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from hicache.tools.bench import raw_disk
-from hicache.tools.bench.backends import BackendBenchConfig, run_backend_bench
+from hicache.tools.bench.stores import raw_disk
+from hicache.tools.bench.stores.backends import BackendBenchConfig, run_backend_bench
 
 _FIGURES = (
     "put_gbps",

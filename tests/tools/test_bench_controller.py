@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from hicache.tools.bench import controller as bench_controller
-from hicache.tools.bench.controller import run_bench_controller
+from hicache.tools.bench.cache import controller as bench_controller
+from hicache.tools.bench.cache.controller import run_bench_controller
 
 _SPREAD = (
     "overhead_us_per_page",

@@ -1,4 +1,5 @@
-"""The engine benchmarks' page-cache floors (tools/bench/floor.py): what they time and report."""
+"""The engine benchmarks' page-cache floors (tools/bench/engines/floor.py): what they time and
+report."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ from pathlib import Path
 import pytest
 
 from hicache.backends._io_threads import machine_threads
-from hicache.tools.bench import floor as floor_mod
-from hicache.tools.bench.floor import PageCacheFloor, floor_figures, floor_sides, settle_memory
+from hicache.tools.bench.engines import floor as floor_mod
+from hicache.tools.bench.engines.floor import (
+    PageCacheFloor,
+    floor_figures,
+    floor_sides,
+    settle_memory,
+)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -8,7 +8,7 @@ import math
 import torch
 
 from hicache.layouts import TransferStream
-from hicache.tools.bench.io_kernel import _buffers, _kernel, _page_loop, kernel_vs_page_loop
+from hicache.tools.bench.cache.io_kernel import _buffers, _kernel, _page_loop, kernel_vs_page_loop
 
 
 def test_the_kernel_and_the_page_loop_move_the_same_bytes() -> None:

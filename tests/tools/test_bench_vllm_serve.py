@@ -7,8 +7,12 @@ import argparse
 import math
 from pathlib import Path
 
-from hicache.tools.bench.vllm_process import BLOCK_TOKENS, kv_bytes_per_token, write_checkpoint
-from hicache.tools.bench.vllm_serve import _trace_geometry, device_read_s
+from hicache.tools.bench.engines.vllm_process import (
+    BLOCK_TOKENS,
+    kv_bytes_per_token,
+    write_checkpoint,
+)
+from hicache.tools.bench.engines.vllm_serve import _trace_geometry, device_read_s
 
 
 def test_the_floor_reads_the_bytes_asked_for_across_files(tmp_path: Path) -> None:

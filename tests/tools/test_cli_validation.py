@@ -177,12 +177,10 @@ def test_a_good_config_still_prints_what_takes_effect(
 
 
 def test_the_smallest_codec_bench_reports_real_rates(capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache.tools.bench.codec import MIN_PAGE_BYTES
-    from hicache.tools.bench.commands import CODEC_MIN_BYTES
+    from hicache.tools.bench.cache.codec import MIN_PAGE_BYTES
 
-    assert CODEC_MIN_BYTES == MIN_PAGE_BYTES  # the parser's bound is the benchmark's
     code, out, _ = run(
-        capsys, "bench", "codec", "--object-bytes", "256", "--repeats", "1", "--json"
+        capsys, "bench", "codec", "--object-bytes", str(MIN_PAGE_BYTES), "--repeats", "1", "--json"
     )
     rows = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and len(rows) == 2

@@ -145,7 +145,7 @@ _WRITER = textwrap.dedent(
     import asyncio, json, random, sys
     from hicache.backends.file import FileBackend, FileConfig
     from hicache.keys import RadixKey
-    from hicache.tools.bench.store_tools import page_scheme, write_chain
+    from hicache.tools.bench.stores.store_tools import page_scheme, write_chain
 
     async def main():
         backend = await FileBackend.open(FileConfig(root=sys.argv[1]))

@@ -120,7 +120,7 @@ def _auto_mooncake(args: argparse.Namespace) -> Iterator[list[Background]]:
     if parts.scheme != "mooncake" or parts.netloc != "auto":
         yield []
         return
-    from hicache.tools.services_mooncake import MooncakeMaster
+    from hicache.tools.services.mooncake import MooncakeMaster
 
     with MooncakeMaster() as master:
         args.l3 = master.url(**dict(parse_qsl(parts.query)))

@@ -16,6 +16,12 @@ held on a page when every pool of its group is (a sidecar's object beside its ow
 before the first candidate are in the tree already and count as held by every pool, so a window
 that reaches back before the candidates is taken to be there (the tree's own hit rules decide
 again when the request is matched).
+
+New host-only nodes get their pages here, whoever read or computed them: :func:`hang_host_pages`
+gives a new leaf each extra pool's host pages, cutting it where a pool's pages begin (L3
+prefetches, :mod:`~hicache.tiering.l3.prefetch_insert`); :func:`hang_host_leaf` hangs pages an
+engine computed on host (HiSparse's output) as a new leaf with its anchor's and extra pools'
+pages.
 """
 
 from __future__ import annotations
@@ -24,12 +30,16 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from hicache.keys import RadixKey
 from hicache.pools.pool_spec import HitRuleKind, common_usable_prefix
 from hicache.radix.node import TreeNode
 from hicache.radix.shadow_rules import PoolRoles
+from hicache.tiering.common.parts import NodeGrafts, TierPools
 
 __all__ = [
     "drop_host",
+    "hang_host_leaf",
+    "hang_host_pages",
     "held_anywhere",
     "host_of",
     "host_pools_of",
@@ -85,6 +95,72 @@ def split_host(roles: PoolRoles, child: TreeNode, upper: TreeNode, pages: int) -
         host = child.pool_host.get(pool)
         if host is not None:
             upper.pool_host[pool], child.pool_host[pool] = host[:pages], host[pages:]
+
+
+def hang_host_pages(
+    tree: NodeGrafts,
+    leaf: TreeNode,
+    pages: Mapping[str, tuple[int, torch.Tensor]],
+    page_size: int,
+    stored: bool = False,
+) -> list[TreeNode]:
+    """Give a new host-only ``leaf`` (its anchor's host pages set) token pools' host pages:
+    ``pages[pool]`` is (the page of the leaf where ``pool``'s pages begin, one host page per
+    page of the leaf from there). The leaf is cut where a pool's pages begin after its first
+    page (its anchor's and every page-wide pool's pages cut with it), so each pool's host copy
+    covers whole nodes; ``stored``: the copies are in L3 too. The nodes it became, in path
+    order (``leaf`` last)."""
+    nodes, starts, seg_start = [], [], 0
+    for cut in sorted(
+        {first for first, _ in pages.values() if 0 < first < leaf.length // page_size}
+    ):
+        nodes.append(tree.split_node(leaf, (cut - seg_start) * page_size))
+        starts.append(seg_start)
+        seg_start = cut
+    nodes.append(leaf)
+    starts.append(seg_start)
+    for pool, (first, host) in pages.items():
+        for node, lo in zip(nodes, starts, strict=True):
+            if lo >= first:
+                set_host(node, pool, host[lo - first : lo - first + node.length // page_size])
+                if stored:
+                    node.pool_stored = node.pool_stored | {pool}
+    return nodes
+
+
+def hang_host_leaf(
+    tree: NodeGrafts,
+    pools: TierPools,
+    key: RadixKey,
+    start: int,
+    anchor_pages: torch.Tensor,
+    extras: Mapping[str, tuple[int, torch.Tensor]],
+    priority: int,
+) -> tuple[int, list[TreeNode]]:
+    """Hang pages computed on host past ``start`` (whole pages) under ``key``'s cached path, as
+    a new host-only leaf: ``anchor_pages`` (one per page of ``key`` from ``start``) and, per
+    extra token pool, (first position, host pages from there to the end of ``key``).
+
+    Returns how many of ``anchor_pages`` the tree took (the last ones: the tree held the
+    others) and the nodes that took pages, in path order. The extra pools' pages are the
+    tree's, or freed, whatever happened; the anchor pages not taken stay the caller's.
+    """
+    ps = pools.page_size
+    _, have, leaf = tree.hang_leaf(key, start)
+    if leaf is None:  # all there already (or, never here, its prefix gone)
+        for name, (_, host) in extras.items():
+            pools.hosts[name].free(host)
+        return 0, []
+    taken = anchor_pages[have // ps - start // ps :].clone()
+    leaf.host_value = taken
+    leaf.priority = priority
+    placed: dict[str, tuple[int, torch.Tensor]] = {}
+    for name, (first, host) in extras.items():
+        skip = max(0, have - first) // ps  # positions the tree held already: freed
+        if skip:
+            pools.hosts[name].free(host[:skip])
+        placed[name] = (max(0, first - have) // ps, host[skip:])
+    return len(taken), hang_host_pages(tree, leaf, placed, ps)
 
 
 def needed_nodes(roles: PoolRoles, pool: str, end_node: TreeNode, page_size: int) -> list[TreeNode]:

@@ -3,7 +3,9 @@
 A prefetch reads, per page, the objects of the pools that hold it in L3 and that the hit needs:
 the anchor's group on every page, a window pool on the trailing pages of the hit, a state pool's
 snapshot at the last page. The new leaf is cut where a token pool's pages begin, so each pool's
-host copy covers whole nodes, and the snapshot goes on the last node (it is at its end).
+host copy covers whole nodes (:func:`~hicache.tiering.host.pool.hang_host_pages`, which also
+places the pages an engine computed on host), and the snapshot goes on the last node (it is at
+its end).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from hicache.keys import RadixKey
 from hicache.radix.node import TreeNode
 from hicache.tiering.common.parts import NodeGrafts, TierPools
-from hicache.tiering.host.pool import set_host
+from hicache.tiering.host.pool import hang_host_pages, set_host
 from hicache.tiering.l3.bundler import BundlePage
 
 __all__ = ["PrefetchInserter"]
@@ -52,27 +54,14 @@ class PrefetchInserter:
     def _place_extras(self, leaf: TreeNode, fresh: list[BundlePage]) -> None:
         """Give the new ``leaf`` (cut as needed) the extra pools' host pages of ``fresh``."""
         roles, ps = self.pools.roles, self.pools.page_size
-        firsts = {
-            pool: next((i for i, p in enumerate(fresh) if pool in p.host_pages), len(fresh))
-            for pool in roles.token_pools
-        }
-        nodes, starts, seg_start = [], [], 0
-        for cut in sorted({i for i in firsts.values() if 0 < i < len(fresh)}):
-            nodes.append(self._tree.split_node(leaf, (cut - seg_start) * ps))
-            starts.append(seg_start)
-            seg_start = cut
-        nodes.append(leaf)
-        starts.append(seg_start)
+        pages: dict[str, tuple[int, torch.Tensor]] = {}
+        for pool in roles.token_pools:
+            first = next((i for i, p in enumerate(fresh) if pool in p.host_pages), len(fresh))
+            if first < len(fresh):  # a token pool's pages run from its first page to the end
+                held = [p.host_pages[pool] for p in fresh[first:]]
+                pages[pool] = (first, torch.tensor(held, dtype=torch.int64))
+        hang_host_pages(self._tree, leaf, pages, ps, stored=True)
         unused: list[BundlePage] = []
-        for pool, first in firsts.items():
-            for node, lo in zip(nodes, starts, strict=True):
-                span = fresh[lo : lo + node.length // ps]
-                if lo >= first:
-                    pages = [p.host_pages[pool] for p in span]
-                    set_host(node, pool, torch.tensor(pages, dtype=torch.int64))
-                    node.pool_stored = node.pool_stored | {pool}
-                else:
-                    unused += [_only(p, pool) for p in span if pool in p.host_pages]
         for pool in roles.state_pools:
             for i, page in enumerate(fresh):
                 if pool not in page.host_pages:

@@ -29,7 +29,8 @@ from hicache.backends.fsspec.ops import filesystem
 from hicache.backends.registry import BackendRegistry, open_backend
 from hicache.backends.testing import BackendConformanceTests
 from hicache.errors import BackendLoadError, BackendUnavailableError, ConfigError
-from hicache.tools.services import MotoServer, free_port, moto_server
+from hicache.tools.services.moto import MotoServer, moto_server
+from hicache.tools.services.process import free_port
 
 
 def s3_url(server: MotoServer, root: str, **options: Any) -> str:
@@ -391,8 +392,8 @@ async def test_bench_baseline_moves_the_same_bytes(tmp_path: pathlib.Path) -> No
     pytest.importorskip("s3fs")
     import numpy as np
 
-    from hicache.tools.bench.backends import _Workload
-    from hicache.tools.bench.raw_fsspec import provision, raw_baseline
+    from hicache.tools.bench.stores.backends import _Workload
+    from hicache.tools.bench.stores.raw_fsspec import provision, raw_baseline
 
     source = np.random.default_rng(1).integers(0, 256, size=(40, 4096), dtype=np.uint8)
     work = _Workload([f"bench-{i}" for i in range(40)], source, np.zeros_like(source))

@@ -27,14 +27,14 @@ from hicache.backends.mooncake.plan import RegisteredRanges
 from hicache.backends.registry import default_registry
 from hicache.backends.testing import BackendConformanceTests
 from hicache.errors import BackendLoadError, BackendUnavailableError, ConfigError
-from hicache.tools.services import free_port
-from hicache.tools.services_mooncake import MooncakeMaster
+from hicache.tools.services.mooncake import MooncakeMaster
+from hicache.tools.services.process import free_port
 
 
 def _mooncake_missing() -> str | None:
     try:
         load_store_class()
-        from hicache.tools.services_mooncake import mooncake_master_path
+        from hicache.tools.services.mooncake import mooncake_master_path
 
         mooncake_master_path()
     except (BackendLoadError, BackendUnavailableError, OSError) as exc:

@@ -20,7 +20,7 @@ from hicache.backends.base import MISS, StorageBackend
 from hicache.backends.registry import default_registry, open_backend
 from hicache.backends.testing import BackendConformanceTests
 from hicache.errors import BackendUnavailableError, ConfigError, InvalidArgumentError
-from hicache.tools.services import MotoServer
+from hicache.tools.services.moto import MotoServer
 
 
 def _nixl_api() -> Any:

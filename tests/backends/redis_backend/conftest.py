@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from redis_kit import ACL_PASSWORD, ACL_USER, DEFAULT_PASSWORD, MAX_BULK, SKIP_REASON
 
-from hicache.tools.services_redis import RedisCluster, RedisServer, RedisTls, redis_cluster
+from hicache.tools.services.redis import RedisCluster, RedisServer, RedisTls, redis_cluster
 
 # The test modules import redis-py (the redis extra, which `make test` installs): without it,
 # there is nothing here to run.

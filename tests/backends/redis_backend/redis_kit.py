@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hicache.tools.services_redis import RedisCluster
+from hicache.tools.services.redis import RedisCluster
 
 SKIP_REASON = (
     "redis-server and redis-cli are not installed (apt-get install redis-server)"

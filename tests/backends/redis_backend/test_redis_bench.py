@@ -7,8 +7,8 @@ import pathlib
 
 import pytest
 
-from hicache.tools.bench.backends import BackendBenchConfig, run_backend_bench
-from hicache.tools.services_redis import RedisServer
+from hicache.tools.bench.stores.backends import BackendBenchConfig, run_backend_bench
+from hicache.tools.services.redis import RedisServer
 
 
 @pytest.mark.asyncio

@@ -14,8 +14,8 @@ from hicache.backends.redis import RedisBackend, RedisConfig
 from hicache.backends.redis.config import PASSWORD_ENV
 from hicache.backends.registry import default_registry, open_backend
 from hicache.errors import BackendUnavailableError, ConfigError
-from hicache.tools.services import free_port
-from hicache.tools.services_redis import RedisServer
+from hicache.tools.services.process import free_port
+from hicache.tools.services.redis import RedisServer
 from hicache.urls import redact_url, scrub
 
 SECRET = "s3cr3t-Pa55"

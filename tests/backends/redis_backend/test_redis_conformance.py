@@ -19,7 +19,7 @@ from hicache.backends.base import StorageBackend
 from hicache.backends.redis import RedisBackend
 from hicache.backends.registry import open_backend
 from hicache.backends.testing import BackendConformanceTests
-from hicache.tools.services_redis import RedisCluster, RedisServer
+from hicache.tools.services.redis import RedisCluster, RedisServer
 
 
 def prefix_of(location: pathlib.Path) -> str:

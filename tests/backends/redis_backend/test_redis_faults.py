@@ -26,8 +26,8 @@ from hicache.backends.registry import open_backend
 from hicache.codec import decode_page
 from hicache.errors import BackendUnavailableError, CodecError
 from hicache.keys import RadixKey
-from hicache.tools.bench.store_tools import page_scheme, write_chain
-from hicache.tools.services_redis import RedisCluster, RedisServer, redis_executable
+from hicache.tools.bench.stores.store_tools import page_scheme, write_chain
+from hicache.tools.services.redis import RedisCluster, RedisServer, redis_executable
 from hicache.tools.store.scan import Problem
 from hicache.tools.store.verify import VerifyOptions, verify_store
 

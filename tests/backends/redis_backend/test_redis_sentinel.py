@@ -14,7 +14,7 @@ from redis_kit import SKIP_REASON
 
 from hicache.backends.redis import RedisBackend
 from hicache.backends.registry import open_backend
-from hicache.tools.services_redis import RedisSentinels, redis_sentinels
+from hicache.tools.services.redis import RedisSentinels, redis_sentinels
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from hicache.serving.setup import open_engine
 from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig, TierConfig
 from hicache.tiering.common.policies import PrefetchStopPolicy, WritePolicy
 from hicache.tools.cli import main
-from hicache.tools.services_redis import RedisCluster, RedisServer
+from hicache.tools.services.redis import RedisCluster, RedisServer
 from hicache.workloads.synthetic import ChatConfig, MultiTurnChat
 
 # 4 clients x 2 rounds of chat on a 2-layer model: a working set (208 tokens) past the device

@@ -45,17 +45,21 @@ def test_bench_lmcache_reports_both_sides(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not installed")
-def test_bench_lmcache_over_redis_compares_the_two_redis_connectors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("remote", ["redis", "redis-cluster"])
+def test_bench_lmcache_over_redis_compares_the_two_redis_connectors(
+    tmp_path: Path, remote: str
+) -> None:
     argv = [sys.executable, "-m", "hicache.tools.cli", "bench", "lmcache", "--json",
-            "--remote", "redis", "--layers", "2", "--heads", "2", "--head-dim", "16",
+            "--remote", remote, "--layers", "2", "--heads", "2", "--head-dim", "16",
             "--chunk-tokens", "16", "--chunks", "4", "--rounds", "2",
             "--dir", str(tmp_path)]  # fmt: skip
-    # LMCache's own RedisConnector cannot close (its close waits on its own loop): the bench
-    # stops its queue first, so the run ends rather than hanging here.
+    # LMCache's own Redis connectors cannot close (their close waits on their own loop): the
+    # bench stops their queues first, so the run ends rather than hanging here.
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert row["lmcache_tier"] == "RemoteBackend-redis" and row["checked"] is True
+    tier = "RemoteBackend-redis" if remote == "redis" else "RemoteBackend"  # redis-cluster://
+    assert row["lmcache_tier"] == tier and row["checked"] is True
     for op in ("put", "get"):
         assert row[f"hicache_{op}_gb_s"] > 0 and row[f"lmcache_{op}_gb_s"] > 0
         assert row[f"{op}_ratio"] > 0

@@ -165,7 +165,7 @@ def test_bf16_and_fp32_pools_differ(tmp_path) -> None:
 def test_pages_over_mooncake_move_without_a_copy(tmp_path) -> None:
     """With the pool and the adapter's header arena registered, Mooncake moves each page and
     its header straight between the pool and the store."""
-    from hicache.tools.services_mooncake import mooncake_master
+    from hicache.tools.services.mooncake import mooncake_master
 
     with mooncake_master() as master:
         url = f"mooncake://{master.address}?metadata_server={master.metadata_url}"

@@ -18,7 +18,7 @@ import pytest
 if TYPE_CHECKING:
     from vllm_kit import Primary
 
-    from hicache.tools.services_mooncake import MooncakeMaster
+    from hicache.tools.services.mooncake import MooncakeMaster
 
 _PREFIXES = itertools.count()
 
@@ -27,7 +27,7 @@ _PREFIXES = itertools.count()
 def mooncake() -> Iterator[MooncakeMaster]:
     from hicache.backends.mooncake.client import load_store_class
     from hicache.errors import BackendLoadError, BackendUnavailableError
-    from hicache.tools.services_mooncake import mooncake_master, mooncake_master_path
+    from hicache.tools.services.mooncake import mooncake_master, mooncake_master_path
 
     try:
         load_store_class()

@@ -28,6 +28,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hicache.tools.bench.vllm_process import write_checkpoint
+    from hicache.tools.bench.engines.vllm_process import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("tiny-llama"))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.tools.bench.vllm_process import (
+from hicache.tools.bench.engines.vllm_process import (
     Completion,
     ServerOptions,
     VllmServer,
