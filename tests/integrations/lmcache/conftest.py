@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from redis_engine_kit import redis_server, redis_url  # noqa: F401 (fixtures)
 
 if TYPE_CHECKING:
     from lmcache_kit import Node

@@ -10,6 +10,8 @@ import importlib.util
 import pathlib
 import sys
 
+from redis_engine_kit import redis_server, redis_url  # noqa: F401 (fixtures)
+
 if (
     importlib.util.find_spec("sglang") is not None
     and importlib.util.find_spec("torchvision") is None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from redis_engine_kit import redis_server, redis_url  # noqa: F401 (fixtures)
 
 if TYPE_CHECKING:
     from vllm_kit import Primary

@@ -1,5 +1,8 @@
 """What every engine's tests share: one real ``redis-server`` for the session, for the test each
 engine runs over ``redis://`` (issue 47). Started on a free 127.0.0.1 port, stopped by pid.
+Each engine's conftest imports the two fixtures. Not a conftest in ``tests/integrations``:
+pytest would put that folder on ``sys.path``, where its ``lmcache`` and ``sglang`` folders
+pass for the engines themselves.
 
 Skipped, with the reason, where ``redis-server`` or redis-py is missing (an engine venv built
 from an older requirements list, a machine without the Debian package).
