@@ -61,8 +61,10 @@ def test_bench_lmcache_over_redis_compares_the_two_redis_connectors(
     tier = "RemoteBackend-redis" if remote == "redis" else "RemoteBackend"  # redis-cluster://
     assert row["lmcache_tier"] == tier and row["checked"] is True
     for op in ("put", "get"):
-        assert row[f"hicache_{op}_gb_s"] > 0 and row[f"lmcache_{op}_gb_s"] > 0
-        assert row[f"{op}_ratio"] > 0
+        # Throughputs are rounded (a few KiB a round can show 0.0 under load); the ratios
+        # are of the rounds' times themselves.
+        assert row[f"hicache_{op}_gb_s"] >= 0 and row[f"lmcache_{op}_gb_s"] >= 0
+        assert 0 < row[f"{op}_ratio_min"] <= row[f"{op}_ratio"] <= row[f"{op}_ratio_max"]
     assert not any(k.startswith("floor_") for k in row)  # no page-cache floor over a network
     assert not list(tmp_path.glob("hicache")) and not list(tmp_path.glob("lmcache"))
 
