@@ -93,7 +93,7 @@ class DiskBackend(StorageBackend):
         self._append_lock = threading.Lock()  # appends, deletes, reclaims of this process
         self._n = dict.fromkeys(("bad_records", "refreshes", "inline_stalls"), 0)
         self._inline_after = 0.0  # puts stay off the loop until then (see _put)
-        # Large batches are read by several threads (writer.PARALLEL_BYTES).
+        # Large batches are read by several threads (reads.PARALLEL_BYTES).
         self._io = IOThreads(config.threads, "hicache-disk") if config.threads > 1 else None
         self.open_s = 0.0
 

@@ -40,12 +40,19 @@ from hicache.backends.disk.format import (
 )
 from hicache.backends.disk.index import Entry
 from hicache.backends.disk.segments import SegmentFiles
-from hicache.backends.disk.writer import PARALLEL_BYTES
 from hicache.backends.segments import IOV_MAX, segments_after, trim
 from hicache.page_header import HEADER_SIZE as PAGE_HEADER
 from hicache.page_header import stored_payload_checksum
 
-__all__ = ["NOWAIT", "PIECE_BYTES", "ReadItem", "read_records", "read_spread", "trim"]
+__all__ = [
+    "NOWAIT",
+    "PARALLEL_BYTES",
+    "PIECE_BYTES",
+    "ReadItem",
+    "read_records",
+    "read_spread",
+    "trim",
+]
 
 _REC = struct.Struct("<4sHHQQQ")  # format.py's record header, without its CRC
 _MAGIC = b"HDSR"
@@ -57,6 +64,9 @@ NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 # larger than this may have a gap before its payload (format.py), so it is read on its own,
 # its header first.
 PIECE_BYTES = LARGE_RECORD_BYTES
+# A batch at least this large is read by several threads, each a stretch of it (writes to a
+# segment take one thread: writer.py).
+PARALLEL_BYTES = 8 << 20
 # A large batch is cut into this many groups per thread, claimed one at a time, so a thread
 # the scheduler holds back leaves its share to the others.
 _GROUPS_PER_THREAD = 4
@@ -70,7 +80,7 @@ def read_spread(
     files: SegmentFiles, items: list[ReadItem], io: IOThreads | None
 ) -> tuple[list[int], list[int]]:
     """:func:`read_records` (blocking), by several threads when the batch is large (see
-    ``writer.PARALLEL_BYTES``: page faults on a VM): each reads a stretch of the batch in
+    ``PARALLEL_BYTES``: page faults on a VM): each reads a stretch of the batch in
     segment order. Each item's length or MISS, and the positions of bad records."""
     if io is None or len(items) < 2 or sum(it[1][2] for it in items) < PARALLEL_BYTES:
         got, bad, _ = read_records(files, items)

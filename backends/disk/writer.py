@@ -50,12 +50,6 @@ __all__ = ["Appender"]
 
 logger = logging.getLogger(__name__)
 
-# A batch at least this large is read by several threads, each a stretch of it (reads.py). It
-# is written by one: 64 pages of 8 MiB into one file, in the same memory state each time, went
-# at 4.2 GB/s from one thread and 2.9 from two writing halves of it (the file's lock: they take
-# turns), while two threads each writing a file of its own went at 7.2 (docs/BENCHMARKS.md,
-# issue 48). An earlier measure here without the memory state settled had favoured two.
-PARALLEL_BYTES = 8 << 20
 _ZEROS = bytes(64)  # a record's gap and padding
 
 
@@ -247,8 +241,10 @@ class Appender:
                 if self.config.fsync:
                     os.fdatasync(self._direct_fd)
                 return True
-            # One thread per segment: two writing stretches of one file take turns on its lock
-            # and together wrote slower than one (see PARALLEL_BYTES).
+            # One thread per segment: 64 pages of 8 MiB into one file, in the same memory state
+            # each time, went at 4.2 GB/s from one thread and 2.9 from two writing halves of it
+            # (they take turns on the file's lock); two threads each writing a file of its own
+            # went at 7.2 (docs/BENCHMARKS.md, issue 48).
             for part, at, want in split_iov(iov, offset, 1):  # more than IOV_MAX pieces: cut
                 self._pwrite_all(part, at, want)
             if self.config.fsync:
@@ -260,7 +256,7 @@ class Appender:
             return False
 
     def _pwrite_all(self, iov: list[memoryview | bytes], offset: int, want: int) -> None:
-        """``iov`` at ``offset``, whole (a call may take threads: see ``PARALLEL_BYTES``)."""
+        """``iov`` at ``offset``, whole."""
         done = os.pwritev(self._seg_fd, iov, offset)
         while done < want:  # rare (a signal, a filesystem's limit): go on from where it stopped
             rest = segments_after([memoryview(p) for p in iov], done)

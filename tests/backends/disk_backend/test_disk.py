@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from hicache.backends.disk import DiskBackend, DiskConfig
-from hicache.backends.disk.writer import PARALLEL_BYTES
+from hicache.backends.disk.reads import PARALLEL_BYTES
 from hicache.backends.testing import BackendConformanceTests, random_bytes
 from hicache.errors import ConfigError
 
