@@ -23,6 +23,42 @@ class TreeNode:
     counts; plain trees leave them ``None``. In the tiered cache, ``pool_host`` holds each extra
     pool's host copy (host pages, or a snapshot's host page) and ``pool_stored`` the extra pools
     whose data here is known to be in L3.
+
+    Who writes which field: every layer may read every field; each is written only by the layer
+    listed, in the modules named (a new writer elsewhere goes in this table, or calls a method of
+    the layer that owns the field):
+
+    ==========================  ==================================================================
+    layer (modules)             fields it writes
+    ==========================  ==================================================================
+    radix/ tree (tree.py,       ``id``, ``key``, ``length``, ``parent``, ``children``,
+    shadow.py, eviction.py,     ``namespace``, ``creation_time`` (structure: new nodes, splits,
+    slru.py)                    detaches); ``value`` and ``lock_ref`` (device slots and the tree
+                                lock; other layers change them through tree operations such as
+                                ``add_leaf``, ``release_device_slots``, ``restore_device_slots``,
+                                ``inc_lock_ref``); ``hit_count``, ``last_access_time``,
+                                ``access_tick``, ``priority`` (matches and inserts);
+                                ``heap_version`` (the eviction heap); ``protected`` (SLRU)
+    radix/ ledger               ``pool_values``, ``pool_locks``: only through ``tree.ledger``
+    (pool_ledger.py)
+    radix/ split (tree.py       cuts ``host_value`` and ``hash_value`` at the split page and
+    ``split_span``)             copies ``in_storage`` to the upper node: the one place radix/
+                                writes the tiers' fields (tiering's ``split_span`` cuts
+                                ``pool_host`` and ``pool_stored`` in tiering/host/pool.py)
+    tiering/host (backup.py,    ``host_value`` (a backup sets it, host eviction clears it, a
+    eviction.py, pool.py)       leaf hung for pages computed on host gets it), ``pool_host``,
+                                ``pool_stored`` (dropped with a pool's host copy), and the
+                                ``priority`` of a host-only leaf it hangs (``hang_host_leaf``)
+    tiering/l3 (writer.py,      ``in_storage`` and ``pool_stored`` (write acknowledgements),
+    bundler.py,                 ``hash_value`` (page hashes, computed once); a prefetched leaf's
+    prefetch_insert.py)         ``host_value``, ``hash_value``, ``in_storage``, ``pool_stored``
+    tiering/cache.py            ``in_storage`` and ``pool_stored`` cleared when L3 is detached
+    everything else (sparse/,   nothing: they read nodes (match results, peeks) and change the
+    serving/, scheduling/,      tree only through its methods
+    server/, workloads/, tools)
+    ==========================  ==================================================================
+
+    ``host_ref`` is set to 0 when a node is made and neither written nor read after that.
     """
 
     __slots__ = (

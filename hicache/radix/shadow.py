@@ -72,6 +72,7 @@ from hicache.radix.tree import MatchResult, RadixCache, RadixCacheConfig
 
 if TYPE_CHECKING:
     from hicache.pools.req_to_token import ReqToTokenPool
+    from hicache.radix.hooks import ShadowTreeHooks
 
 __all__ = ["ShadowInsertResult", "ShadowMatchResult", "ShadowRadixCache"]
 
@@ -97,7 +98,13 @@ class ShadowInsertResult:
 
 class ShadowRadixCache(RadixCache):
     """A radix tree whose nodes map onto every pool of ``pools``; ``ledger`` holds the extra
-    pools' per-node data and locks, and every pool's sizes."""
+    pools' per-node data and locks, and every pool's sizes.
+
+    Extension points (:mod:`hicache.radix.hooks`): besides RadixCache's hooks, a subclass
+    overrides :meth:`insert_anchor`, :meth:`on_inserted` and :meth:`drop_pool_data`; it adds
+    :meth:`cut_path`, :meth:`remove_leaf`, :meth:`hang_leaf`, :meth:`split_node` and
+    :meth:`restore_device_slots` to the public tree operations.
+    """
 
     def __init__(
         self,
@@ -132,16 +139,12 @@ class ShadowRadixCache(RadixCache):
         root = self._roots.get((key.extra_key, key.is_bigram))
         if root is None:
             empty = torch.empty(0, dtype=torch.int64)
-            result = ShadowMatchResult(0, self._make_root(key), empty)
+            result = ShadowMatchResult(0, self.detached_root(key), empty)
             result.pool_indices = pool_indices(self.roles, [], empty)
             return result
-        path = self._cut(path, usable, unit)
-        now, tick = self._clock(), next(self._ticks)
-        for node in path:
-            self._touch(node, now, tick, count_hits, 0)
+        path = self.cut_path(path, usable, unit)
+        self.touch_path(path, count_hits)
         last = path[-1] if path else root
-        if path:
-            self.requeue(last)  # its sort key changed
         indices = concat_slots([n.value for n in path])
         result = ShadowMatchResult(usable, last, indices, path=path)
         result.pool_indices = pool_indices(self.roles, path, indices)
@@ -165,14 +168,15 @@ class ShadowRadixCache(RadixCache):
 
     def _usable(self, key: RadixKey) -> tuple[int, list[TreeNode], int]:
         """(bytes a unit, the nodes ``key`` reaches without touching the tree, usable units)."""
-        data, unit = self._pack(key)
+        data, unit = self.pack_key(key)
         root = self._roots.get((key.extra_key, key.is_bigram))
         path, last_bytes = peek_path(root, data, self.page_size * unit)
         presence = path_presence(self.roles, path, self.page_size, last_bytes // unit)
         return unit, path, common_usable_prefix(presence) * self.page_size
 
-    def _cut(self, path: list[TreeNode], units: int, unit: int) -> list[TreeNode]:
-        """The nodes of ``path`` covering its first ``units``, splitting the one the end cuts."""
+    def cut_path(self, path: list[TreeNode], units: int, unit: int) -> list[TreeNode]:
+        """The nodes of ``path`` (a path from a namespace root, as a peek finds it) covering its
+        first ``units`` units (whole pages), splitting the node that end falls inside."""
         depth = 0
         for i, node in enumerate(path):
             if depth + node.length <= units:
@@ -180,7 +184,7 @@ class ShadowRadixCache(RadixCache):
                 continue
             if depth == units:
                 return path[:i]
-            return [*path[:i], self._split(node, (units - depth) * unit, unit)]
+            return [*path[:i], self.split_span(node, (units - depth) * unit, unit)]
         return path
 
     # ----- the anchor's own path -------------------------------------------------------------
@@ -210,9 +214,9 @@ class ShadowRadixCache(RadixCache):
         Nodes that already hold a pool's data keep theirs; a node the pool had dropped takes the
         caller's slots when they cover its whole span. Everything is checked before any change.
         """
-        data, unit = self._pack(key)
+        data, unit = self.pack_key(key)
         given = check_pool_values(self.roles, pool_values, len(key), self.page_size)
-        already = self._insert_anchor(key, value, priority)
+        already = self.insert_anchor(key, value, priority)
         n_units = len(key) - len(key) % self.page_size
         unused: dict[str, list[torch.Tensor]] = {name: [] for name in given}
         if n_units:
@@ -220,7 +224,7 @@ class ShadowRadixCache(RadixCache):
             path, _ = peek_path(root, data, self.page_size * unit)
             path = self._cut_path_by_held(path, given, unit)
             self._attach(path, given, unused)
-            self._inserted(path)
+            self.on_inserted(path)
         for name, slots in given.items():
             if name in self.roles.token_pools:
                 tail = slots[n_units:]
@@ -232,14 +236,14 @@ class ShadowRadixCache(RadixCache):
             already, {n: concat_slots(p) if p else empty for n, p in unused.items()}
         )
 
-    def _insert_anchor(self, key: RadixKey, value: torch.Tensor | None, priority: int) -> int:
-        """Insert the anchor's slots; returns the units whose anchor the tree held already.
-        Anchor-less nodes on the path (their anchor was evicted) take the caller's slots: the
-        caller computed them again. The tiered cache adds its tiers here."""
+    def insert_anchor(self, key: RadixKey, value: torch.Tensor | None, priority: int) -> int:
+        """Hook: insert the anchor's slots; returns the units whose anchor the tree held
+        already. Anchor-less nodes on the path (their anchor was evicted) take the caller's
+        slots: the caller computed them again. The tiered cache adds its tiers here."""
         matched = RadixCache.insert(self, key, value, priority)
         if not matched or value is None:
             return matched
-        data, unit = self._pack(key)
+        data, unit = self.pack_key(key)
         root = self._roots[(key.extra_key, key.is_bigram)]
         path, _ = peek_path(root, data[: matched * unit], self.page_size * unit)
         held, offset = matched, 0
@@ -251,8 +255,8 @@ class ShadowRadixCache(RadixCache):
             offset += node.length
         return held
 
-    def _inserted(self, path: list[TreeNode]) -> None:
-        """Called with the nodes of an inserted key once every pool's data is on them."""
+    def on_inserted(self, path: list[TreeNode]) -> None:
+        """Hook: called with the nodes of an inserted key once every pool's data is on them."""
 
     def _cut_path_by_held(
         self, path: list[TreeNode], given: dict[str, torch.Tensor], unit: int
@@ -281,7 +285,7 @@ class ShadowRadixCache(RadixCache):
                 cuts.update(start + i * ps for i in range(1, len(held)) if held[i] != held[i - 1])
         nodes, seg_start = [], start
         for cut in sorted(cuts):
-            nodes.append(self._split(leaf, (cut - seg_start) * unit, unit))
+            nodes.append(self.split_span(leaf, (cut - seg_start) * unit, unit))
             seg_start = cut
         return [*nodes, leaf]
 
@@ -321,11 +325,11 @@ class ShadowRadixCache(RadixCache):
         under its last node as a new leaf that holds no slots on any tier: the caller gives it
         its data. Returns (the path's last node, the units it covers, the new leaf or None).
         """
-        data, unit = self._pack(key)
-        node, pos, _ = self._walk(self._root(key), data, unit, hit=False)
+        data, unit = self.pack_key(key)
+        node, pos, _ = self.walk(self.ensure_root(key), data, unit, hit=False)
         if pos // unit < after or pos == len(data):
             return node, pos // unit, None
-        leaf = self._new_node(node, data[pos:], unit, key.extra_key, key.is_bigram)
+        leaf = self._new_node(node, data[pos:])
         return node, pos // unit, leaf
 
     def split_node(self, node: TreeNode, units: int) -> TreeNode:
@@ -334,7 +338,7 @@ class ShadowRadixCache(RadixCache):
         if node.parent is None or not 0 < units < node.length or units % self.page_size:
             raise InvalidArgumentError(f"cannot split {node!r} after {units} units")
         unit = unit_bytes(node.namespace[1])
-        return self._split(node, units * unit, unit)
+        return self.split_span(node, units * unit, unit)
 
     def restore_device_slots(self, node: TreeNode, slots: torch.Tensor) -> None:
         """Give ``node``, whose data is on another tier only, the device slots ``slots`` that
@@ -364,12 +368,12 @@ class ShadowRadixCache(RadixCache):
         for node in candidates:
             if freed >= num_slots:
                 break
-            freed += self._drop_pool(node, name)
+            freed += self.drop_pool_data(node, name)
         return freed
 
-    def _drop_pool(self, node: TreeNode, name: str) -> int:
-        """Free ``name``'s data on ``node`` for :meth:`evict_pool`; an anchor-less node left
-        holding nothing leaves the tree (the tiered cache backs the data up first instead)."""
+    def drop_pool_data(self, node: TreeNode, name: str) -> int:
+        """Hook: free ``name``'s data on ``node`` for :meth:`evict_pool`; an anchor-less node
+        left holding nothing leaves the tree (the tiered cache backs the data up first instead)."""
         freed = self.ledger.drop(node, name)
         self._prune(node)
         return freed
@@ -385,14 +389,14 @@ class ShadowRadixCache(RadixCache):
         if node.parent is not None:
             self.requeue(node)
 
-    # ----- hooks into RadixCache ------------------------------------------------------------
-    def _split(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
+    # ----- RadixCache's hooks (see hicache.radix.hooks) ---------------------------------------
+    def split_span(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
         """Split as RadixCache does; the ledger cuts the pools' data and locks the same way."""
-        upper = super()._split(child, nbytes, unit)
+        upper = super().split_span(child, nbytes, unit)
         self.ledger.split(child, upper)
         return upper
 
-    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+    def is_evictable_leaf(self, node: TreeNode) -> bool:
         """Whether ``evict`` may free ``node``'s anchor: it holds it, the tree lock does not
         (pool locks keep their own pool's data only), and no child holds it (the anchor's nodes
         stay the top of the tree)."""
@@ -400,22 +404,23 @@ class ShadowRadixCache(RadixCache):
             return False
         return all(child.value is None for child in node.children.values())
 
-    def _evict_leaf(self, node: TreeNode) -> int:
+    def evict_leaf(self, node: TreeNode) -> int:
         """Free ``node``'s anchor slots; the node stays, anchor-less, while another pool holds
         data or a lock on it or a child hangs under it (see the module docstring)."""
         ledger = self.ledger
         if not node.children and not ledger.holds_any(node) and not ledger.is_locked(node):
-            return self._remove_leaf(node)
+            return self.remove_leaf(node)
         self.release_device_slots(node)
         parent = node.parent
         assert parent is not None  # an evictable node hangs under a parent
         self.requeue(parent)
         return node.length
 
-    def _remove_leaf(self, node: TreeNode) -> int:
-        """Free every pool's data on the leaf ``node`` and take it out of the tree."""
+    def remove_leaf(self, node: TreeNode) -> int:
+        """Free every pool's data on the leaf ``node`` and take it out of the tree; returns its
+        units (as :meth:`evict_leaf` does)."""
         self.ledger.drop_all(node)
-        return RadixCache._evict_leaf(self, node)
+        return RadixCache.evict_leaf(self, node)
 
     def reset(self) -> None:
         nodes = self.all_nodes()
@@ -425,3 +430,7 @@ class ShadowRadixCache(RadixCache):
                 self.allocators[self.roles.anchor].free(node.value)  # the tree's own allocator
                 node.value = None
         RadixCache.__init__(self, self.config, self.allocator, self.req_to_token, self._clock)
+
+
+if TYPE_CHECKING:  # mypy checks that the tree has the hooks it declares
+    _hooks: type[ShadowTreeHooks] = ShadowRadixCache

@@ -12,10 +12,8 @@ those of locked nodes; both are kept exact by every operation.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,15 +22,19 @@ import torch
 
 from hicache.errors import InvalidArgumentError, InvalidTokenError
 from hicache.keys import RadixKey
-from hicache.radix.eviction import EvictionPolicy, SortKey, eviction_key
+from hicache.radix.eviction import EvictionHeap, EvictionPolicy, eviction_key
 from hicache.radix.lifecycle import CachedRequest, cache_finished_req, cache_unfinished_req
 from hicache.radix.node import TreeNode
-from hicache.radix.packing import common_prefix_bytes, pack_key, unit_bytes
+from hicache.radix.packing import common_prefix_bytes, unit_bytes
+from hicache.radix.packing import pack_key as pack_units
+from hicache.radix.pins import Pins
 from hicache.radix.slots import SlotAllocator, concat_slots
-from hicache.radix.tier_peek import TierPeek
+from hicache.radix.slru import ProtectedSegment
+from hicache.radix.tier_peek import TierPeek, peek_tiers
 
 if TYPE_CHECKING:
     from hicache.pools.req_to_token import ReqToTokenPool
+    from hicache.radix.hooks import TreeHooks
 
 __all__ = ["MatchResult", "RadixCache", "RadixCacheConfig", "TierPeek"]
 
@@ -74,7 +76,13 @@ class MatchResult:
 
 
 class RadixCache:
-    """A radix tree of cached token prefixes, one subtree per namespace."""
+    """A radix tree of cached token prefixes, one subtree per namespace.
+
+    Extension points (:mod:`hicache.radix.hooks`): a subclass overrides the hooks
+    :meth:`split_span`, :meth:`is_evictable_leaf` and :meth:`evict_leaf`, and builds on the
+    public tree operations listed there (:meth:`walk`, :meth:`touch_path`, :meth:`add_leaf`,
+    ...); the members whose names start with ``_`` are the tree's own.
+    """
 
     def __init__(
         self,
@@ -92,10 +100,9 @@ class RadixCache:
         self._ticks = itertools.count(1)
         self._roots: dict[tuple[str | None, bool], TreeNode] = {}
         self.eviction_order = eviction_key(self.config.policy)  # a node's sort key: first out first
-        self._heap: list[tuple[SortKey, int, int, TreeNode]] = []
-        self._protected: OrderedDict[int, TreeNode] = OrderedDict()  # SLRU, LRU order
-        self._protected_tokens = 0
-        self._pins: list[tuple[float, int, TreeNode]] = []  # (expiry, tick, node)
+        self._heap = EvictionHeap(self.eviction_order)
+        self._slru = ProtectedSegment()  # SLRU's protected nodes
+        self._pins = Pins(clock)
         self.evictable_size = 0
         self.protected_size = 0
         self.total_nodes = 0
@@ -108,12 +115,12 @@ class RadixCache:
         A match that ends inside a node splits it at that page boundary, so the returned last
         node covers exactly the prefix.
         """
-        data, unit = self._pack(key)
+        data, unit = self.pack_key(key)
         root = self._roots.get((key.extra_key, key.is_bigram))
         if root is None:  # nothing cached in this namespace: register no root for a miss
-            result = MatchResult(0, self._make_root(key))
+            result = MatchResult(0, self.detached_root(key))
         else:
-            node, pos, path = self._walk(root, data, unit, hit=count_hits)
+            node, pos, path = self.walk(root, data, unit, hit=count_hits)
             result = MatchResult(pos // unit, node, path=path)
         if not self.config.simulated:
             result.device_indices = concat_slots([n.value for n in result.path])
@@ -126,52 +133,17 @@ class RadixCache:
         decisions that must not disturb eviction order. Returns the matched units and the
         deepest node the match reaches (it may end inside that node), or ``(0, None)``.
         """
-        data, unit = self._pack(key)
-        node = self._roots.get((key.extra_key, key.is_bigram))
-        page_bytes = self.page_size * unit
-        pos, deepest = 0, None
-        while node is not None and pos < len(data):
-            child = node.children.get(data[pos : pos + page_bytes])
-            if child is None:
-                break
-            deepest = child
-            if not data.startswith(child.key, pos):
-                pos += common_prefix_bytes(child.key, data, pos, page_bytes)
-                break
-            pos += len(child.key)
-            node = child
-        return pos // unit, deepest
+        peek = RadixCache.peek_tiers(self, key)
+        return peek.total, peek.last_node
 
     def peek_tiers(self, key: RadixKey) -> TierPeek:
         """How much of ``key`` is cached on the device, and on host after that, without
-        touching the tree (as :meth:`peek_prefix`).
-
-        A node is on host when it holds host pages and no device slots, as a tiered tree leaves
-        a node it evicted after backing it up; the device part ends at the first such node and
-        the rest of the match is the host part (device nodes form the top of such a tree). A
-        simulated tree holds no slots on any tier: all it matches counts as device.
+        touching the tree (as :meth:`peek_prefix`; see :func:`~hicache.radix.tier_peek.peek_tiers`).
+        A simulated tree holds no slots on any tier: all it matches counts as device.
         """
-        data, unit = self._pack(key)
-        node = self._roots.get((key.extra_key, key.is_bigram))
-        page_bytes = self.page_size * unit
-        pos, device_end = 0, -1
-        deepest: TreeNode | None = None
-        last_device: TreeNode | None = None
-        while node is not None and pos < len(data):
-            child = node.children.get(data[pos : pos + page_bytes])
-            if child is None:
-                break
-            if device_end < 0 and child.value is None and child.host_value is not None:
-                device_end = pos
-            deepest = child
-            last_device = child if device_end < 0 else last_device
-            if not data.startswith(child.key, pos):
-                pos += common_prefix_bytes(child.key, data, pos, page_bytes)
-                break
-            pos += len(child.key)
-            node = child
-        device_end = pos if device_end < 0 else device_end
-        return TierPeek(device_end // unit, (pos - device_end) // unit, last_device, deepest)
+        data, unit = self.pack_key(key)
+        root = self._roots.get((key.extra_key, key.is_bigram))
+        return peek_tiers(root, data, unit, self.page_size)
 
     def insert(self, key: RadixKey, value: torch.Tensor | None = None, priority: int = 0) -> int:
         """Cache ``key`` (truncated to whole pages) with its device slots ``value``.
@@ -180,7 +152,7 @@ class RadixCache:
         ``value`` and should free them (the tree keeps its own). Refreshes access time and
         priority along the shared path.
         """
-        data, unit = self._pack(key)
+        data, unit = self.pack_key(key)
         n_units = len(data) // unit
         if self.config.simulated:
             value = None
@@ -191,14 +163,10 @@ class RadixCache:
             raise InvalidArgumentError(f"a key of {len(key)} units with {len(value)} slots")
         if not data:
             return 0  # shorter than a page: nothing to cache
-        node, pos, _ = self._walk(self._root(key), data, unit, hit=False, priority=priority)
+        node, pos, _ = self.walk(self.ensure_root(key), data, unit, hit=False, priority=priority)
         if pos < len(data):
-            leaf = self._new_node(node, data[pos:], unit, key.extra_key, key.is_bigram)
-            leaf.priority = priority
-            if value is not None:
-                leaf.value = value[pos // unit : n_units]
-            self.evictable_size += leaf.length
-            self._push(leaf)
+            slots = None if value is None else value[pos // unit : n_units]
+            self.add_leaf(node, data[pos:], slots, priority)
         return pos // unit
 
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -228,15 +196,13 @@ class RadixCache:
         """
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidArgumentError(f"evict needs a non-negative int, got {num_tokens!r}")
-        self._expire_pins()
+        for pinned in self._pins.expired():
+            self.dec_lock_ref(pinned)
         freed = 0
-        heap = self._heap
-        while freed < num_tokens and heap:
-            _, version, _, node = heapq.heappop(heap)
-            if version != node.heap_version or not self._is_evictable_leaf(node):
-                continue  # stale entry: the node changed, was locked, or grew children
-            freed += self._evict_leaf(node)
-        if len(heap) > 1024 and len(heap) > 4 * self.total_nodes:
+        while freed < num_tokens and (node := self._heap.pop()) is not None:
+            if self.is_evictable_leaf(node):  # else it was locked or grew children since
+                freed += self.evict_leaf(node)
+        if len(self._heap) > 1024 and len(self._heap) > 4 * self.total_nodes:
             self._rebuild_heap()
         return freed
 
@@ -261,24 +227,14 @@ class RadixCache:
             return None
         node = match.last_device_node
         self.inc_lock_ref(node)
-        heapq.heappush(self._pins, (self._clock() + ttl_s, next(self._ticks), node))
+        self._pins.add(node, ttl_s)
         return node
 
     def unpin(self, node: TreeNode) -> None:
         """Release one pin of ``node`` before it expires."""
-        for i, (_, _, pinned) in enumerate(self._pins):
-            if pinned is node:
-                self._pins.pop(i)
-                heapq.heapify(self._pins)
-                self.dec_lock_ref(node)
-                return
-        raise InvalidArgumentError(f"{node!r} is not pinned")
-
-    def _expire_pins(self) -> None:
-        now = self._clock()
-        while self._pins and self._pins[0][0] <= now:
-            _, _, node = heapq.heappop(self._pins)
-            self.dec_lock_ref(node)
+        if not self._pins.remove(node):
+            raise InvalidArgumentError(f"{node!r} is not pinned")
+        self.dec_lock_ref(node)
 
     def all_nodes(self) -> list[TreeNode]:
         """Every node except the namespace roots (for tests, tools and DFS orderings)."""
@@ -307,28 +263,39 @@ class RadixCache:
             self.config, self.allocator, self.req_to_token, self._clock
         )
 
-    # ----- steps for the tiers built on the tree ---------------------------------------------
-    def release_device_slots(self, node: TreeNode) -> None:
-        """Free ``node``'s device slots (to the tree's allocator) and stop counting them; the
-        node stays in the tree, its data on another tier, unless the caller detaches it."""
-        if node.value is not None and self.allocator is not None:
-            self.allocator.free(node.value)
-        node.value = None
-        self.evictable_size -= node.length
-        if node.protected:
-            self._unprotect(node)
+    # ----- tree operations, for the trees built on this one (see hicache.radix.hooks) -------
+    def pack_key(self, key: RadixKey) -> tuple[bytes, int]:
+        """``key``'s whole pages packed as the tree compares them, and the bytes of one unit
+        (4 a token, 8 a bigram pair); raises unless ``key`` is a non-empty RadixKey."""
+        if not isinstance(key, RadixKey):
+            raise InvalidArgumentError(f"expected a RadixKey, got {type(key).__name__}")
+        if len(key) == 0:
+            raise InvalidTokenError("an empty key cannot be matched or cached")
+        return pack_units(key, self.page_size)
 
-    def requeue(self, node: TreeNode) -> None:
-        """Queue ``node`` for eviction when it is an evictable leaf now: after a change the
-        tree's own steps do not see (data arrived, a lock held outside the tree let go)."""
-        if self._is_evictable_leaf(node):
-            self._push(node)
+    def ensure_root(self, key: RadixKey) -> TreeNode:
+        """``key``'s namespace root, registered now if the namespace had none."""
+        namespace = (key.extra_key, key.is_bigram)
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = self.detached_root(key)
+        return root
 
-    # ----- walking --------------------------------------------------------------------------
-    def _walk(
+    def detached_root(self, key: RadixKey) -> TreeNode:
+        """A new root for ``key``'s namespace that the tree does not register: the last node
+        of a match that found nothing where the namespace holds nothing."""
+        root = TreeNode(0, b"", 0, None, self._clock())
+        root.lock_ref = 1  # never evicted; locking it through a match is a no-op
+        root.namespace = (key.extra_key, key.is_bigram)
+        return root
+
+    def walk(
         self, root: TreeNode, data: bytes, unit: int, hit: bool, priority: int = 0
     ) -> tuple[TreeNode, int, list[TreeNode]]:
-        """Follow ``data`` from ``root``; (last node, matched bytes, matched nodes)."""
+        """Follow ``data`` (packed by :meth:`pack_key`) from ``root`` as far as the tree holds
+        it, splitting the node it ends inside at that page boundary and touching each node it
+        follows as :meth:`touch_path` does (raising priorities to ``priority``). Returns (the
+        last node, the bytes matched, the nodes matched)."""
         page_bytes = self.page_size * unit
         now, tick = self._clock(), next(self._ticks)
         node, pos, end, path = root, 0, len(data), []
@@ -338,7 +305,9 @@ class RadixCache:
                 break
             span = child.key
             if not data.startswith(span, pos):
-                child = self._split(child, common_prefix_bytes(span, data, pos, page_bytes), unit)
+                child = self.split_span(
+                    child, common_prefix_bytes(span, data, pos, page_bytes), unit
+                )
                 span = child.key
             self._touch(child, now, tick, hit, priority)
             path.append(child)
@@ -348,17 +317,59 @@ class RadixCache:
             self.requeue(node)  # its sort key changed
         return node, pos, path
 
-    def _touch(self, node: TreeNode, now: float, tick: int, hit: bool, priority: int) -> None:
-        node.last_access_time = now
-        node.access_tick = tick
-        if priority > node.priority:
-            node.priority = priority
-        if hit:
-            node.hit_count += 1
-            if self.config.policy is EvictionPolicy.SLRU:
-                self._promote(node)
+    def touch_path(self, path: list[TreeNode], hit: bool) -> None:
+        """Refresh the access time of the matched nodes ``path`` (one clock reading for all),
+        count a hit on each when ``hit`` (SLRU: promote it), and requeue the last, whose sort
+        key changed: what :meth:`walk` does, for a match that found its nodes by a peek."""
+        now, tick = self._clock(), next(self._ticks)
+        for node in path:
+            self._touch(node, now, tick, hit, 0)
+        if path:
+            self.requeue(path[-1])
 
-    def _split(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
+    def add_leaf(
+        self, parent: TreeNode, span: bytes, slots: torch.Tensor | None, priority: int = 0
+    ) -> TreeNode:
+        """Hang a new leaf for ``span`` (packed units of ``parent``'s namespace, whole pages)
+        under ``parent``, holding the device slots ``slots`` (None in a simulated tree): its
+        units count as evictable and it is queued for eviction. Returns it."""
+        leaf = self._new_node(parent, span)
+        leaf.priority = priority
+        leaf.value = slots
+        self.evictable_size += leaf.length
+        self._heap.push(leaf)
+        return leaf
+
+    def release_device_slots(self, node: TreeNode) -> None:
+        """Free ``node``'s device slots (to the tree's allocator) and stop counting them; the
+        node stays in the tree, its data on another tier, unless the caller detaches it."""
+        if node.value is not None and self.allocator is not None:
+            self.allocator.free(node.value)
+        node.value = None
+        self.evictable_size -= node.length
+        if node.protected:
+            self._slru.remove(node)
+
+    def requeue(self, node: TreeNode) -> None:
+        """Queue ``node`` for eviction when it is an evictable leaf now: after a change the
+        tree's own steps do not see (data arrived, a lock held outside the tree let go)."""
+        if self.is_evictable_leaf(node):
+            self._heap.push(node)
+
+    def detach_leaf(self, node: TreeNode) -> None:
+        """Unlink a childless node from its parent (its data is the caller's to free); a
+        namespace root left without children goes too."""
+        parent = node.parent
+        if parent is None or node.children:
+            raise InvalidArgumentError("only a leaf under a parent can be detached")
+        del parent.children[node.key[: self.page_size * unit_bytes(node.namespace[1])]]
+        node.parent = None
+        self.total_nodes -= 1
+        if parent.parent is None and not parent.children:
+            del self._roots[parent.namespace]
+
+    # ----- hooks (see hicache.radix.hooks) ---------------------------------------------------
+    def split_span(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
         """Cut ``child`` after ``nbytes``; the new upper node takes its place and is returned."""
         parent = child.parent
         assert parent is not None
@@ -383,23 +394,20 @@ class RadixCache:
         parent.children[first_page] = upper
         self.total_nodes += 1
         if child.protected:
-            upper.protected = True
-            self._protected[upper.id] = upper
+            self._slru.split(upper)
         return upper
 
-    # ----- eviction internals ---------------------------------------------------------------
-    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+    def is_evictable_leaf(self, node: TreeNode) -> bool:
+        """Whether :meth:`evict` may take ``node``: unlocked, holding KV (or simulated), not a
+        namespace root, and childless."""
         if node.lock_ref > 0 or (node.value is None and not self.config.simulated):
             return False
         if node.parent is None or not node.key:
             return False  # a namespace root
         return not node.children
 
-    def _push(self, node: TreeNode) -> None:
-        node.heap_version += 1
-        heapq.heappush(self._heap, (self.eviction_order(node), node.heap_version, node.id, node))
-
-    def _evict_leaf(self, node: TreeNode) -> int:
+    def evict_leaf(self, node: TreeNode) -> int:
+        """Free ``node``'s device slots and take it out of the tree; its parent may be next."""
         self.release_device_slots(node)
         parent = node.parent
         self.detach_leaf(node)
@@ -407,71 +415,34 @@ class RadixCache:
             self.requeue(parent)
         return node.length
 
-    def detach_leaf(self, node: TreeNode) -> None:
-        """Unlink a childless node from its parent (its data is the caller's to free); a
-        namespace root left without children goes too."""
-        parent = node.parent
-        if parent is None or node.children:
-            raise InvalidArgumentError("only a leaf under a parent can be detached")
-        del parent.children[node.key[: self.page_size * unit_bytes(node.namespace[1])]]
-        node.parent = None
-        self.total_nodes -= 1
-        if parent.parent is None and not parent.children:
-            del self._roots[parent.namespace]
+    # ----- the tree's own steps ---------------------------------------------------------------
+    def _touch(self, node: TreeNode, now: float, tick: int, hit: bool, priority: int) -> None:
+        node.last_access_time = now
+        node.access_tick = tick
+        if priority > node.priority:
+            node.priority = priority
+        if hit:
+            node.hit_count += 1
+            if self.config.policy is EvictionPolicy.SLRU:
+                limit = self.config.slru_protected_share * self.total_size
+                for demoted in self._slru.promote(node, limit):
+                    self.requeue(demoted)
 
     def _rebuild_heap(self) -> None:
-        self._heap = []
+        self._heap.clear()
         for node in self.all_nodes():
             self.requeue(node)
 
-    # ----- SLRU segments --------------------------------------------------------------------
-    def _promote(self, node: TreeNode) -> None:
-        if node.protected:
-            self._protected.move_to_end(node.id)
-            return
-        node.protected = True
-        self._protected[node.id] = node
-        self._protected_tokens += node.length
-        limit = self.config.slru_protected_share * self.total_size
-        while self._protected_tokens > limit and self._protected:
-            _, oldest = self._protected.popitem(last=False)
-            oldest.protected = False
-            self._protected_tokens -= oldest.length
-            self.requeue(oldest)
-
-    def _unprotect(self, node: TreeNode) -> None:
-        node.protected = False
-        if self._protected.pop(node.id, None) is not None:
-            self._protected_tokens -= node.length
-
-    # ----- helpers --------------------------------------------------------------------------
-    def _pack(self, key: RadixKey) -> tuple[bytes, int]:
-        if not isinstance(key, RadixKey):
-            raise InvalidArgumentError(f"expected a RadixKey, got {type(key).__name__}")
-        if len(key) == 0:
-            raise InvalidTokenError("an empty key cannot be matched or cached")
-        return pack_key(key, self.page_size)
-
-    def _root(self, key: RadixKey) -> TreeNode:
-        """``key``'s namespace root, registered now if the namespace had none."""
-        namespace = (key.extra_key, key.is_bigram)
-        root = self._roots.get(namespace)
-        if root is None:
-            root = self._roots[namespace] = self._make_root(key)
-        return root
-
-    def _make_root(self, key: RadixKey) -> TreeNode:
-        root = TreeNode(0, b"", 0, None, self._clock())
-        root.lock_ref = 1  # never evicted; locking it through a match is a no-op
-        root.namespace = (key.extra_key, key.is_bigram)
-        return root
-
-    def _new_node(
-        self, parent: TreeNode, span: bytes, unit: int, extra_key: str | None, bigram: bool
-    ) -> TreeNode:
+    def _new_node(self, parent: TreeNode, span: bytes) -> TreeNode:
+        """A new child of ``parent`` (in its namespace) for the packed units ``span``."""
+        unit = unit_bytes(parent.namespace[1])
         node = TreeNode(next(self._ids), span, len(span) // unit, parent, self._clock())
         node.access_tick = next(self._ticks)
-        node.namespace = (extra_key, bigram)
+        node.namespace = parent.namespace
         parent.children[span[: self.page_size * unit]] = node
         self.total_nodes += 1
         return node
+
+
+if TYPE_CHECKING:  # mypy checks that the tree has the hooks it declares
+    _hooks: type[TreeHooks] = RadixCache

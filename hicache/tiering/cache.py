@@ -197,21 +197,17 @@ class HiRadixCache(ShadowRadixCache, TieredCacheOps):
         ``count_hits=False`` counts no hit and triggers no write policy: for deciding about a
         request before it is scheduled, and for the tree's own re-matches.
         """
-        data, unit = self._pack(key)
+        data, unit = self.pack_key(key)
         root = self.namespace_root(key.extra_key, key.is_bigram)
         if root is None:
-            root = self._make_root(key)
+            root = self.detached_root(key)
             empty = ShadowMatchResult(0, root, concat_slots([]), root, 0)
             empty.pool_indices = pool_indices(self.roles, [], empty.device_indices)
             return empty
         path, device = self._tiered_path(root, data, unit)
-        now, tick = self._clock(), next(self._ticks)
-        for node in path:
-            self._touch(node, now, tick, count_hits, 0)
+        self.touch_path(path, count_hits)
         on_device = path[:device]
         last_device = on_device[-1] if on_device else root
-        if path:
-            self.requeue(path[-1])  # its sort key changed
         indices = concat_slots([n.value for n in on_device])
         matched = sum(n.length for n in on_device)
         result = ShadowMatchResult(matched, last_device, indices, path=on_device)
@@ -227,7 +223,7 @@ class HiRadixCache(ShadowRadixCache, TieredCacheOps):
     def peek_tiers(self, key: RadixKey) -> TierPeek:
         """What :meth:`match_prefix` would find, in device and host units, without touching
         the tree (see :mod:`~hicache.tiering.host.peek`)."""
-        data, unit = self._pack(key)
+        data, unit = self.pack_key(key)
         root = self.namespace_root(key.extra_key, key.is_bigram)
         return tiered_peek(self.roles, self.page_size, root, data, unit)
 
@@ -238,7 +234,7 @@ class HiRadixCache(ShadowRadixCache, TieredCacheOps):
         peek = tiered_peek(self.roles, self.page_size, root, data, unit)
         usable, span = data[: peek.total * unit], self.page_size * unit
         for units in (peek.total, peek.device):  # a split changes no page's presence
-            self._cut(peek_path(root, usable, span)[0], units, unit)
+            self.cut_path(peek_path(root, usable, span)[0], units, unit)
         path, _ = peek_path(root, usable, span)
         depth, count = 0, 0
         for node in path:
@@ -259,11 +255,11 @@ class HiRadixCache(ShadowRadixCache, TieredCacheOps):
     def match_anchor(self, key: RadixKey) -> MatchResult:
         """The anchor's device path for ``key`` whatever the other pools hold, counting no hit:
         for the request lifecycle's re-match after it committed a key."""
-        data, unit = self._pack(key)
+        data, unit = self.pack_key(key)
         root = self.namespace_root(key.extra_key, key.is_bigram)
         if root is None:
-            return MatchResult(0, self._make_root(key), concat_slots([]))
-        _, _, path = self._walk(root, data, unit, hit=False)
+            return MatchResult(0, self.detached_root(key), concat_slots([]))
+        _, _, path = self.walk(root, data, unit, hit=False)
         device = []
         for node in path:
             if node.value is None:
@@ -274,20 +270,20 @@ class HiRadixCache(ShadowRadixCache, TieredCacheOps):
         return MatchResult(len(indices), last, indices, path=device)
 
     # ----- inserting ------------------------------------------------------------------------
-    def _insert_anchor(self, key: RadixKey, value: Any, priority: int) -> int:
+    def insert_anchor(self, key: RadixKey, value: Any, priority: int) -> int:
         """Cache ``key`` with device slots ``value``; returns the units already on the device.
 
         Nodes on the path that are on host only take the matching part of ``value`` (they are
         on the device again); the caller frees only ``value[:returned]`` beyond its own prefix.
         Reached through :meth:`insert` and :meth:`insert_bundle`.
         """
-        data, unit = self._pack(key)
+        data, unit = self.pack_key(key)
         n_units = len(data) // unit
         if value is None or len(value) != len(key) or len(value) < n_units:
             raise InvalidArgumentError(f"insert of {len(key)} units needs as many device slots")
         if not data:
             return 0
-        node, pos, path = self._walk(self._root(key), data, unit, hit=False, priority=priority)
+        node, pos, path = self.walk(self.ensure_root(key), data, unit, hit=False, priority=priority)
         on_device, offset = 0, 0
         for n in path:
             if n.value is None:  # on host only: the request recomputed it, adopt its slots
@@ -297,14 +293,10 @@ class HiRadixCache(ShadowRadixCache, TieredCacheOps):
                 on_device += n.length
             offset += n.length
         if pos < len(data):
-            leaf = self._new_node(node, data[pos:], unit, key.extra_key, key.is_bigram)
-            leaf.priority = priority
-            leaf.value = value[pos // unit : n_units]
-            self.evictable_size += leaf.length
-            self._push(leaf)
+            self.add_leaf(node, data[pos:], value[pos // unit : n_units], priority)
         return on_device
 
-    def _inserted(self, path: list[TreeNode]) -> None:
+    def on_inserted(self, path: list[TreeNode]) -> None:
         """Write-through: back up every node of an inserted key, every pool it holds."""
         if self.tiers.write_policy is WritePolicy.WRITE_THROUGH:
             for n in path:
@@ -372,14 +364,14 @@ class HiRadixCache(ShadowRadixCache, TieredCacheOps):
             for node in kept:
                 self.requeue(node)
 
-    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+    def is_evictable_leaf(self, node: TreeNode) -> bool:
         if node.lock_ref > 0 or node.value is None or node.parent is None or not node.key:
             return False
         if self.ledger.is_locked(node):
             return False
         return all(child.value is None for child in node.children.values())
 
-    def _evict_leaf(self, node: TreeNode) -> int:
+    def evict_leaf(self, node: TreeNode) -> int:
         # Backed up now: under write_back always; under write-through when its backup at insert
         # or hit could not get host pages then (host full of pages in flight to L3); always when
         # it has host-only children that need their parent.
@@ -394,7 +386,7 @@ class HiRadixCache(ShadowRadixCache, TieredCacheOps):
             return 0
         self.metrics.add("device_evicted_tokens", node.length)
         if node.host_value is None:
-            return self._remove_leaf(node)  # on no tier: out of the tree, every pool freed
+            return self.remove_leaf(node)  # on no tier: out of the tree, every pool freed
         # Backed up: free the anchor's device slots only; the node stays in the tree, on host.
         # The other pools keep their device data until their own evict_pool (a copy to host
         # now, where it can be had, spares that eviction the copy).
@@ -404,15 +396,15 @@ class HiRadixCache(ShadowRadixCache, TieredCacheOps):
         self.requeue(node.parent)
         return node.length
 
-    def _drop_pool(self, node: TreeNode, name: str) -> int:
+    def drop_pool_data(self, node: TreeNode, name: str) -> int:
         """Per-pool device eviction: a node on host keeps the pool's data there (copied now if
         it was not); the device slots are freed."""
         if node.host_value is not None:
             self._backup(node, evicting=True)
         return self.ledger.drop(node, name)
 
-    def _split(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
-        upper = super()._split(child, nbytes, unit)
+    def split_span(self, child: TreeNode, nbytes: int, unit: int) -> TreeNode:
+        upper = super().split_span(child, nbytes, unit)
         split_host(self.roles, child, upper, upper.length // self.page_size)
         return upper
 

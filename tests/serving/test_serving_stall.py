@@ -1,6 +1,6 @@
 """A device node the tree declines to evict once must be evictable again later.
 
-``HiRadixCache._evict_leaf`` keeps a node (returns 0) when it has host-only children and cannot
+``HiRadixCache.evict_leaf`` keeps a node (returns 0) when it has host-only children and cannot
 be backed up because the host tier is full of pages it may not evict (here: pages whose L3 write
 is still in flight). Such a node used to be lost from the eviction heap: once the writes landed
 it was an evictable leaf (counted in ``evictable_size``) that ``evict`` could no longer find, and
