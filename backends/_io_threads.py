@@ -23,25 +23,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from hicache.errors import BackendClosedError
 
-__all__ = ["IOThreads", "in_thread", "machine_threads", "outlive_cancel"]
+__all__ = ["IOThreads", "in_thread", "outlive_cancel"]
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def machine_threads() -> int:
-    """The CPUs this process may run on (its affinity mask where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 async def outlive_cancel(work: asyncio.Future[T]) -> T:

@@ -24,7 +24,13 @@ from hicache.dtypes import Layout
 from hicache.errors import LayoutError
 from hicache.layouts.shapes import Axis, axis_order, buffer_num_pages, expanded_shape
 from hicache.layouts.spec import LayoutSpec
-from hicache.layouts.views import canonical_words, check_buffer, word_size, word_view
+from hicache.layouts.views import (
+    canonical_words,
+    check_buffer,
+    host_on_device,
+    word_size,
+    word_view,
+)
 
 __all__ = ["CopyPlan", "IndexLike", "PagePlan", "RowPlan", "make_plan"]
 
@@ -134,32 +140,6 @@ class PagePlan:
 
 # Below this a page set is copied with one gather/scatter; above, page by page (no temporary).
 _SMALL_PAGE_BYTES = 64 << 10
-
-
-class _PinnedHostMemory:
-    """Pinned host memory presented to CUDA kernels through unified addressing (no copy)."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor  # the alias holds this object, so the memory outlives the alias
-        nbytes = tensor.numel() * tensor.element_size()
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (tensor.data_ptr(), False),
-            "version": 2,
-            "strides": None,
-        }
-
-
-def _host_on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if host.device == device:
-        return host
-    if device.type == "cuda" and host.device.type == "cpu":
-        if not host.is_pinned():
-            raise LayoutError("a host buffer copied to or from CUDA must be pinned memory")
-        flat = torch.as_tensor(_PinnedHostMemory(host), device=device)
-        return flat.view(host.dtype).view(host.shape)
-    raise LayoutError(f"cannot copy between a {device} pool and a {host.device} host buffer")
 
 
 def _indices(values: IndexLike, size: int, what: str) -> torch.Tensor:
@@ -274,7 +254,7 @@ def make_plan(
     """Check every argument (nothing is copied before this returns) and plan the copies."""
     device_pages = check_buffer(device_kv, spec, Layout.LAYER_FIRST, "device pool")
     host_pages = check_buffer(host, spec, layout, "host buffer")
-    host_view = _host_on_device(host, device_kv.device)
+    host_view = host_on_device(host, device_kv.device)
     page_index = _indices(pages, host_pages, "host page")
     slot_index = _indices(slots, device_pages * spec.page_size, "device slot")
     if slot_index.numel() != page_index.numel() * spec.page_size:

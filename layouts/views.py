@@ -1,7 +1,8 @@
 """Tensor views of KV buffers: checking a buffer against its spec, pages as views or bytes.
 
 A page view shares memory with the buffer: writing into it (for example a backend's
-``get_into`` into :func:`page_segments`) writes the buffer.
+``get_into`` into :func:`page_segments`) writes the buffer. :func:`host_on_device` is a pinned
+host buffer as CUDA kernels address it, without a copy.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "canonical_words",
     "check_buffer",
     "empty_buffer",
+    "host_on_device",
     "page_segments",
     "page_tensor",
     "page_view",
@@ -164,3 +166,32 @@ def write_page(
 def read_page(buffer: torch.Tensor, spec: LayoutSpec, layout: Layout, page: int) -> torch.Tensor:
     """A contiguous copy of one page in stored order."""
     return page_tensor(buffer, spec, layout, page).clone(memory_format=torch.contiguous_format)
+
+
+class _PinnedHostMemory:
+    """Pinned host memory presented to CUDA kernels through unified addressing (no copy)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor  # the alias holds this object, so the memory outlives the alias
+        nbytes = tensor.numel() * tensor.element_size()
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (tensor.data_ptr(), False),
+            "version": 2,
+            "strides": None,
+        }
+
+
+def host_on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` as ``device``'s kernels read and write it: itself on its own device; a pinned
+    CPU buffer seen from CUDA through unified addressing, without a copy (the alias keeps the
+    buffer alive). Raises ``LayoutError`` for unpinned memory or another pair of devices."""
+    if host.device == device:
+        return host
+    if device.type == "cuda" and host.device.type == "cpu":
+        if not host.is_pinned():
+            raise LayoutError("a host buffer copied to or from CUDA must be pinned memory")
+        flat = torch.as_tensor(_PinnedHostMemory(host), device=device)
+        return flat.view(host.dtype).view(host.shape)
+    raise LayoutError(f"cannot copy between a {device} pool and a {host.device} host buffer")

@@ -151,9 +151,9 @@ async def serve(
         records = await asyncio.wait_for(setup.engine.run(recording), RUN_TIMEOUT_S)
     finally:
         await setup.close()
-    controller = setup.controller
-    metrics = controller.metrics.as_dict() if controller is not None else {}
-    formats = dict(controller.bundler.formats) if controller is not None else {}
+    cache = setup.cache
+    metrics = cache.metrics.as_dict() if cache is not None else {}
+    formats = dict(cache.page_formats) if cache is not None else {}
     return RunResult(recording.outputs, records, metrics, recording.prompts, captured, formats)
 
 

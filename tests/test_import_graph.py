@@ -44,7 +44,8 @@ def _is_package(path: Path) -> bool:
     return path.name == "__init__.py"
 
 
-def _absolute(module: str, path: Path, node: ast.ImportFrom) -> str:
+def imported_from(module: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute name of the module ``from X import ...`` in ``module`` (at ``path``) names."""
     if node.level == 0:
         return node.module or ""
     base = module.split(".") if _is_package(path) else module.split(".")[:-1]
@@ -59,7 +60,7 @@ def imports_of(module: str, path: Path, known: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            source = _absolute(module, path, node)
+            source = imported_from(module, path, node)
             for alias in node.names:
                 child = f"{source}.{alias.name}"
                 targets.add(child if child in known else source)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hicache.backends._io_threads import machine_threads
 from hicache.errors import ConfigError
+from hicache.machine import machine_threads
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "DiskConfig"]
 

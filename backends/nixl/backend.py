@@ -44,7 +44,14 @@ from hicache.backends.nixl.stores import ObjStore, PosixStore, Target
 from hicache.backends.nixl.transfer import Job, Mover
 from hicache.errors import BackendUnavailableError, ConfigError
 
-__all__ = ["NixlBackend", "NixlConfig", "NixlPlugin", "NixlPluginError", "PosixQueue"]
+__all__ = [
+    "QUEUE_PARAMS",
+    "NixlBackend",
+    "NixlConfig",
+    "NixlPlugin",
+    "NixlPluginError",
+    "PosixQueue",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +77,8 @@ class PosixQueue(enum.Enum):
 _SESSION_LOCK = threading.Lock()
 _botocore_session: Any = None
 
-_QUEUE_PARAMS = {
+# The POSIX plugin's parameters that choose each queue (the raw NIXL bench passes them too).
+QUEUE_PARAMS = {
     PosixQueue.AIO: {},
     PosixQueue.URING: {"use_uring": "true"},
     PosixQueue.POSIX_AIO: {"use_posix_aio": "true"},
@@ -152,7 +160,7 @@ class NixlBackend(StorageBackend):
         cfg = self.config
         api = load_nixl_api()
         if cfg.plugin is NixlPlugin.POSIX:
-            agent = NixlAgent(api, "POSIX", dict(_QUEUE_PARAMS[cfg.posix_queue]))
+            agent = NixlAgent(api, "POSIX", dict(QUEUE_PARAMS[cfg.posix_queue]))
             store: PosixStore | ObjStore = PosixStore(cfg.path, cfg.fsync)
         else:
             client = _s3_client(cfg)

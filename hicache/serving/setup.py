@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,6 @@ from hicache.serving.pool_slots import swa_reserve
 from hicache.sparse.hot_buffer import HotBuffer
 from hicache.tiering.cache import HiRadixCache
 from hicache.tiering.common.config import HiCacheConfig
-from hicache.tiering.controller import HiCacheController
 
 __all__ = [
     "ServingSetup",
@@ -37,12 +35,6 @@ __all__ = [
 class ServingSetup:
     engine: Engine
     cache: HiRadixCache | None  # the tiered cache, in the modes with host memory
-
-    @property
-    def controller(self) -> HiCacheController | None:
-        """The cache's controller: for ``tools/serve`` and tests only, until they use the
-        cache's contract (:mod:`hicache.tiering.contract`); nothing in ``hicache`` does."""
-        return self.cache.controller if self.cache is not None else None
 
     async def l3_stats(self) -> dict[str, int | float]:
         """The L3 backend's own counters (``bytes_staged`` among them); empty without L3."""
@@ -167,9 +159,7 @@ async def open_engine(
     counts = host_page_counts(config, sizes, pages)
     host = host_pools(pools_spec, counts, hicache.tiers.host_layout)
     if mode is CacheMode.DEVICE_HOST:
-        hicache = dataclasses.replace(
-            hicache, storage=dataclasses.replace(hicache.storage, url=None)
-        )
+        hicache = hicache.with_changes("storage", url=None)
     tree = await HiRadixCache.open(hicache, device, host, radix)
     engine = Engine(model, device, tree, engine_config)
     if engine_config.hisparse is not None:

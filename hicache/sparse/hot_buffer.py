@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.errors import ConfigError
-from hicache.layouts._plans import _host_on_device
 from hicache.layouts.shapes import Axis, axis_order, expanded_shape
+from hicache.layouts.views import host_on_device
 from hicache.models.config import ModelConfig, ModelPreset
 from hicache.models.types import DecodeRows
 from hicache.pools.allocator import TokenSlotAllocator
@@ -374,7 +374,7 @@ def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     base: torch.Tensor = host
     while base._base is not None:
         base = base._base
-    alias = _host_on_device(base, device)
+    alias = host_on_device(base, device)
     offset = host.storage_offset() - base.storage_offset()
     view: torch.Tensor = alias.as_strided(
         host.shape, host.stride(), alias.storage_offset() + offset

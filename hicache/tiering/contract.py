@@ -46,7 +46,8 @@ loop.
 
 Operators' calls (``evict_host``, ``attach_l3``, ``detach_l3``) come from handlers on the same
 loop, so they run while the engine awaits (its forward, ``wait_for_activity``), never inside a
-round's sync calls. Shutdown awaits ``quiesce`` then ``close``.
+round's sync calls; ``wrap_l3_backend`` (a limit or a timer around the backend) comes right
+after opening, before the first round. Shutdown awaits ``quiesce`` then ``close``.
 
 **Ownership.** Pages a prefetch inserts are the tree's; with ``reserve`` they stay kept for the
 request until ``prefetch_release``, which the engine calls exactly once for every request it
@@ -61,7 +62,7 @@ their pages protects them on ``host`` (``protect`` / ``release``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -228,6 +229,11 @@ class TieredCache(Protocol):
     def l3_backend(self) -> StorageBackend | None:
         """The attached backend, for its stats and a scan of what it holds; None without."""
 
+    def wrap_l3_backend(self, wrap: Callable[[StorageBackend], StorageBackend]) -> bool:
+        """Put ``wrap(backend)`` in the attached backend's place (a bandwidth limit, a timer),
+        so every later L3 call goes through it; whether one was attached. Called right after
+        opening, before any L3 work (an operator's flag, a benchmark)."""
+
     @property
     def page_formats(self) -> Mapping[str, StorageFormat]:
         """Each pool's format of its L3 objects (the digest in their keys)."""
@@ -356,6 +362,13 @@ class TieredCacheOps:
     @property
     def l3_backend(self) -> StorageBackend | None:
         return self.storage.backend
+
+    def wrap_l3_backend(self, wrap: Callable[[StorageBackend], StorageBackend]) -> bool:
+        backend = self.storage.backend
+        if backend is None:
+            return False
+        self.storage.backend = wrap(backend)
+        return True
 
     @property
     def page_formats(self) -> Mapping[str, StorageFormat]:

@@ -39,11 +39,22 @@ from hicache.tiering.l3.bundler import PageBundler
 from hicache.tiering.l3.storage_tier import StorageTier
 from hicache.urls import redact_url, scrub
 
-__all__ = ["HiCacheController", "discard_namespaces"]
+__all__ = ["HiCacheController", "discard_namespaces", "storage_tier"]
 
 logger = logging.getLogger(__name__)
 
 _DELETE_BATCH = 512  # keys per delete call: few round trips, no request too large
+
+
+def storage_tier(
+    config: HiCacheConfig, host_pools: Mapping[str, HostPool], metrics: HiCacheMetrics
+) -> StorageTier:
+    """The host <-> L3 path over ``host_pools``: their bundler and a storage tier, not started
+    (:meth:`StorageTier.start` gives it a backend). Each controller builds its own; a
+    benchmark of the path alone builds one without a cache."""
+    storage = config.storage
+    bundler = PageBundler(storage.model_id, host_pools, storage.shard, storage.compress, metrics)
+    return StorageTier(storage, config.prefetch, bundler, metrics)
 
 
 class HiCacheController:
@@ -76,11 +87,8 @@ class HiCacheController:
         self._h2d = TransferStream(device)
         # Bytes of one token page of the anchor's group (what a token costs in every tier).
         self.page_bytes = self.group_page_bytes(self.anchor)
-        storage = config.storage
-        self.bundler = PageBundler(
-            storage.model_id, self.host_pools, storage.shard, storage.compress, self.metrics
-        )
-        self.storage = StorageTier(config.storage, config.prefetch, self.bundler, self.metrics)
+        self.storage = storage_tier(config, self.host_pools, self.metrics)
+        self.bundler = self.storage.bundler
         self.metrics.gauge("l3_enabled", lambda: float(self.storage.enabled))
 
     def group_page_bytes(self, owner: str) -> int:

@@ -9,7 +9,7 @@ import pathlib
 from collections.abc import AsyncIterator
 
 import pytest
-from memory_raw import read_memory_raw, write_memory_raw
+from memory_kit import read_memory_raw, write_memory_raw
 
 from hicache.backends.base import Capabilities, ObjectInfo, StorageBackend
 from hicache.backends.memory import MemoryBackend, MemoryConfig

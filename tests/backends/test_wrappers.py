@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from memory_raw import read_memory_raw, write_memory_raw
+from memory_kit import read_memory_raw, write_memory_raw
 
 from hicache.backends.base import MISS, Capabilities, StorageBackend
 from hicache.backends.memory import MemoryBackend, MemoryConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pool_bytes import as_bytes, random_like
+from pool_bytes_kit import as_bytes, random_like
 
 from hicache.dtypes import DType
 from hicache.errors import ConfigError, DoubleFreeError, InvalidArgumentError, LayoutError

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from tiered_tree import tiered_with
+from tiered_tree_kit import tiered_with
 
 from hicache.errors import ConfigError, InvalidArgumentError, InvalidTokenError
 from hicache.keys import RadixKey

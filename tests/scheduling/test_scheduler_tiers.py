@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 
 import pytest
-from tiered_tree import tiered_with
+from tiered_tree_kit import tiered_with
 
 from hicache.errors import ConfigError
 from hicache.keys import RadixKey

@@ -53,7 +53,7 @@ def test_l3_failures_in_the_row_equal_the_controllers_counters(
     code, out, err = run(capsys, *argv, "--json")
     assert code == 0, err  # every request was served, from device and host
     row = json.loads(out)["configs"][0]
-    counts = setups[0].controller.metrics.counts
+    counts = setups[0].cache.metrics.counts
     assert row["l3_write_failures"] == counts["l3_write_failures"] > 0
     assert row["l3_read_failures"] == counts["l3_read_failures"] > 0
     assert row["errors"] == counts["errors"] + counts["timeouts"] > 0  # calls, not pages
@@ -63,7 +63,7 @@ def test_l3_failures_in_the_row_equal_the_controllers_counters(
     header, line = out.splitlines()[:2]
     assert header.endswith("errors L3 rd fail L3 wr fail L3 off"), header
     read, written, unavailable = (int(cell) for cell in line.split()[-3:])
-    counts = setups[-1].controller.metrics.counts
+    counts = setups[-1].cache.metrics.counts
     assert code == 0 and unavailable == 0
     assert (read, written) == (counts["l3_read_failures"], counts["l3_write_failures"])
 

@@ -303,7 +303,7 @@ async def _serve(
         records = await asyncio.wait_for(setup.engine.run(recording), 60.0)
     finally:
         await setup.close()
-    metrics = setup.controller.metrics.as_dict() if setup.controller is not None else {}
+    metrics = setup.cache.metrics.as_dict() if setup.cache is not None else {}
     return RunResult(recording.outputs, records, metrics, recording.prompts, logits)
 
 
@@ -398,7 +398,7 @@ async def _serve_sized(
         end = await _end_state(setup)
     finally:
         await setup.close()
-    metrics = setup.controller.metrics.as_dict() if setup.controller is not None else {}
+    metrics = setup.cache.metrics.as_dict() if setup.cache is not None else {}
     return RunResult(recording.outputs, records, metrics, recording.prompts, logits), end
 
 

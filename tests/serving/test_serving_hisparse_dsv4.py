@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from cli_kit import run
-from follow_up import FollowUp
+from follow_up_kit import FollowUp
 from serving_kit import Recording, RunResult, _capture_logits, assert_same_run, keep_setups
 from test_serving_cli_errors import one_line_error
 from test_serving_dsv4 import CHAT as DSV4_CHAT
@@ -73,7 +73,7 @@ async def _serve(mode: CacheMode, hot_pages: int | None, l3: pathlib.Path | None
         records = await asyncio.wait_for(setup.engine.run(recording), 120.0)
     finally:
         await setup.close()
-    metrics = setup.controller.metrics.as_dict() if setup.controller is not None else {}
+    metrics = setup.cache.metrics.as_dict() if setup.cache is not None else {}
     result = RunResult(recording.outputs, records, metrics, recording.prompts, logits)
     steps = [step for step in started if step is not None]  # steps that ran chunks
     return _Run(result, steps, setup)

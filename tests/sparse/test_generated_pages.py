@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 import torch
-from follow_up import FollowUp
+from follow_up_kit import FollowUp
 from model_kit import PAGE, VOCAB, tiny_model
 
 from hicache.keys import RadixKey

@@ -19,7 +19,7 @@ from hicache.errors import InvalidArgumentError
 from hicache.sparse.hot_step import HotStep, hot_step, hot_step_torch, hot_step_triton, miss_list
 from hicache.sparse.hot_step_triton import MAX_TRITON_SLOTS
 
-from .hot_reference import reference_step
+from .hot_reference_kit import reference_step
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 StepFn = Callable[..., HotStep]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from tier_harness import PAGE, FakeClock, fake_kv
+from tier_kit import PAGE, FakeClock, fake_kv
 
 from hicache.keys import RadixKey
 from hicache.pools.device import DevicePool, device_pools

@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 import torch
-from tier_harness import PAGE, Harness
+from tier_kit import PAGE, Harness
 
 from hicache.keys import RadixKey
 

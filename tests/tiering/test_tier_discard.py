@@ -8,8 +8,8 @@ import logging
 import pathlib
 
 import pytest
-from tier_gated import quiesce, tokens
-from tier_harness import Harness
+from gated_kit import quiesce, tokens
+from tier_kit import Harness
 
 from hicache.backends.base import StorageBackend
 from hicache.backends.memory import MemoryBackend, MemoryConfig

@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from tier_gated import Gate, GatedBackend, seed_l3, start_prefetch, tokens, until
-from tier_harness import Harness
+from gated_kit import Gate, GatedBackend, seed_l3, start_prefetch, tokens, until
+from tier_kit import Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.tiering.common.config import PrefetchConfig

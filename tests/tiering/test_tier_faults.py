@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
-from tier_gated import (
+from gated_kit import (
     Gate,
     GatedBackend,
     assert_clean,
@@ -23,7 +23,7 @@ from tier_gated import (
     tokens,
     until,
 )
-from tier_harness import PAGE, Harness
+from tier_kit import PAGE, Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import (

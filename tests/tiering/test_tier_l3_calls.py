@@ -9,8 +9,8 @@ import logging
 import re
 
 import pytest
-from tier_gated import seed_l3, start_prefetch, tokens, until
-from tier_harness import Harness
+from gated_kit import seed_l3, start_prefetch, tokens, until
+from tier_kit import Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import (

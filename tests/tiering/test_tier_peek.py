@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from pool_kit import WINDOW, PoolKit
-from tier_harness import PAGE
+from tier_kit import PAGE
 
 from hicache.keys import RadixKey
 from hicache.pools.presets import PoolPreset

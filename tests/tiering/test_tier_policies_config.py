@@ -7,7 +7,7 @@ import json
 import pathlib
 
 import pytest
-from tier_harness import PAGE, Harness
+from tier_kit import PAGE, Harness
 
 from hicache.errors import BackendError, ConfigError, InvalidArgumentError
 from hicache.layouts import Layout

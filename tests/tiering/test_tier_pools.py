@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from pool_kit import WINDOW, PoolKit, nodes_holding
-from tier_harness import PAGE
+from tier_kit import PAGE
 
 from hicache.keys import RadixKey
 from hicache.pools.presets import PoolPreset

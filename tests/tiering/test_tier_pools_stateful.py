@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from pool_kit import PoolKit
-from tier_harness import PAGE
+from tier_kit import PAGE
 
 from hicache.keys import RadixKey
 from hicache.pools.presets import PoolPreset

@@ -8,7 +8,7 @@ import asyncio
 import pathlib
 
 import pytest
-from tier_gated import (
+from gated_kit import (
     Gate,
     GatedBackend,
     assert_clean,
@@ -18,7 +18,7 @@ from tier_gated import (
     tokens,
     until,
 )
-from tier_harness import PAGE, Harness
+from tier_kit import PAGE, Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.keys import RadixKey

@@ -10,8 +10,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from tier_gated import assert_clean, tokens, until
-from tier_harness import Harness
+from gated_kit import assert_clean, tokens, until
+from tier_kit import Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.tiering.common.config import StorageConfig

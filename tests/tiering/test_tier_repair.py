@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pathlib
 
-from tier_gated import seed_l3, start_prefetch, tokens
-from tier_harness import Harness
+from gated_kit import seed_l3, start_prefetch, tokens
+from tier_kit import Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import FaultConfig, FaultInjectionBackend, Operation

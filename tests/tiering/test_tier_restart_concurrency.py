@@ -7,7 +7,7 @@ import pathlib
 import random
 
 import pytest
-from tier_gated import (
+from gated_kit import (
     Gate,
     GatedBackend,
     assert_clean,
@@ -17,7 +17,7 @@ from tier_gated import (
     tokens,
     until,
 )
-from tier_harness import PAGE, FakeClock, Harness
+from tier_kit import PAGE, FakeClock, Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.dtypes import DType

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tier_harness import PAGE, Harness
+from tier_kit import PAGE, Harness
 
 from hicache.keys import RadixKey
 from hicache.tiering.common.config import TierConfig

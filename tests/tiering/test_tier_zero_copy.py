@@ -7,8 +7,8 @@ import bisect
 from typing import Any
 
 import numpy as np
-from tier_gated import seed_l3, start_prefetch, tokens
-from tier_harness import Harness
+from gated_kit import seed_l3, start_prefetch, tokens
+from tier_kit import Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.registered_memory import MemoryRegistrar

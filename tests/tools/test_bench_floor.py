@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.backends._io_threads import machine_threads
+from hicache.machine import machine_threads
 from hicache.tools.bench.engines import floor as floor_mod
 from hicache.tools.bench.engines.floor import (
     PageCacheFloor,

@@ -198,11 +198,10 @@ async def _run_one(
         setup = await open_engine(model, mode, hicache, args.device_tokens, engine_config)
     except BackendError as exc:  # L3 required (storage.required) and unreachable
         raise CommandFailed(str(exc)) from exc
-    storage = setup.controller.storage if setup.controller is not None else None
-    if args.l3_bandwidth and storage is not None and storage.backend is not None:
+    if args.l3_bandwidth and setup.cache is not None:
         rate = args.l3_bandwidth * 1e6
         limits = LatencyConfig(read_bandwidth_bps=rate, write_bandwidth_bps=rate)
-        storage.backend = LatencyBackend(storage.backend, limits)
+        setup.cache.wrap_l3_backend(lambda backend: LatencyBackend(backend, limits))
     run = _ConfigRun({}, {}, [], None)
     finished = source.finished
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from types import ModuleType
 from typing import Any
 
-import fake_hf3fs_usrbio
+import hf3fs_kit
 import pytest
 
 from hicache.backends.base import MISS, StorageBackend
@@ -40,8 +40,8 @@ def make_mount(root: pathlib.Path) -> pathlib.Path:
 
 @pytest.fixture
 def fake_usrbio(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.setitem(sys.modules, "hf3fs_py_usrbio", fake_hf3fs_usrbio)
-    return fake_hf3fs_usrbio
+    monkeypatch.setitem(sys.modules, "hf3fs_py_usrbio", hf3fs_kit)
+    return hf3fs_kit
 
 
 class TestHf3fsPosixConformance(BackendConformanceTests):
@@ -62,7 +62,7 @@ class TestHf3fsUsrbioConformance(BackendConformanceTests):
 
     async def cleanup_backend(self, location: pathlib.Path) -> None:
         # Closed backends leave nothing registered and no staging buffer announced.
-        assert fake_hf3fs_usrbio.registered_fds() == set()
+        assert hf3fs_kit.registered_fds() == set()
         assert list((location / "3fs-virt" / "iovs").iterdir()) == []
 
 

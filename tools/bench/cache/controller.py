@@ -61,8 +61,10 @@ from hicache.tiering.controller import HiCacheController
 from hicache.tools.bench.cache.controller_l3 import (
     BATCH_PAGES,
     CpuLog,
+    close_tier,
     cpu_report,
     l3_report,
+    open_tier,
     roundtrip_controller,
     roundtrip_raw,
 )
@@ -81,15 +83,18 @@ _MAX_REPEATS = 1000
 Step = Callable[[int], Awaitable[float]]  # round number -> seconds timed (prepares, cleans up)
 
 
-async def _build(shape: ModelShape, device_tokens: int, host_pages: int, url: str) -> Any:
-    model = preset(PoolPreset.DENSE, shape)
-    config = HiCacheConfig(
+def _config(shape: ModelShape, url: str | None) -> HiCacheConfig:
+    return HiCacheConfig(
         prefetch=PrefetchConfig(threshold_tokens=shape.page_size, batch_pages=BATCH_PAGES),
         storage=StorageConfig(url=url, write_batch_pages=BATCH_PAGES, write_queue_pages=1 << 20),
     )
+
+
+async def _build(shape: ModelShape, device_tokens: int, host_pages: int, url: str | None) -> Any:
+    model = preset(PoolPreset.DENSE, shape)
     device = device_pools(model, {"kv": device_tokens}, "cpu")
     host = host_pools(model, {"kv": host_pages}, pin_memory=False)
-    return await HiCacheController.open(config, device, host)
+    return await HiCacheController.open(_config(shape, url), device, host)
 
 
 class _CpuTimed:
@@ -99,9 +104,14 @@ class _CpuTimed:
     leaving a call is the backend's own (copies, key checks); the rest is the controller's.
     """
 
-    def __init__(self, inner: StorageBackend) -> None:
-        self._inner = inner
+    def __init__(self) -> None:
+        self._inner: Any = None
         self.seconds = 0.0
+
+    def around(self, inner: StorageBackend) -> Any:
+        """This timer in ``inner``'s place (the cache's ``wrap_l3_backend``)."""
+        self._inner = inner
+        return self
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
@@ -124,22 +134,22 @@ async def _overhead_round(pages: int, seqs: int) -> tuple[float, float, int]:
     shape = ModelShape(layers=2, heads=1, head_dim=8, page_size=4, dtype=DType.BFLOAT16)
     per_seq = pages * shape.page_size
     ctl = await _build(shape, per_seq * seqs, pages * seqs * 2, "memory://")
-    timed = _CpuTimed(ctl.storage.backend)
-    ctl.storage.backend = timed
+    timed = _CpuTimed()
     try:
         tokens = [[s * 1_000_000 + i for i in range(per_seq)] for s in range(seqs)]
         start = time.process_time()
         tree = HiRadixCache(ctl, RadixCacheConfig(page_size=shape.page_size))
+        tree.wrap_l3_backend(timed.around)
         for seq in tokens:
             tree.insert(RadixKey(seq), ctl.anchor_device.alloc(per_seq))
         await tree.quiesce()
         if ctl.metrics.counts["pages_written_l3"] < pages * seqs:
             raise RuntimeError("overhead round wrote fewer pages to L3 than it inserted")
         tree.evict(per_seq * seqs)
-        tree.host_evictor.evict(per_seq * seqs)
+        tree.evict_host(per_seq * seqs)
         for i, seq in enumerate(tokens):
             key = RadixKey(seq)
-            tree.prefetcher.start(f"r{i}", key, tree.match_prefix(key))
+            tree.prefetch_start(f"r{i}", key, tree.match_prefix(key))
         await tree.quiesce()
         for seq in tokens:
             match = tree.match_prefix(RadixKey(seq))
@@ -159,7 +169,6 @@ async def _overhead_round(pages: int, seqs: int) -> tuple[float, float, int]:
         )
         return cpu, timed.seconds, moved
     finally:
-        ctl.storage.backend = timed._inner
         await ctl.close()
 
 
@@ -224,7 +233,9 @@ async def _measure(
     """Seconds of each step in each round, and the L3 page size. An overhead round opens every
     round, so a burst of load on the machine hits few of them, not a run of them."""
     shape = ModelShape(layers=16, heads=8, head_dim=64, page_size=64)  # 2 MiB bf16 pages
-    ctl = await _build(shape, shape.page_size, 2 * pages, f"file://{scratch}/controller")
+    ctl = await _build(shape, shape.page_size, 2 * pages, None)  # host pools, no L3
+    url = f"file://{scratch}/controller"
+    tier = await open_tier(ctl, _config(shape, url), url)
     try:
         raw = await open_backend(f"file://{scratch}/raw")
         try:
@@ -233,7 +244,7 @@ async def _measure(
             host.buffer.view(-1)[: pages * host.buffer[0].numel()].normal_()
             steps: dict[str, Step] = {
                 "overhead": overhead.step,
-                "controller": lambda r: roundtrip_controller(ctl, pages, r, cpu),
+                "controller": lambda r: roundtrip_controller(tier, ctl, pages, r, cpu),
                 "raw": lambda r: roundtrip_raw(raw, ctl, pages, r, cpu),
             }
             await overhead.warm()
@@ -244,6 +255,7 @@ async def _measure(
         finally:
             await raw.close()
     finally:
+        await close_tier(tier)
         await ctl.close()
 
 

@@ -11,18 +11,23 @@ import time
 import torch
 
 from hicache.backends.base import StorageBackend
+from hicache.backends.registry import open_backend
 from hicache.layouts import Layout
-from hicache.tiering.controller import HiCacheController
+from hicache.tiering.common.config import HiCacheConfig
+from hicache.tiering.common.metrics import HiCacheMetrics
+from hicache.tiering.controller import HiCacheController, storage_tier
 from hicache.tiering.l3.bundler import BundlePage
-from hicache.tiering.l3.storage_tier import PrefetchOp, WriteJob
+from hicache.tiering.l3.storage_tier import PrefetchOp, StorageTier, WriteJob
 from hicache.tools.bench.rounds import spread
 
 __all__ = [
     "BATCH_PAGES",
     "CpuLog",
+    "close_tier",
     "cpu_report",
     "host_page_range",
     "l3_report",
+    "open_tier",
     "roundtrip_controller",
     "roundtrip_raw",
 ]
@@ -63,8 +68,28 @@ class CpuLog:
         self.seconds[side].append(time.process_time() - self._start)
 
 
-async def roundtrip_controller(ctl: HiCacheController, pages: int, tag: int, cpu: CpuLog) -> float:
-    storage, names = ctl.storage, list(ctl.host_pools)
+async def open_tier(ctl: HiCacheController, config: HiCacheConfig, url: str) -> StorageTier:
+    """The controller's host <-> L3 path alone: a storage tier over ``ctl``'s host pools (a
+    controller without L3 of its own) and the backend at ``url``, built as a controller builds
+    its own (:func:`~hicache.tiering.controller.storage_tier`), with counters of its own."""
+    tier = storage_tier(config, ctl.host_pools, HiCacheMetrics())
+    tier.start(await open_backend(url))
+    return tier
+
+
+async def close_tier(tier: StorageTier) -> None:
+    backend = tier.backend
+    await tier.stop()
+    if backend is not None:
+        await backend.close()
+
+
+async def roundtrip_controller(
+    storage: StorageTier, ctl: HiCacheController, pages: int, tag: int, cpu: CpuLog
+) -> float:
+    """Seconds of ``pages`` host pages of ``ctl`` written to L3 through ``storage`` and read
+    back (into the host pool's second half)."""
+    names = list(ctl.host_pools)
     bundle = _bundle(ctl, pages, tag)
     _clear_dest(ctl, pages)
     cpu.start()

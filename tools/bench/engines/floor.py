@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hicache.backends._io_threads import machine_threads
+from hicache.machine import machine_threads
 from hicache.tools.bench.rounds import gb_s, paired_ratio
 
 __all__ = ["PageCacheFloor", "floor_figures", "floor_sides", "settle_memory"]

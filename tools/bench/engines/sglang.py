@@ -128,7 +128,7 @@ def _require_sglang() -> None:
 @dataclass
 class _Side:
     name: str
-    controller: Any
+    sglang_controller: Any  # SGLang's HiCacheController (over our adapter or its store)
     host: Any
     zero_copy: bool
 
@@ -156,9 +156,9 @@ def _sides(backend: str, root: str, shape: PageShape) -> Iterator[tuple[_Side, _
             stack.enter_context(_sglang_mooncake_env(master.address, master.metadata_url))
             theirs_extra = {}
         ours = _side("hicache", shape, "dynamic", _adapter_extra_config(ours_url))
-        stack.callback(ours.controller.detach_storage_backend)
+        stack.callback(ours.sglang_controller.detach_storage_backend)
         theirs = _side("sglang", shape, theirs_backend, theirs_extra)
-        stack.callback(theirs.controller.detach_storage_backend)
+        stack.callback(theirs.sglang_controller.detach_storage_backend)
         yield ours, theirs
 
 
@@ -261,7 +261,7 @@ def _end_round(backend: str, sides: tuple[_Side, _Side]) -> None:
         # leases are over: every round then writes into segment memory the store has used
         # before, as a store in service does, instead of timing first-touch page faults.
         time.sleep(1.2 * _LEASE_MS / 1000)
-        sides[1].controller.storage_backend.clear()
+        sides[1].sglang_controller.storage_backend.clear()
 
 
 def _row(
@@ -289,7 +289,7 @@ def _round_trip(
     import torch
     from sglang.srt.managers.cache_controller import PrefetchOperation
 
-    ctl, n, ps = side.controller, len(hashes), shape.page_size
+    ctl, n, ps = side.sglang_controller, len(hashes), shape.page_size
     source = torch.arange(0, n * ps, dtype=torch.int64)
     target = torch.arange(n * ps, 2 * n * ps, dtype=torch.int64)
     stored = False

@@ -28,7 +28,14 @@ from hicache.pools.presets import ModelShape, PoolPreset, preset
 from hicache.radix import EvictionPolicy, RadixCache, RadixCacheConfig
 from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig
 from hicache.tiering.controller import HiCacheController
-from hicache.tools.bench.cache.controller_l3 import BATCH_PAGES, CpuLog, roundtrip_controller
+from hicache.tiering.l3.storage_tier import StorageTier
+from hicache.tools.bench.cache.controller_l3 import (
+    BATCH_PAGES,
+    CpuLog,
+    close_tier,
+    open_tier,
+    roundtrip_controller,
+)
 from hicache.tools.bench.cache.radix import RadixBenchConfig, bench_trace, prepare_steps, replay
 from hicache.tools.bench.rounds import rotated, spread
 from hicache.workloads.synthetic import WorkloadConfig, WorkloadKind, generate_trace
@@ -43,8 +50,11 @@ _MEMORY_DIR = "/dev/shm"
 _PAGE_SIZE = 16  # of the SLRU replay: hicache serve's default page size
 
 
-async def _open_controller(layout: Layout, pages: int, url: str) -> HiCacheController:
-    """A controller over ``2 * pages`` host pages in ``layout`` and an L3 at ``url``."""
+async def _open_controller(
+    layout: Layout, pages: int, url: str
+) -> tuple[StorageTier, HiCacheController]:
+    """A controller over ``2 * pages`` host pages in ``layout``, and a storage tier over them
+    and an L3 at ``url`` (:func:`~hicache.tools.bench.cache.controller_l3.open_tier`)."""
     model = preset(PoolPreset.DENSE, _IO_SHAPE)
     storage = StorageConfig(
         url=url, required=True, write_batch_pages=BATCH_PAGES, write_queue_pages=1 << 20
@@ -53,15 +63,15 @@ async def _open_controller(layout: Layout, pages: int, url: str) -> HiCacheContr
     host = host_pools(model, {"kv": 2 * pages}, layout, pin_memory=False)
     prefetch = PrefetchConfig(threshold_tokens=_IO_SHAPE.page_size, batch_pages=BATCH_PAGES)
     config = HiCacheConfig(storage=storage, prefetch=prefetch)
-    ctl = await HiCacheController.open(config, device, host)
+    ctl = await HiCacheController.open(config.with_changes("storage", url=None), device, host)
     ctl.anchor_host.alloc(2 * pages)
     ctl.anchor_host.buffer.normal_(generator=torch.Generator().manual_seed(pages))
-    return ctl
+    return await open_tier(ctl, config, url), ctl
 
 
 async def _layout_rounds(pages: int, rounds: int, scratch: str) -> dict[str, list[float]]:
     """Seconds of each layout's round trip in each round, after one untimed round each."""
-    ctls = {
+    sides = {
         label: await _open_controller(layout, pages, f"disk://{scratch}/{label}")
         for label, layout in _LAYOUTS.items()
     }
@@ -71,11 +81,12 @@ async def _layout_rounds(pages: int, rounds: int, scratch: str) -> dict[str, lis
         for r in range(-1, rounds):
             for layout in rotated(list(_LAYOUTS), max(r, 0)):
                 await asyncio.to_thread(os.sync)  # no side pays for the other's writeback
-                seconds = await roundtrip_controller(ctls[layout], pages, r + 1, cpu)
+                seconds = await roundtrip_controller(*sides[layout], pages, r + 1, cpu)
                 if r >= 0:
                     times[layout].append(seconds)
     finally:
-        for ctl in ctls.values():
+        for tier, ctl in sides.values():
+            await close_tier(tier)
             await ctl.close()
     return times
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from hicache.backends.nixl.agent import load_nixl_api
-from hicache.backends.nixl.backend import _QUEUE_PARAMS, NixlBackend, NixlPlugin, PosixQueue
+from hicache.backends.nixl.backend import QUEUE_PARAMS, NixlBackend, NixlPlugin, PosixQueue
 
 __all__ = ["provision", "raw_baseline"]
 
@@ -47,7 +47,7 @@ def raw_baseline(
         backend.register_memory(work.dest)
     api = load_nixl_api()
     agent = api.nixl_agent(f"raw-bench-{uuid.uuid4().hex[:8]}", api.nixl_agent_config(backends=[]))
-    agent.create_backend("POSIX", dict(_QUEUE_PARAMS[queue]))
+    agent.create_backend("POSIX", dict(QUEUE_PARAMS[queue]))
     agent.register_memory(
         [(arr.ctypes.data, arr.nbytes, 0, "") for arr in (work.source, work.dest)], "DRAM"
     )

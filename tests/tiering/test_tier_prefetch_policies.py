@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 import pytest
-from tier_gated import Gate, GatedBackend, quiesce, seed_l3, start_prefetch, tokens, until
-from tier_harness import PAGE, FakeClock, Harness
+from gated_kit import Gate, GatedBackend, quiesce, seed_l3, start_prefetch, tokens, until
+from tier_kit import PAGE, FakeClock, Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig

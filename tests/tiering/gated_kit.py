@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from tier_harness import Harness
+from tier_kit import Harness
 
 from hicache.backends.base import StorageBackend
 from hicache.backends.wrappers import WrapperBackend
