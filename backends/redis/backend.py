@@ -12,16 +12,22 @@ and Valkey alike, and covers a server, Sentinel and Cluster in one library.
 
 Keys: object ``k`` is the string value of ``key_prefix + k``; an empty object is an empty
 string. A batch of ``exists``, ``get_into``, ``put``, ``put_missing`` or ``delete`` is one
-pipeline (one per master in a cluster; see :mod:`.client`). ``ttl`` > 0 stores with ``EX`` and
-reads with ``GETEX ... EX``, so a page read within ``ttl`` seconds stays (Redis 6.2+, Valkey).
+pipeline (one per master in a cluster; see :mod:`.client` and :mod:`.pages`). ``ttl`` > 0
+stores with ``EX`` and reads with ``GETEX ... EX``, so a page read within ``ttl`` seconds stays
+(Redis 6.2+, Valkey).
 
 Size: a value larger than the server's ``proto-max-bulk-len`` (read at open; 512 MiB unless
 CONFIG cannot be read) is never sent: its put is False and counted (``put_too_large``), and
 ``capabilities.max_object_bytes`` says the limit. Pages are never split over several keys.
 
-Copies: RESP delivers a value as a new ``bytes``; ``get_into`` copies it once into the caller's
-segments (``bytes_staged``). A put sends a one-segment value as it is; a value of several
-segments (a page header and its payload) is joined into one ``bytes`` first (``bytes_staged``).
+Copies: over plain TCP (a server, or a cluster's masters), page GETs and SETs run on hicache's
+own connections (:mod:`.direct`, :mod:`.resp`): a value is received straight into the caller's
+segments, and only the bytes that arrived with its reply's header line pass through a small
+buffer (``bytes_staged``); a SET sends the page's segments as they are, never joined. Over TLS
+and Sentinel, redis-py carries them: a value arrives as a new ``bytes`` and is copied once into
+the caller's segments, and a value of several segments is joined before it is sent (both
+counted in ``bytes_staged``). ``exists``, ``delete``, ``peek`` and listing always go through
+redis-py.
 
 Pages stay checked: this backend stores and returns bytes; the page codec above it decides
 whether they are a page. A value another tool overwrote, one cut short, one evicted by
@@ -31,8 +37,11 @@ Failures: a server that cannot be reached, restarts, answers ``LOADING``, ``OOM 
 allowed`` or times out makes that batch's keys misses (``get_into``, ``exists``, ``peek``) or
 False (``put``, ``delete``), counted (``errors`` and one counter per operation); nothing is
 raised but by ``scan``, whose caller must know a listing is incomplete. Connections are made
-again on the next call. The first failure of an outage is logged as a warning, its end once;
-in a cluster, each master's outage on its own (the others answering does not end it).
+again on the next call. A server that timed out is not asked again for ``timeout`` seconds
+(twice that after each later timeout, at most 30 s; any answer ends it): its batches fail at
+once meanwhile, instead of each waiting ``timeout`` for a host that drops packets. The first
+failure of an outage is logged as a warning, its end once; in a cluster, each master's outage on
+its own (the others answering does not end it).
 
 Listing: ``SCAN`` over ``key_prefix`` (every master in a cluster), a key reported once even
 where SCAN repeats it. Redis keeps no write time: a listed ``mtime`` is the last access
@@ -42,7 +51,6 @@ compact --max-bytes`` removes the least recently used pages first.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -52,15 +60,14 @@ from urllib.parse import parse_qsl, urlsplit
 
 from redis.exceptions import ResponseError
 
-from hicache.backends._io_threads import outlive_cancel
 from hicache.backends.base import (
     MISS,
     Capabilities,
     ObjectInfo,
     StorageBackend,
-    copy_into_segments,
     segments_nbytes,
 )
+from hicache.backends.redis import pages
 from hicache.backends.redis.client import FAILURES, RedisClient, close_quietly, connect
 from hicache.backends.redis.config import (
     TLS_SCHEMES,
@@ -152,23 +159,14 @@ class RedisBackend(StorageBackend):
         ]
 
     async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
-        ttl = self.config.ttl
-        # GETEX with EX keeps a page that is read from expiring; plain GET without a ttl.
-        read = (lambda p, k: p.getex(k, ex=ttl)) if ttl else (lambda p, k: p.get(k))
-        sizes = [segments_nbytes(segs) for segs in buffers]
-        replies, servers = await self._client.batch(self._rkeys(keys), read, sizes=sizes)
-        out: list[int] = []
-        staged = 0
-        for reply, server, segs in zip(replies, servers, buffers, strict=True):
-            if reply is None or not self._ok(reply, server, "read_errors", "get"):
-                out.append(MISS)
-                continue
-            n = len(reply)
-            if n <= segments_nbytes(segs):  # copied after the await: a cancelled get copies
-                copy_into_segments(memoryview(reply), segs)  # nothing into the buffers
-                staged += n
-            out.append(n)
+        replies, servers, staged = await pages.read_into(
+            self._client, self._rkeys(keys), buffers, self.config.ttl
+        )
         self._count("bytes_staged", staged)
+        out: list[int] = []
+        for reply, server in zip(replies, servers, strict=True):
+            good = reply is not None and self._ok(reply, server, "read_errors", "get")
+            out.append(reply if good else MISS)
         return out
 
     async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
@@ -206,18 +204,11 @@ class RedisBackend(StorageBackend):
     ) -> tuple[list[Any], list[str]]:
         """``SET`` (``NX``) of each value, with ``EX`` when there is a ttl; the replies and
         each key's server."""
-        bodies = dict(zip(self._rkeys(keys), map(_body, values), strict=True))
-        self._count("bytes_staged", sum(segments_nbytes(v) for v in values if len(v) > 1))
-        ttl = self.config.ttl or None
-
-        def queue(p: Any, k: bytes) -> None:
-            p.set(k, bodies[k], ex=ttl, nx=only_new)
-
-        # Shielded: a one-segment body is the caller's memory, which the client holds until its
-        # pipeline ends (a retry sends it again); a cancelled put returns once nothing does.
-        sizes = [memoryview(body).nbytes for body in bodies.values()]
-        sent = self._client.batch(list(bodies), queue, sizes=sizes)
-        return await outlive_cancel(asyncio.ensure_future(sent))
+        replies, servers, staged = await pages.store(
+            self._client, self._rkeys(keys), values, self.config.ttl, only_new
+        )
+        self._count("bytes_staged", staged)
+        return replies, servers
 
     async def _delete(self, keys: list[str]) -> list[bool]:
         replies, servers = await self._client.batch(self._rkeys(keys), lambda p, k: p.delete(k))
@@ -330,8 +321,3 @@ class RedisBackend(StorageBackend):
             exc,
             counter,
         )
-
-
-def _body(segments: list[memoryview]) -> memoryview | bytes:
-    """What SET sends: the one segment itself, or the segments joined."""
-    return segments[0] if len(segments) == 1 else b"".join(segments)

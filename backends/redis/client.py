@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -33,8 +34,10 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hicache.backends.redis.config import RedisConfig
+from hicache.backends.redis.direct import Address, DirectPool, handshake
 from hicache.errors import BackendUnavailableError, ConfigError
 
 __all__ = [
@@ -64,6 +67,11 @@ MAX_BULK_DEFAULT = 512 << 20
 # docs/BENCHMARKS.md, issue 47). Small batches stay one pipeline: one round trip.
 STRIPE_BYTES = 4 << 20
 MAX_STRIPES = 8
+# A server that timed out (a host that drops packets, a frozen process) is not asked again for
+# `timeout` seconds, twice that after each later try that times out too, at most this long:
+# otherwise every batch would wait its whole `timeout` for it. A refused connection fails at
+# once and costs no wait; any answer ends the wait.
+BACKOFF_MAX_S = 30.0
 #: Queues one key's commands on a pipeline: ``queue(pipeline, redis_key)``.
 Queue = Callable[[Any, bytes], None]
 T = TypeVar("T")
@@ -119,8 +127,12 @@ def _build(cfg: RedisConfig, password: str | None) -> Any:
         )
     if cfg.sentinel:
         tls = {"ssl": True, **_ssl_options(cfg)} if cfg.tls else {}
-        # The sentinels are asked with the same timeout and TLS, and without the password.
-        sentinel_options = {"socket_timeout": cfg.timeout, "socket_connect_timeout": cfg.timeout}
+        # The sentinels are asked with the same timeout and TLS, with their own password.
+        sentinel_options = {
+            "socket_timeout": cfg.timeout,
+            "socket_connect_timeout": cfg.timeout,
+            "password": cfg.read_sentinel_password(),
+        }
         sentinels = Sentinel(
             cfg.sentinels(), sentinel_kwargs={**sentinel_options, **tls}, **options, **tls
         )
@@ -167,15 +179,50 @@ def _where(cfg: RedisConfig) -> str:
     return f"{kind} {host}:{port}" + (f" db {cfg.db}" if cfg.db else "")
 
 
+class ServerSkipped(RedisConnectionError):
+    """A batch not sent: its server timed out a moment ago (:data:`BACKOFF_MAX_S`)."""
+
+
+class Backoff:
+    """When each server that timed out may be asked again."""
+
+    def __init__(self, first_s: float) -> None:
+        self._first = first_s
+        self._until: dict[str, tuple[float, float]] = {}  # server: (monotonic deadline, wait)
+
+    def skipped(self, server: str) -> ServerSkipped | None:
+        """The failure to give a batch for ``server`` now, or None to send it."""
+        until, _ = self._until.get(server, (0.0, 0.0))
+        left = until - time.monotonic()
+        if left <= 0:
+            return None
+        return ServerSkipped(f"{server} timed out; not asked again for {left:.1f} s")
+
+    def record(self, server: str, failure: BaseException | None) -> None:
+        """After an exchange with ``server``: a timeout starts (or doubles) its wait; an answer
+        ends it."""
+        if failure is None:
+            self._until.pop(server, None)
+        elif isinstance(failure, TimeoutError | RedisTimeoutError):
+            _, wait = self._until.get(server, (0.0, 0.0))
+            wait = min(BACKOFF_MAX_S, 2 * wait if wait else self._first)
+            self._until[server] = (time.monotonic() + wait, wait)
+
+
 class RedisClient:
     """A connected client: batches as pipelines, the server's value limit, close."""
 
-    def __init__(self, client: Any, cfg: RedisConfig) -> None:
+    def __init__(self, client: Any, cfg: RedisConfig, direct: DirectPool | None = None) -> None:
         self.client = client
         self.cluster = cfg.cluster
         self.where = _where(cfg)
+        self.address = cfg.address
         self.max_bulk = MAX_BULK_DEFAULT
         self.timeout = cfg.timeout
+        #: hicache's own connections for page GETs and SETs (:mod:`.direct`); None over TLS
+        #: and Sentinel, where redis-py carries them too.
+        self.direct = direct
+        self.backoff = Backoff(cfg.timeout)
 
     async def batch(
         self, keys: list[bytes], queue: Queue, per_key: int = 1, sizes: list[int] | None = None
@@ -187,8 +234,10 @@ class RedisClient:
         server's outage from another's. A reply is an exception where the command failed, and
         every command of a pipeline that failed as a whole (the server could not be reached)
         gets that failure: the caller counts them, nothing is raised."""
-        groups = self._groups(keys)
-        stripes = [(server, part) for server, g in groups.items() for part in stripe_runs(g, sizes)]
+        groups = self.targets(keys)
+        stripes = [
+            (server, part) for server, (_, g) in groups.items() for part in stripe_runs(g, sizes)
+        ]
         out: list[Any] = [None] * (len(keys) * per_key)
         servers = [self.where] * len(keys)
 
@@ -197,8 +246,12 @@ class RedisClient:
             for i in group:
                 queue(pipe, keys[i])
             try:
+                if skipped := self.backoff.skipped(server):
+                    raise skipped
                 replies = await within(self.timeout, pipe.execute(raise_on_error=False))
+                self.backoff.record(server, None)
             except FAILURES as exc:
+                self.backoff.record(server, exc)
                 replies = [exc] * (len(group) * per_key)
             for n, i in enumerate(group):
                 out[i * per_key : (i + 1) * per_key] = replies[n * per_key : (n + 1) * per_key]
@@ -210,19 +263,20 @@ class RedisClient:
             await asyncio.gather(*(run(server, part) for server, part in stripes))
         return out, servers
 
-    def _groups(self, keys: list[bytes]) -> dict[str, list[int]]:
-        """Key indexes per pipeline, by server: all of them, or per cluster master (as last
-        known)."""
+    def targets(self, keys: list[bytes]) -> dict[str, tuple[Address | None, list[int]]]:
+        """Key indexes per server (all of them, or per cluster master as last known), by the
+        server's name in words, with its address (None: a slot no master serves)."""
         if not self.cluster:
-            return {self.where: list(range(len(keys)))}
-        by_node: dict[str, list[int]] = {}
+            return {self.where: (self.address, list(range(len(keys))))}
+        by_node: dict[str, tuple[Address | None, list[int]]] = {}
         manager = self.client.nodes_manager
         for i, key in enumerate(keys):
             try:
-                name = f"cluster node {manager.get_node_from_slot(self.client.keyslot(key)).name}"
+                node = manager.get_node_from_slot(self.client.keyslot(key))
+                name, address = f"cluster node {node.name}", (node.host, node.port)
             except (RedisError, LookupError):  # a slot no node serves: its own pipeline fails
-                name = "cluster (a slot no master serves)"
-            by_node.setdefault(name, []).append(i)
+                name, address = "cluster (a slot no master serves)", None
+            by_node.setdefault(name, (address, []))[1].append(i)
         return by_node
 
     async def scan(self, pattern: bytes, count: int) -> AsyncIterator[list[bytes]]:
@@ -255,13 +309,20 @@ class RedisClient:
             self.max_bulk = int(value)
 
     async def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         await self.client.aclose()
 
 
 async def connect(cfg: RedisConfig) -> RedisClient:
     """A client whose server answered PING (and AUTH); typed errors say what to fix."""
     password = cfg.read_password()
-    client = RedisClient(_build(cfg, password), cfg)
+    direct = None
+    if not (cfg.tls or cfg.sentinel):
+        db = 0 if cfg.cluster else cfg.db
+        setup = handshake(cfg.username, password, db, CLIENT_NAME)
+        direct = DirectPool(setup, cfg.max_connections)
+    client = RedisClient(_build(cfg, password), cfg, direct)
     try:
         if cfg.cluster:
             await within(cfg.timeout, client.client.initialize())
@@ -279,8 +340,11 @@ async def connect(cfg: RedisConfig) -> RedisClient:
         raise BackendUnavailableError(f"redis {client.where} refused PING: {exc}") from None
     except FAILURES as exc:
         await close_quietly(client)
+        hint = ""
+        if cfg.sentinel and any(word in str(exc) for word in ("NOAUTH", "WRONGPASS", "AUTH")):
+            hint = "; the sentinels ask for a password: sentinel_password or sentinel_password_file"
         raise BackendUnavailableError(
-            f"cannot reach redis {client.where} ({type(exc).__name__}: {exc})"
+            f"cannot reach redis {client.where} ({type(exc).__name__}: {exc}){hint}"
         ) from None
     return client
 

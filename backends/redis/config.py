@@ -4,8 +4,9 @@
 (or, with ``cluster=true``, any node of a cluster); with ``sentinel=host:port,...`` it names no
 host, the sentinels do. The ``s`` schemes turn TLS on. Credentials come from the URL's user part,
 ``password_file=``, or the ``HICACHE_REDIS_PASSWORD`` environment variable (read where a URL
-becomes a config, :func:`password_from_env`, never by the config itself); they never appear in
-the config's repr or in an error.
+becomes a config, :func:`password_from_env`, never by the config itself); sentinels that ask
+for a password of their own get ``sentinel_password=`` or ``sentinel_password_file=``. Neither
+appears in the config's repr or in an error.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ TLS_SCHEMES = frozenset({"rediss", "valkeys"})
 # Glob characters are left out so that SCAN's MATCH pattern is the prefix itself, and braces
 # so that no prefix is a hash tag (which would put every key of a cluster in one slot).
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:/-]{0,64}\Z")
-_SECRET_FIELDS = frozenset({"password"})
+_SECRET_FIELDS = frozenset({"password", "sentinel_password"})
 _TLS_FILES = ("ca_file", "cert_file", "key_file")
 
 
@@ -57,6 +58,9 @@ class RedisConfig:
     cluster: bool = False  # a Redis Cluster: keys spread by hash slot over its masters
     sentinel: str = ""  # host:port,host:port of the sentinels that watch the master
     service: str = ""  # the master's name at the sentinels
+    # The sentinels' own password (their requirepass), where they ask for one; not the master's.
+    sentinel_password: str | None = None
+    sentinel_password_file: str | None = None  # a file holding it (one line)
     key_prefix: str = "hicache:"  # every key of this store starts with it
     ttl: int = 0  # seconds a page lives after it was last stored or read; 0: no expiry
     max_connections: int = 32  # per server (per node in a cluster)
@@ -108,6 +112,13 @@ class RedisConfig:
             self.sentinels()  # refuse a bad list now, not at open
         elif self.service:
             raise ConfigError("RedisConfig.service is the master's name at sentinel=...")
+        sentinel_auth = (self.sentinel_password, self.sentinel_password_file)
+        if any(value is not None for value in sentinel_auth) and not self.sentinel:
+            raise ConfigError("RedisConfig.sentinel_password is for sentinel=... only")
+        if None not in sentinel_auth:
+            raise ConfigError(
+                "RedisConfig: give sentinel_password or sentinel_password_file, not both"
+            )
 
     @property
     def address(self) -> tuple[str, int]:
@@ -129,18 +140,13 @@ class RedisConfig:
 
     def read_password(self) -> str | None:
         """The password: given, or read from ``password_file`` (its first line)."""
-        if self.password_file is None:
-            return self.password
-        try:
-            with open(self.password_file, encoding="utf-8") as f:
-                line = f.readline().rstrip("\r\n")
-        except OSError as exc:
-            raise ConfigError(
-                f"RedisConfig.password_file {self.password_file!r}: {exc.strerror}"
-            ) from None
-        if not line:
-            raise ConfigError(f"RedisConfig.password_file {self.password_file!r} is empty")
-        return line
+        return _secret(self.password, self.password_file, "password_file")
+
+    def read_sentinel_password(self) -> str | None:
+        """The sentinels' password: given, or read from ``sentinel_password_file``."""
+        return _secret(
+            self.sentinel_password, self.sentinel_password_file, "sentinel_password_file"
+        )
 
     def __repr__(self) -> str:
         shown = []
@@ -149,6 +155,21 @@ class RedisConfig:
             text = "'***'" if f.name in _SECRET_FIELDS and value is not None else repr(value)
             shown.append(f"{f.name}={text}")
         return f"RedisConfig({', '.join(shown)})"
+
+
+def _secret(given: str | None, path: str | None, option: str) -> str | None:
+    """``given``, or the first line of the file at ``path``; errors name the option and the
+    file, never what it holds."""
+    if path is None:
+        return given
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = f.readline().rstrip("\r\n")
+    except OSError as exc:
+        raise ConfigError(f"RedisConfig.{option} {path!r}: {exc.strerror}") from None
+    if not line:
+        raise ConfigError(f"RedisConfig.{option} {path!r} is empty")
+    return line
 
 
 def _host_port(text: str) -> tuple[str, int | None]:

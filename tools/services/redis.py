@@ -198,9 +198,13 @@ class RedisSentinels:
 
 @contextlib.contextmanager
 def redis_sentinels(
-    directory: str, service: str = "hicache", timeout_s: float = 30.0
+    directory: str,
+    service: str = "hicache",
+    timeout_s: float = 30.0,
+    sentinel_password: str | None = None,
 ) -> Iterator[RedisSentinels]:
-    """A master, a replica of it and one sentinel (quorum 1), each started and stopped here."""
+    """A master, a replica of it and one sentinel (quorum 1), each started and stopped here;
+    with ``sentinel_password``, the sentinel asks its clients for it."""
     started: list[RedisServer] = []
     try:
         # The replica's first sync starts at once, not after the default 5 s wait.
@@ -210,13 +214,15 @@ def redis_sentinels(
         replica = RedisServer(directory, ["--replicaof", LOOPBACK, str(master.port)])
         replica.start(timeout_s)
         started.append(replica)
-        sentinel = RedisServer(directory)
+        sentinel = RedisServer(directory, password=sentinel_password)
         # A sentinel reads (and rewrites) a config file of its own: its command line is that.
         conf = os.path.join(directory, f"sentinel-{sentinel.port}.conf")
         with open(conf, "w", encoding="ascii") as f:
             f.write(f"sentinel monitor {service} {LOOPBACK} {master.port} 1\n")
             f.write(f"sentinel down-after-milliseconds {service} 1000\n")
             f.write(f"sentinel failover-timeout {service} 5000\n")
+            if sentinel_password is not None:
+                f.write(f"requirepass {sentinel_password}\n")
         argv = [redis_executable(), conf, "--sentinel", "--bind", LOOPBACK]
         sentinel.argv = [*argv, "--port", str(sentinel.port), "--dir", directory]
         sentinel.start(timeout_s)

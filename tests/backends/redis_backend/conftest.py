@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
-from redis_kit import ACL_PASSWORD, ACL_USER, DEFAULT_PASSWORD, MAX_BULK, SKIP_REASON
+import pytest_asyncio
+from redis_kit import ACL_PASSWORD, ACL_USER, DEFAULT_PASSWORD, MAX_BULK, SKIP_REASON, open_redis
 
 from hicache.tools.services.redis import RedisCluster, RedisServer, RedisTls, redis_cluster
 
@@ -73,3 +75,11 @@ def own_server(tmp_path: pathlib.Path) -> Iterator[RedisServer]:
     _needs_redis()
     with RedisServer(str(tmp_path)) as server:
         yield server
+
+
+@pytest_asyncio.fixture
+async def backend(single_server: RedisServer, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """A store of its own (a key prefix named after the test) on the shared server."""
+    opened = await open_redis(single_server.url(key_prefix=f"t-{request.node.name[:40]}:"))
+    yield opened
+    await opened.close()

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import shutil
 import time
+from typing import Any
 
 import pytest
 
+from hicache.backends.redis import RedisBackend
+from hicache.backends.registry import open_backend
 from hicache.tools.services.redis import RedisCluster
 
 SKIP_REASON = (
@@ -30,3 +33,10 @@ def wait_cluster_ok(cluster: RedisCluster, timeout_s: float = 20.0) -> None:
     while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in cluster.nodes):
         assert time.monotonic() < deadline, "the cluster did not come back"
         time.sleep(0.05)
+
+
+async def open_redis(url: str, **options: Any) -> RedisBackend:
+    """The backend ``url`` opens, which must be a ``redis://`` one."""
+    backend = await open_backend(url, **options)
+    assert isinstance(backend, RedisBackend)
+    return backend

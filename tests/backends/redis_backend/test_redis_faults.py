@@ -11,18 +11,15 @@ import asyncio
 import logging
 import subprocess
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from cli_kit import run
-from redis_kit import wait_cluster_ok
+from redis_kit import open_redis, wait_cluster_ok
 
 from hicache.backends.base import MISS
 from hicache.backends.redis import RedisBackend
 from hicache.backends.redis.client import MAX_STRIPES, stripe_runs
-from hicache.backends.registry import open_backend
 from hicache.codec import decode_page
 from hicache.errors import BackendUnavailableError, CodecError
 from hicache.keys import RadixKey
@@ -30,22 +27,6 @@ from hicache.tools.bench.stores.store_tools import page_scheme, write_chain
 from hicache.tools.services.redis import RedisCluster, RedisServer, redis_executable
 from hicache.tools.store.scan import Problem
 from hicache.tools.store.verify import VerifyOptions, verify_store
-
-
-async def _open(url: str, **options: Any) -> RedisBackend:
-    backend = await open_backend(url, **options)
-    assert isinstance(backend, RedisBackend)
-    return backend
-
-
-@pytest_asyncio.fixture
-async def backend(
-    single_server: RedisServer, request: pytest.FixtureRequest
-) -> AsyncIterator[RedisBackend]:
-    """A store of its own (key prefix) on the shared server."""
-    opened = await _open(single_server.url(key_prefix=f"f-{request.node.name[:40]}:"))
-    yield opened
-    await opened.close()
 
 
 def _rkey(backend: RedisBackend, key: str) -> str:
@@ -104,7 +85,7 @@ async def test_evicted_pages_are_misses_and_a_full_server_fails_puts(
 ) -> None:
     own_server.cli("CONFIG", "SET", "maxmemory", "2mb")
     own_server.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
-    backend = await _open(own_server.url())
+    backend = await open_redis(own_server.url())
     try:
         keys = [f"ev-{i:03d}" for i in range(64)]  # 4 MiB of values into 2 MiB
         for lo in range(0, 64, 8):
@@ -154,7 +135,7 @@ async def test_killed_connections_are_made_again_without_a_miss(
 async def test_a_stopped_server_gives_misses_and_counted_errors(
     own_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    backend = await _open(own_server.url(timeout="1"))
+    backend = await open_redis(own_server.url(timeout="1"))
     try:
         assert await backend.put(["st-1"], [b"page"]) == [True]
         own_server.stop()
@@ -184,7 +165,7 @@ async def test_a_stopped_server_gives_misses_and_counted_errors(
 
 @pytest.mark.asyncio
 async def test_a_reply_later_than_the_timeout_is_a_miss(single_server: RedisServer) -> None:
-    backend = await _open(single_server.url(key_prefix="slow:", timeout="0.3"))
+    backend = await open_redis(single_server.url(key_prefix="slow:", timeout="0.3"))
     try:
         assert await backend.put(["slow"], [b"v"]) == [True]
         # DEBUG SLEEP blocks the whole server, as a long command or a fork would.
@@ -206,7 +187,7 @@ async def test_a_reply_later_than_the_timeout_is_a_miss(single_server: RedisServ
 async def test_ttl_is_set_by_puts_renewed_by_reads_and_expiry_is_a_miss(
     single_server: RedisServer,
 ) -> None:
-    backend = await _open(single_server.url(key_prefix="ttl:", ttl="100"))
+    backend = await open_redis(single_server.url(key_prefix="ttl:", ttl="100"))
     try:
         assert await backend.put(["t1", "t2"], [b"a", b"b"]) == [True, True]
         assert await backend.put_missing(["t3"], [b"c"]) == [True]
@@ -225,15 +206,17 @@ async def test_ttl_is_set_by_puts_renewed_by_reads_and_expiry_is_a_miss(
 
 # ----- batches ------------------------------------------------------------------------------------
 def _count_pipelines(backend: RedisBackend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    client = backend._client.client
+    """Counts the pipelines a batch sends: redis-py's, and the exchanges on hicache's own
+    connections (page GETs and SETs)."""
     made: list[int] = []
-    real = client.pipeline
+    for owner, name in ((backend._client.client, "pipeline"), (backend._client.direct, "run")):
+        real = getattr(owner, name)
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        made.append(1)
-        return real(*args, **kwargs)
+        def counting(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            made.append(1)
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(client, "pipeline", counting)
+        monkeypatch.setattr(owner, name, counting)
     return made
 
 
@@ -273,7 +256,7 @@ async def test_a_batch_of_large_values_is_cut_into_a_few_pipelines_by_bytes(
 async def test_a_cluster_batch_is_one_pipeline_per_master_and_a_dead_master_fails_only_its_keys(
     cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = await _open(cluster.url(key_prefix="spread:", timeout="1"))
+    backend = await open_redis(cluster.url(key_prefix="spread:", timeout="1"))
     try:
         keys = [f"c-{i}" for i in range(30)]
         made = _count_pipelines(backend, monkeypatch)

@@ -12,9 +12,12 @@ from collections.abc import Iterator
 import pytest
 from redis_kit import SKIP_REASON
 
-from hicache.backends.redis import RedisBackend
+from hicache.backends.redis import RedisBackend, RedisConfig
 from hicache.backends.registry import open_backend
+from hicache.errors import BackendUnavailableError, ConfigError
 from hicache.tools.services.redis import RedisSentinels, redis_sentinels
+
+SENTINEL_PASSWORD = "sentinel-pw-3b9e1d"
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +54,48 @@ async def test_pages_survive_a_forced_failover(sentinels: RedisSentinels) -> Non
         assert sentinels.master_port() == sentinels.replica.port
     finally:
         await backend.close()
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinels]:
+    """Sentinels that ask their clients for a password of their own."""
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    directory: pathlib.Path = tmp_path_factory.mktemp("sentinel-auth")
+    with redis_sentinels(str(directory), sentinel_password=SENTINEL_PASSWORD) as started:
+        yield started
+
+
+@pytest.mark.asyncio
+async def test_sentinels_that_ask_for_a_password_get_theirs(
+    guarded: RedisSentinels, tmp_path: pathlib.Path
+) -> None:
+    with pytest.raises(BackendUnavailableError) as refused:
+        await open_backend(guarded.url(timeout="2"))
+    assert "sentinel_password" in str(refused.value)  # says what to set
+    with pytest.raises(BackendUnavailableError) as wrong:
+        await open_backend(guarded.url(timeout="2", sentinel_password="not-it"))
+    assert "not-it" not in str(wrong.value)
+    secret = tmp_path / "sentinel-pw"
+    secret.write_text(SENTINEL_PASSWORD + "\n")
+    for options in ({"sentinel_password": SENTINEL_PASSWORD}, {"sentinel_password_file": secret}):
+        backend = await open_backend(guarded.url(key_prefix="auth:", timeout="2", **options))
+        try:
+            assert SENTINEL_PASSWORD not in repr(backend.config)
+            assert await backend.put(["k"], [b"v"]) == [True]
+            assert await backend.get(["k"]) == [b"v"]
+        finally:
+            await backend.close()
+
+
+def test_sentinel_password_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"sentinel=\.\.\. only"):
+        RedisConfig(sentinel_password="x")
+    with pytest.raises(ConfigError, match="not both"):
+        RedisConfig(
+            sentinel="127.0.0.1:1", service="s", sentinel_password="x", sentinel_password_file="f"
+        )
+    config = RedisConfig(sentinel="127.0.0.1:1", service="s", sentinel_password_file="/nonexistent")
+    with pytest.raises(ConfigError, match="sentinel_password_file") as missing:
+        config.read_sentinel_password()
+    assert "/nonexistent" in str(missing.value)

@@ -141,7 +141,7 @@ async def _chat(mode: CacheMode, url: str | None, source: _KillHalfWay) -> dict[
         l3 = await setup.l3_stats()
     finally:
         await setup.close()
-    metrics = setup.controller.metrics.as_dict() if setup.controller is not None else {}
+    metrics = setup.cache.metrics.as_dict() if setup.cache is not None else {}
     return {"records": records, "metrics": metrics, "l3": l3}
 
 

@@ -1,0 +1,192 @@
+"""How a batch of page GETs or SETs runs: on hicache's own connections where there are any
+(:mod:`.direct`), through redis-py otherwise, and for the keys a cluster moved.
+
+Both paths give the same answers per key: a GET's value size (the value is in the caller's
+buffer when it fits), ``None`` for no such key, or the exception that failed it; a SET's
+``True`` (stored), ``None`` (``NX`` and the key holds a value already) or an exception. A
+batch is one pipeline per server, cut into stripes on their own connections when its values are
+large (:func:`.client.stripe_runs`). In a cluster a key whose slot moved since the client last
+looked (``MOVED``, ``ASK``) is sent again through redis-py, which follows the redirection and
+learns the new slot map.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from hicache.backends._io_threads import outlive_cancel
+from hicache.backends.base import copy_into_segments, segments_nbytes
+from hicache.backends.redis.client import FAILURES, RedisClient, stripe_runs, within
+from hicache.backends.redis.direct import Address
+from hicache.backends.redis.resp import ReplyReader, command, store_frame
+
+__all__ = ["read_into", "store"]
+
+#: Per key a reply, per key its server in words, and the bytes staged.
+Outcome = tuple[list[Any], list[str], int]
+Requests = Callable[[list[int]], list[bytes | memoryview]]
+Replies = Callable[[list[int], ReplyReader], Awaitable[list[Any]]]
+
+
+async def read_into(
+    client: RedisClient, keys: list[bytes], buffers: list[list[memoryview]], ttl: int
+) -> Outcome:
+    """``GET`` (``GETEX ... EX ttl`` with a ttl, so that a read page stays) of each key into
+    its buffers: the replies (see the module docstring), each key's server in words, and the
+    bytes staged on the way."""
+    sizes = [segments_nbytes(segs) for segs in buffers]
+    if client.direct is None:
+        return await _read_by_client(client, keys, buffers, ttl, sizes)
+
+    def requests(group: list[int]) -> list[bytes | memoryview]:
+        if ttl:
+            return [command(b"GETEX", keys[i], b"EX", b"%d" % ttl) for i in group]
+        return [command(b"GET", keys[i]) for i in group]
+
+    async def replies(group: list[int], reader: ReplyReader) -> list[Any]:
+        return [await reader.value_into(buffers[i]) for i in group]
+
+    def again(moved: list[int]) -> Awaitable[Outcome]:
+        return _read_by_client(
+            client, [keys[i] for i in moved], [buffers[i] for i in moved], ttl, None
+        )
+
+    return await _direct(client, keys, sizes, (requests, replies), again)
+
+
+async def store(
+    client: RedisClient, keys: list[bytes], values: list[list[memoryview]], ttl: int, nx: bool
+) -> Outcome:
+    """``SET`` (``NX`` when ``nx``; ``EX ttl`` with a ttl) of each value: the replies, each
+    key's server, and the bytes staged (values of several segments joined on redis-py's
+    path; none on the direct one, which sends the segments as they are)."""
+    sizes = [segments_nbytes(segs) for segs in values]
+    if client.direct is None:
+        return await _store_by_client(client, keys, values, ttl, nx)
+
+    def requests(group: list[int]) -> list[bytes | memoryview]:
+        pieces: list[bytes | memoryview] = []
+        for i in group:
+            head, tail = store_frame(keys[i], sizes[i], ttl, nx)
+            pieces += [head, *values[i], tail]
+        return pieces
+
+    async def replies(group: list[int], reader: ReplyReader) -> list[Any]:
+        return [_stored(await reader.reply()) for _ in group]
+
+    def again(moved: list[int]) -> Awaitable[Outcome]:
+        return _store_by_client(
+            client, [keys[i] for i in moved], [values[i] for i in moved], ttl, nx
+        )
+
+    return await _direct(client, keys, sizes, (requests, replies), again)
+
+
+async def _direct(
+    client: RedisClient,
+    keys: list[bytes],
+    sizes: list[int],
+    exchange: tuple[Requests, Replies],
+    again: Callable[[list[int]], Awaitable[Outcome]],
+) -> Outcome:
+    """Each server's keys as stripes on the direct connections, at once; a stripe that fails
+    as a whole gives each of its keys that failure. The keys a cluster redirected are sent
+    ``again`` (through redis-py)."""
+    requests, replies = exchange
+    assert client.direct is not None
+    pool = client.direct
+    out: list[Any] = [None] * len(keys)
+    servers = [client.where] * len(keys)
+    staged = 0
+
+    async def run(server: str, address: Address | None, group: list[int]) -> None:
+        nonlocal staged
+        try:
+            if address is None:
+                raise ConnectionError(f"{server}: no master serves these keys' slots")
+            if skipped := client.backoff.skipped(server):
+                raise skipped
+            sent = pool.run(address, requests(group), lambda r: replies(group, r))
+            found, spilled = await within(client.timeout, sent)
+            staged += spilled
+            client.backoff.record(server, None)
+        except FAILURES as exc:
+            client.backoff.record(server, exc)
+            found = [exc] * len(group)
+        for i, reply in zip(group, found, strict=True):
+            out[i] = reply
+            servers[i] = server
+
+    stripes = [
+        (server, address, part)
+        for server, (address, group) in client.targets(keys).items()
+        for part in stripe_runs(group, sizes)
+    ]
+    await asyncio.gather(*(run(*stripe) for stripe in stripes))
+    moved = _redirected(out)
+    if moved:
+        redone, _, more = await again(moved)
+        for i, reply in zip(moved, redone, strict=True):
+            out[i] = reply
+        staged += more
+    return out, servers, staged
+
+
+def _redirected(replies: list[Any]) -> list[int]:
+    """The keys a cluster answered with ``MOVED`` or ``ASK``."""
+    return [
+        i
+        for i, reply in enumerate(replies)
+        if isinstance(reply, Exception) and str(reply).startswith(("MOVED ", "ASK "))
+    ]
+
+
+def _stored(reply: object) -> object:
+    return True if reply == b"OK" else reply
+
+
+async def _read_by_client(
+    client: RedisClient,
+    keys: list[bytes],
+    buffers: list[list[memoryview]],
+    ttl: int,
+    sizes: list[int] | None,
+) -> Outcome:
+    """The same GETs through redis-py; each value copied into its buffers after the batch
+    returned (a cancelled read copies nothing)."""
+    read = (lambda p, k: p.getex(k, ex=ttl)) if ttl else (lambda p, k: p.get(k))
+    out, servers = await client.batch(keys, read, sizes=sizes)
+    staged = 0
+    for n, (reply, segs) in enumerate(zip(out, buffers, strict=True)):
+        if isinstance(reply, bytes | bytearray):
+            size = len(reply)
+            if size <= segments_nbytes(segs):
+                copy_into_segments(memoryview(reply), segs)
+                staged += size
+            out[n] = size
+    return out, servers, staged
+
+
+async def _store_by_client(
+    client: RedisClient, keys: list[bytes], values: list[list[memoryview]], ttl: int, nx: bool
+) -> Outcome:
+    """The same SETs through redis-py, a value of several segments joined into one first."""
+    bodies = dict(zip(keys, map(_body, values), strict=True))
+    staged = sum(segments_nbytes(v) for v in values if len(v) > 1)
+
+    def queue(p: Any, k: bytes) -> None:
+        p.set(k, bodies[k], ex=ttl or None, nx=nx)
+
+    # Shielded: a one-segment body is the caller's memory, which redis-py holds until its
+    # pipeline ends (a retry sends it again); a cancelled put returns once nothing does.
+    sizes = [memoryview(body).nbytes for body in bodies.values()]
+    sent = client.batch(list(bodies), queue, sizes=sizes)
+    out, servers = await outlive_cancel(asyncio.ensure_future(sent))
+    return out, servers, staged
+
+
+def _body(segments: list[memoryview]) -> memoryview | bytes:
+    """What redis-py's SET sends: the one segment itself, or the segments joined."""
+    return segments[0] if len(segments) == 1 else b"".join(segments)
