@@ -44,8 +44,11 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/hicache serve
 
-# The engine tests run first so that pytest's own closing line is the main suite's.
-test: setup lint typecheck test-engines pytest
+# The main suite and the engine suites (built and run one after another) go side by side, two
+# jobs at once: each keeps about one of CI's two cores busy. Each job's output is printed whole
+# when it ends (--output-sync), so the suites' lines do not mix.
+test: setup lint typecheck
+	@$(MAKE) --no-print-directory -j2 --output-sync=target pytest test-engines
 
 lint: setup
 	$(BIN)/ruff check .
@@ -101,11 +104,14 @@ test-sglang test-lmcache test-vllm: test-%:
 	  echo "SKIPPED tests/integrations/$*: the $* venv could not be built (see above)"; \
 	fi
 
-# vLLM's CPU build (0.32): the vLLM tier and spec tests again, and real `vllm serve` processes over
-# hicache, started and stopped by pid by the tests themselves, on 127.0.0.1.
+# vLLM's CPU build (0.32): the vLLM tier and spec tests again (not the scheduler and bench tests,
+# which test-vllm runs), and real `vllm serve` processes over hicache, started and stopped by pid
+# by the tests themselves, on 127.0.0.1.
+VLLM_CPU_TESTS := tests/integrations/vllm/test_vllm_tier.py tests/integrations/vllm/test_vllm_spec.py \
+	tests/integrations/vllm_serve
 test-vllm-serve:
 	@if $(MAKE) --no-print-directory .venv-vllm-cpu/.built; then \
-	  .venv-vllm-cpu/bin/python -m pytest -p no:cacheprovider -q tests/integrations/vllm tests/integrations/vllm_serve; \
+	  .venv-vllm-cpu/bin/python -m pytest -p no:cacheprovider -q $(VLLM_CPU_TESTS); \
 	else \
 	  echo "SKIPPED tests/integrations/vllm_serve: the vllm-cpu venv could not be built (see above)"; \
 	fi
