@@ -86,6 +86,7 @@ def baseline(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         return {"prompts": texts(run_prompts(server)), "trace": texts(run_trace(server))}
 
 
+@pytest.mark.slow  # over 60 s: vLLM started three times
 def test_warm_after_a_restart_and_in_a_second_process(
     checkpoint: Path, baseline: dict[str, list[str]], tmp_path: Path
 ) -> None:
@@ -189,6 +190,7 @@ def _verify(store: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # over 60 s: vLLM started twice, the store verified twice
 def test_a_killed_vllm_and_corrupt_pages_change_no_output(
     checkpoint: Path, baseline: dict[str, list[str]], tmp_path: Path
 ) -> None:
