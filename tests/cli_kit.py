@@ -1,6 +1,10 @@
-"""Running the ``hicache`` command in the test process, for the CLI tests of every package."""
+"""Running the ``hicache`` command, in the test process or in a fresh one, for the CLI tests of
+every package."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -15,3 +19,14 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
         code = int(exc.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def run_without(package: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``hicache *argv`` in a fresh interpreter where ``package`` cannot be imported, as where
+    an engine's venv is not the one running."""
+    code = (
+        f"import sys; sys.modules[{package!r}] = None; "
+        "from hicache.tools.cli import main; sys.exit(main())"
+    )
+    command = [sys.executable, "-c", code, *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)

@@ -24,6 +24,7 @@ import stat
 import threading
 import time
 
+from hicache.backends._open_flags import NOFOLLOW
 from hicache.backends.disk.format import (
     LOG_HEADER,
     LogOp,
@@ -43,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 REFRESH_S = 0.5
 SNAPSHOT = "snapshot"
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _OPEN_TRIES = 5  # a snapshot replaced while this process read the logs it names: read again
 
 
@@ -107,7 +107,7 @@ class Catalog:
     def _read_snapshot(self) -> Snapshot | None:
         identity = snapshot_identity(self.dirs.index)
         try:
-            fd = os.open(SNAPSHOT, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirs.index)
+            fd = os.open(SNAPSHOT, os.O_RDONLY | NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dirs.index)
         except FileNotFoundError:
             self.known_snapshot = (identity, None)
             return None
@@ -228,7 +228,7 @@ def snapshot_positions(catalog: Catalog) -> dict[int, tuple[int, int]] | None:
     if identity is not None and identity == catalog.known_snapshot[0]:
         return catalog.known_snapshot[1]
     try:
-        fd = os.open(SNAPSHOT, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC, dir_fd=catalog.dirs.index)
+        fd = os.open(SNAPSHOT, os.O_RDONLY | NOFOLLOW | os.O_CLOEXEC, dir_fd=catalog.dirs.index)
         with os.fdopen(fd, "rb") as f:
             snap = decode_snapshot(f.read())
     except OSError:  # none, or a link or directory planted there: replaced by the next one
@@ -239,7 +239,7 @@ def snapshot_positions(catalog: Catalog) -> dict[int, tuple[int, int]] | None:
 @contextlib.contextmanager
 def snapshot_lock(index_fd: int):  # type: ignore[no-untyped-def]
     """The store's snapshot lock if free (yields True), else yields False at once."""
-    fd = os.open("snapshot.lock", os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_CLOEXEC, 0o600,
+    fd = os.open("snapshot.lock", os.O_RDWR | os.O_CREAT | NOFOLLOW | os.O_CLOEXEC, 0o600,
                  dir_fd=index_fd)  # fmt: skip
     try:
         try:
@@ -256,7 +256,7 @@ def write_snapshot(catalog: Catalog, snap: Snapshot, fsync: bool) -> None:
     """Replace the store's snapshot with ``snap`` atomically (a temporary file, then rename)."""
     index_fd = catalog.dirs.index
     tmp = f".{SNAPSHOT}.{os.getpid()}.{random.getrandbits(32):08x}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=index_fd)
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:

@@ -21,12 +21,12 @@ import errno
 import mmap
 import os
 
+from hicache.backends._open_flags import CLOEXEC, NOFOLLOW
+
 __all__ = ["BLOCK", "DirectTail", "open_direct", "read_span"]
 
 BLOCK = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def _up(n: int) -> int:
@@ -44,7 +44,7 @@ def open_direct(name: str, dir_fd: int, flags: int) -> int | None:
     if not _O_DIRECT:
         return None
     try:
-        return os.open(name, flags | _O_DIRECT | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+        return os.open(name, flags | _O_DIRECT | NOFOLLOW | CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.EINVAL:  # tmpfs and some FUSE filesystems refuse O_DIRECT
             return None

@@ -22,6 +22,7 @@ import os
 import random
 from dataclasses import dataclass
 
+from hicache.backends._open_flags import NOFOLLOW
 from hicache.backends.disk.config import DEFAULT_SEGMENT_BYTES, DiskConfig
 from hicache.backends.disk.format import FORMAT_VERSION
 from hicache.errors import BackendUnavailableError, ConfigError
@@ -31,8 +32,7 @@ __all__ = ["StoreDirs", "claim_slot", "open_store_dirs", "try_lock_slot"]
 MARKER = "hicache-disk.json"
 _FORMAT = "hicache-disk"
 _SUBDIRS = ("segments", "index", "locks")
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ def open_store_dirs(config: DiskConfig) -> StoreDirs:
 def _marker(root_fd: int, config: DiskConfig) -> int:
     """The store's segment size, from its marker file (written first by a new store's writer)."""
     try:
-        fd = os.open(MARKER, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+        fd = os.open(MARKER, os.O_RDONLY | NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
     except FileNotFoundError:
         if config.read_only:
             raise BackendUnavailableError(
@@ -129,7 +129,7 @@ def _create_marker(root_fd: int, config: DiskConfig) -> int:
     seg = config.segment_bytes or DEFAULT_SEGMENT_BYTES
     body = json.dumps({"format": _FORMAT, "version": FORMAT_VERSION, "segment_bytes": seg})
     tmp = f".{MARKER}.{os.getpid()}.{random.getrandbits(32):08x}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=root_fd)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644, dir_fd=root_fd)
     try:
         os.write(fd, body.encode())
         os.fsync(fd)
@@ -157,7 +157,7 @@ def _subdir(root_fd: int, name: str, config: DiskConfig) -> int:
 
 def try_lock_slot(locks_fd: int, slot: int) -> int | None:
     """Slot ``slot``'s lock file, locked by this process; None when another holds it."""
-    flags = os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_RDWR | os.O_CREAT | NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(f"w{slot:03d}.lock", flags, 0o600, dir_fd=locks_fd)
     except OSError:

@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hicache.backends._open_flags import CLOEXEC, NOFOLLOW
 from hicache.backends.disk.format import (
     LOG_HEADER,
     LogOp,
@@ -37,8 +38,6 @@ from hicache.backends.disk.format import (
 
 __all__ = ["FIRST_GENERATION", "LogTail", "LogWriter", "list_generations", "log_name"]
 
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NAME = re.compile(r"w(\d{3})\.([0-9a-f]{8})\.log\Z")
 FIRST_GENERATION = 1  # a new slot's (recover, with nothing replayed: 0 + 1)
 
@@ -62,7 +61,7 @@ def list_generations(dir_fd: int) -> dict[int, list[int]]:
 def _open_log(dir_fd: int, slot: int, generation: int, mode: int = os.O_RDONLY) -> int | None:
     """A generation's file, open in ``mode``, once its header checks; None otherwise."""
     try:
-        fd = os.open(log_name(slot, generation), mode | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(log_name(slot, generation), mode | NOFOLLOW | CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return None
     if parse_log_header(os.pread(fd, LOG_HEADER, 0)) != (slot, generation):
@@ -204,7 +203,7 @@ class LogWriter:
             self._fd = -1
 
     def _create(self, generation: int) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | _NOFOLLOW | _CLOEXEC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | NOFOLLOW | CLOEXEC
         fd = os.open(log_name(self.slot, generation), flags, 0o600, dir_fd=self.dir_fd)
         try:
             _write_all(fd, log_header(self.slot, generation))

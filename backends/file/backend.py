@@ -40,6 +40,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from hicache.backends._io_threads import outlive_cancel
+from hicache.backends._open_flags import CLOEXEC
 from hicache.backends._urls import local_root
 from hicache.backends.base import Capabilities, ObjectInfo, StorageBackend
 from hicache.backends.file.config import FileConfig
@@ -74,8 +75,7 @@ F = TypeVar("F", bound="FileBackend")
 
 _TMP_KEY_CHARS = 200  # keeps ".<key>.<pid>.<random>.tmp" under NAME_MAX for 250-char keys
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC  # O_EXCL: never follows a link
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | CLOEXEC  # O_EXCL: never follows a link
 _KEY_OP_BYTES = 64 << 10  # what a key-only call (exists, delete, peek) counts a key as
 # Counters of this backend, on top of the base's (evictions: the index's).
 _COUNTERS = (

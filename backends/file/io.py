@@ -12,6 +12,7 @@ import ctypes
 import errno
 import os
 
+from hicache.backends._open_flags import CLOEXEC
 from hicache.backends.segments import segments_after
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
 
 ALIGN = 4096  # O_DIRECT alignment that every Linux filesystem and block size accepts
 _IOV_MAX = 1024  # the POSIX minimum the kernel allows per writev/preadv call on Linux
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _MAX_RW = 0x7FFFF000  # the most one read moves on Linux: a read this long may not be the end
 
 
@@ -63,7 +63,7 @@ def read_into(fd: int, segs: list[memoryview], size: int) -> int:
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | _CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | CLOEXEC)
     try:
         os.fsync(fd)
     finally:

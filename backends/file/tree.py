@@ -27,6 +27,8 @@ from typing import Any
 
 import xxhash
 
+from hicache.backends._open_flags import CLOEXEC, NOFOLLOW
+
 __all__ = [
     "DIR_FLAGS",
     "READ_FLAGS",
@@ -46,10 +48,8 @@ __all__ = [
     "use_openat2",
 ]
 
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC
-READ_FLAGS = os.O_RDONLY | _NOFOLLOW | _CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW | CLOEXEC
+READ_FLAGS = os.O_RDONLY | NOFOLLOW | CLOEXEC
 _HEX = frozenset("0123456789abcdef")
 # What opening a link with O_NOFOLLOW answers: ELOOP, or ENOTDIR along with O_DIRECTORY.
 _LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR)
@@ -151,7 +151,7 @@ _tried = False
 def _open_resolved(path: str, flags: int) -> int:
     how = _hows.get(flags)
     if how is None:  # without O_NOFOLLOW a link last is ELOOP too, O_DIRECTORY or not
-        how = _OpenHow(flags & ~_NOFOLLOW, 0, _RESOLVE_NO_SYMLINKS)
+        how = _OpenHow(flags & ~NOFOLLOW, 0, _RESOLVE_NO_SYMLINKS)
         how = _hows[flags] = ctypes.byref(how)
     assert _openat2 is not None
     fd = _openat2(_NR_OPENAT2, _AT_FDCWD, os.fsencode(path), how, _HOW_SIZE)

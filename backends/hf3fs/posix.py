@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from hicache.backends._open_flags import CLOEXEC, NOFOLLOW
 from hicache.backends.base import segments_nbytes
 from hicache.backends.segments import segments_after
 from hicache.errors import BackendUnavailableError
@@ -30,8 +31,6 @@ logger = logging.getLogger(__name__)
 IOItem = tuple[int, Sequence[memoryview]]  # (file offset, segments moved back to back)
 _IOV_MAX = 1024
 _VectorIO = Callable[[int, Sequence[memoryview], int], int]  # os.pwritev / os.preadv
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class SlotIO(Protocol):
@@ -115,7 +114,7 @@ def open_store_file(path: str, flags: int, mode: int = 0o644) -> int:
     raises :class:`BackendUnavailableError`; other errors are raised as they are.
     """
     try:
-        return os.open(path, flags | _NOFOLLOW | _CLOEXEC, mode)
+        return os.open(path, flags | NOFOLLOW | CLOEXEC, mode)
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise

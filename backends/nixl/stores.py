@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.backends._open_flags import CLOEXEC, NOFOLLOW
 from hicache.backends.base import ObjectInfo
 from hicache.backends.file.io import fsync_dir, unlink_quietly
 from hicache.backends.nixl.agent import NixlAgent
@@ -26,9 +27,8 @@ __all__ = ["ObjStore", "PosixStore", "Target"]
 
 logger = logging.getLogger(__name__)
 
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_READ_FLAGS = os.O_RDONLY | _CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
+_READ_FLAGS = os.O_RDONLY | CLOEXEC | NOFOLLOW
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | CLOEXEC
 _TMP_KEY_CHARS = 200  # keeps ".<key>.<pid>.<random>.tmp" under NAME_MAX for 250-char keys
 
 

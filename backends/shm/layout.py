@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.backends._open_flags import NOFOLLOW
 from hicache.errors import BackendUnavailableError, ConfigError
 
 __all__ = [
@@ -200,7 +201,7 @@ class SegmentFile:
         existing segment (:class:`ConfigError`); the others are taken from its header.
         """
         for _ in range(8):
-            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | NOFOLLOW
             try:
                 fd = os.open(path, flags, 0o600)
             except OSError as exc:

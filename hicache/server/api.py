@@ -31,10 +31,9 @@ from aiohttp import web
 from hicache.server.answers import Shape, TextStream, error_response, event, models_body, usage
 from hicache.server.auth import (
     Access,
-    access_middleware,
     cache_namespace,
     current_tenant,
-    openai_errors,
+    openai_app,
 )
 from hicache.server.chat import parse_chat
 from hicache.server.limits import CallerLimiter, Limits, caller_of, check_priority
@@ -78,15 +77,15 @@ class CompletionsApi:
         self.started = int(time.time())
 
     def app(self) -> web.Application:
-        middlewares = [openai_errors, access_middleware(self.access)]
-        size = self.limits.max_body_bytes
-        app = web.Application(client_max_size=size, middlewares=middlewares)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_text)
-        return app
+        return openai_app(
+            self.access,
+            self.limits.max_body_bytes,
+            completions=self.completions,
+            chat=self.chat,
+            models=self.models,
+            health=self.health,
+            metrics=self.metrics_text,
+        )
 
     # ----- routes ---------------------------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:

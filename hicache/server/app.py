@@ -28,7 +28,7 @@ from hicache.server.request_body import ServedModel
 from hicache.serving.online import OnlineSource
 from hicache.serving.setup import ServingSetup
 
-__all__ = ["HttpServer", "Listen", "TlsFiles"]
+__all__ = ["GuardedServer", "HttpServer", "Listen", "TlsFiles"]
 
 logger = logging.getLogger(__name__)
 _KEEPALIVE_S = 15.0
@@ -63,7 +63,43 @@ class Listen:
     tls: TlsFiles | None = None
 
 
-class HttpServer:
+class GuardedServer:
+    """What the single server and the router share: an aiohttp app behind a
+    :class:`ConnectionGuard` (TLS when ``listen`` has files), listening at ``listen`` until
+    :meth:`stop`."""
+
+    def __init__(self, listen: Listen, rules: GuardRules) -> None:
+        self.listen = listen
+        tls = listen.tls.context() if listen.tls is not None else None
+        self.guard = ConnectionGuard(rules, tls)
+        self._stop = asyncio.Event()
+        self.url: str | None = None  # once listening
+
+    def stop(self) -> None:
+        """Begin the shutdown (safe to call more than once, from a signal handler too)."""
+        self._stop.set()
+
+    async def _runner(self, app: web.Application) -> web.AppRunner:
+        """``app`` behind the guard, set up (not yet listening)."""
+        app.middlewares.insert(0, self.guard.middleware())
+        # An idle keep-alive connection is closed after a while, so idle clients hold nothing.
+        runner = web.AppRunner(app, handle_signals=False, keepalive_timeout=_KEEPALIVE_S)
+        await runner.setup()
+        return runner
+
+    async def _listen(
+        self, runner: web.AppRunner, ready: Callable[[str], None] | None
+    ) -> asyncio.Server:
+        """Listen at ``listen`` through the guard; ``ready`` gets the URL."""
+        assert runner.server is not None  # set up by _runner
+        host, port = self.listen.host, self.listen.port
+        listener, self.url = await open_listener(runner.server, host, port, self.guard)
+        if ready is not None:
+            ready(self.url)
+        return listener
+
+
+class HttpServer(GuardedServer):
     """One engine behind the OpenAI-compatible API; :meth:`serve` runs until :meth:`stop`."""
 
     def __init__(
@@ -75,7 +111,6 @@ class HttpServer:
         limits: Limits | None = None,
     ) -> None:
         self.setup = setup
-        self.listen = listen
         self.access = access or Access()
         self.source = OnlineSource(setup.engine.now)
         cache_metrics = setup.cache.metrics if setup.cache is not None else None
@@ -87,36 +122,20 @@ class HttpServer:
         # A worker behind its router sees every request come from the router's address.
         per_client = None if self.access.internal_token else limits.max_connections_per_client
         rules = GuardRules(limits.max_connections, per_client, limits.header_timeout_s)
-        tls = listen.tls.context() if listen.tls is not None else None
-        self.guard = ConnectionGuard(rules, tls)
+        super().__init__(listen, rules)
         self.metrics.watch_connections(self.guard)
         self.admin = AdminApi(setup.engine, model, listen.drain_s, self.access.l3_allow)
-        self._stop = asyncio.Event()
-        self.url: str | None = None  # once listening
-
-    def stop(self) -> None:
-        """Begin the shutdown (safe to call more than once, from a signal handler too)."""
-        self._stop.set()
 
     async def serve(self, ready: Callable[[str], None] | None = None) -> None:
         """Listen, serve until :meth:`stop`, drain; ``ready`` gets the URL once listening."""
         app = self.api.app()
         if self.access.admin_key is not None:  # the admin plane is off without its key
             self.admin.add_routes(app)
-        # An idle keep-alive connection is closed after a while, so idle clients hold nothing.
-        app.middlewares.insert(0, self.guard.middleware())
-        runner = web.AppRunner(app, handle_signals=False, keepalive_timeout=_KEEPALIVE_S)
-        await runner.setup()
+        runner = await self._runner(app)
         engine = asyncio.create_task(self.setup.engine.run(self.source, wake=self.source.wake))
         listener: asyncio.Server | None = None
         try:
-            assert runner.server is not None  # set up above
-            listen = self.listen
-            listener, self.url = await open_listener(
-                runner.server, listen.host, listen.port, self.guard
-            )
-            if ready is not None:
-                ready(self.url)
+            listener = await self._listen(runner, ready)
             stopping = asyncio.create_task(self._stop.wait())
             await asyncio.wait({engine, stopping}, return_when=asyncio.FIRST_COMPLETED)
             stopping.cancel()

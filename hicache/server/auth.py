@@ -49,6 +49,7 @@ __all__ = [
     "Access",
     "KeyRing",
     "access_middleware",
+    "openai_app",
     "openai_errors",
     "cache_namespace",
     "current_tenant",
@@ -228,6 +229,28 @@ def access_middleware(access: Access) -> Middleware:
             _TENANT.reset(token_set)
 
     return check
+
+
+def openai_app(
+    access: Access,
+    max_body_bytes: int,
+    *,
+    completions: Handler,
+    chat: Handler,
+    models: Handler,
+    health: Handler,
+    metrics: Handler,
+) -> web.Application:
+    """The OpenAI-compatible routes that a server and a router both serve, behind the same
+    checks: OpenAI-shaped refusals, ``access``, bodies of at most ``max_body_bytes``."""
+    middlewares = [openai_errors, access_middleware(access)]
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
 
 
 async def _internal(

@@ -41,11 +41,10 @@ from hicache.server.answers import error_response, models_body
 from hicache.server.auth import (
     TENANT_HEADER,
     Access,
-    access_middleware,
     cache_namespace,
     current_tenant,
     key_of,
-    openai_errors,
+    openai_app,
 )
 from hicache.server.chat import parse_chat
 from hicache.server.limits import CallerLimiter, Limits, caller_of, check_priority
@@ -106,14 +105,15 @@ class RouterApi:
         self._register_metrics()
 
     def app(self) -> web.Application:
-        middlewares = [openai_errors, access_middleware(self.gate.access)]
-        size = self.gate.limits.max_body_bytes
-        app = web.Application(client_max_size=size, middlewares=middlewares)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
+        app = openai_app(
+            self.gate.access,
+            self.gate.limits.max_body_bytes,
+            completions=self.completions,
+            chat=self.completions,  # one handler: it tells the two by the path
+            models=self.models,
+            health=self.health,
+            metrics=self.metrics,
+        )
         app.on_cleanup.append(self._close_session)
         return app
 

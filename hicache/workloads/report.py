@@ -30,6 +30,32 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
+# The tiered cache's counters a row copies (as ints, 0 when absent), in the row's order: the
+# bytes moved between tiers and the pages checked, then the L3 faults and lookups.
+_MOVED_COUNTS = (
+    "bytes_device_to_host",
+    "bytes_host_to_device",
+    "bytes_host_to_l3",
+    "bytes_l3_to_host",
+    "bytes_staged",
+    "corrupt_pages",
+    "l3_repaired_pages",
+    "pages_checked_l3",
+)
+_L3_COUNTS = (
+    "l3_read_failures",
+    "l3_write_failures",
+    "l3_unavailable",
+    "prefetch_skipped_slow",
+    "l3_lookup_pages",
+    "l3_lookup_candidates",
+)
+
+
+def _counts(metrics: dict[str, float], names: Sequence[str]) -> dict[str, int]:
+    return {name: int(metrics.get(name, 0)) for name in names}
+
+
 def summarize(
     name: str, records: Sequence[RequestRecord], wall_s: float, metrics: dict[str, float]
 ) -> dict[str, Any]:
@@ -77,21 +103,9 @@ def summarize(
         "prefill_tokens_saved": device + host + l3,
         "hit_rate": round((device + host + l3) / prompt, 4) if prompt else 0.0,
         "wall_s": round(wall_s, 2),
-        "bytes_device_to_host": int(metrics.get("bytes_device_to_host", 0)),
-        "bytes_host_to_device": int(metrics.get("bytes_host_to_device", 0)),
-        "bytes_host_to_l3": int(metrics.get("bytes_host_to_l3", 0)),
-        "bytes_l3_to_host": int(metrics.get("bytes_l3_to_host", 0)),
-        "bytes_staged": int(metrics.get("bytes_staged", 0)),
-        "corrupt_pages": int(metrics.get("corrupt_pages", 0)),
-        "l3_repaired_pages": int(metrics.get("l3_repaired_pages", 0)),
-        "pages_checked_l3": int(metrics.get("pages_checked_l3", 0)),
+        **_counts(metrics, _MOVED_COUNTS),
         "errors": int(metrics.get("errors", 0)) + int(metrics.get("timeouts", 0)),
-        "l3_read_failures": int(metrics.get("l3_read_failures", 0)),
-        "l3_write_failures": int(metrics.get("l3_write_failures", 0)),
-        "l3_unavailable": int(metrics.get("l3_unavailable", 0)),
-        "prefetch_skipped_slow": int(metrics.get("prefetch_skipped_slow", 0)),
-        "l3_lookup_pages": int(metrics.get("l3_lookup_pages", 0)),
-        "l3_lookup_candidates": int(metrics.get("l3_lookup_candidates", 0)),
+        **_counts(metrics, _L3_COUNTS),
         "held_requests": sum(1 for r in ok if r.held_rounds),
         "held_rounds": sum(r.held_rounds for r in ok),
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_kit import needs_cuda
 from layout_kit import random_buffer
 
 from hicache.errors import LayoutError
@@ -20,10 +21,7 @@ from hicache.layouts import (
     scatter,
 )
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = [pytest.mark.cuda, needs_cuda]
 
 PRESETS = list(SpecPreset)
 

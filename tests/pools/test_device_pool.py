@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_kit import needs_cuda
 from pool_bytes_kit import as_bytes, random_like
 
 from hicache.dtypes import DType
@@ -23,7 +24,6 @@ from hicache.pools import (
 from hicache.pools.device import indexer_as_float, take_rows
 
 PRESETS = list(PoolPreset)
-NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def pools_of(model: ModelPools, pages: int = 4, device: str = "cpu") -> dict[str, DevicePool]:
@@ -235,7 +235,9 @@ def test_take_rows_is_advanced_indexing() -> None:
         take_rows(source, torch.tensor([50]))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, NO_CUDA])])
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]
+)
 def test_fp8_and_nan_payloads_round_trip_bit_exact(device: str) -> None:
     for dtype in (DType.FLOAT8_E4M3FN, DType.FLOAT16, DType.FLOAT32, DType.INT64):
         spec = PoolSpec("kv", LayoutSpec.mha(2, 2, 8, 4, dtype))
@@ -254,7 +256,7 @@ def test_repr_names_the_pool() -> None:
 
 
 @pytest.mark.cuda
-@NO_CUDA
+@needs_cuda
 @pytest.mark.parametrize("name", PRESETS)
 def test_cuda_device_pool_write_read_exact(name: PoolPreset) -> None:
     pools = pools_of(preset(name), device="cuda")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_kit import needs_cuda
 from pool_bytes_kit import as_bytes, random_like
 
 from hicache.errors import (
@@ -25,7 +26,6 @@ from hicache.pools import (
 )
 
 PRESETS = list(PoolPreset)
-NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DENSE = preset(PoolPreset.DENSE).pools[0]
 
 
@@ -253,7 +253,7 @@ def test_pinning_follows_cuda() -> None:
 
 
 @pytest.mark.cuda
-@NO_CUDA
+@needs_cuda
 @pytest.mark.parametrize("layout", KV_LAYOUTS, ids=lambda x: x.label)
 @pytest.mark.parametrize("name", PRESETS)
 def test_cuda_device_host_device_is_exact(name: PoolPreset, layout: Layout) -> None:
@@ -261,7 +261,7 @@ def test_cuda_device_host_device_is_exact(name: PoolPreset, layout: Layout) -> N
 
 
 @pytest.mark.cuda
-@NO_CUDA
+@needs_cuda
 def test_cuda_host_pool_is_pinned_and_events_complete() -> None:
     dev = DevicePool(DENSE, 16)
     host = HostPool(DENSE, 4, Layout.PAGE_FIRST)

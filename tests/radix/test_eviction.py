@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from clock_kit import FakeClock
 
 from hicache.keys import RadixKey
 from hicache.radix import EvictionPolicy, RadixCache, RadixCacheConfig
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def tree_with(policy: EvictionPolicy, **extra: object) -> tuple[RadixCache, Clock]:
-    clock = Clock()
+def tree_with(policy: EvictionPolicy, **extra: object) -> tuple[RadixCache, FakeClock]:
+    clock = FakeClock()
     config = RadixCacheConfig(page_size=1, policy=policy, simulated=True, **extra)  # type: ignore[arg-type]
     return RadixCache(config, clock=clock), clock
 
@@ -34,7 +27,7 @@ def eviction_order(tree: RadixCache) -> list[int]:
     return order
 
 
-def build(policy: EvictionPolicy) -> tuple[RadixCache, Clock]:
+def build(policy: EvictionPolicy) -> tuple[RadixCache, FakeClock]:
     """Sequences 10, 20, 30, created at t=1, 2, 3; then 10 used at t=4 (twice), 30 at t=5."""
     tree, clock = tree_with(policy)
     for t, first in ((1, 10), (2, 20), (3, 30)):

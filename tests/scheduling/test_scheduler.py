@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from clock_kit import FakeClock
 from tiered_tree_kit import tiered_with
 
 from hicache.errors import ConfigError, InvalidArgumentError, InvalidTokenError
@@ -274,16 +275,8 @@ def test_bad_token_raises_typed() -> None:
 
 
 # ----- the prefill delayer --------------------------------------------------------------------
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_delayer_holds_while_conditions_hold_and_releases_at_max_delay() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     delayer = PrefillDelayer(DelayerConfig(max_delay_s=0.5, min_reusable=2), clock)
     stats = QueueStats(n_waiting=6, n_reusable=3, oldest_arrival=100.0)
     assert delayer.release_at(stats) == 100.5
@@ -298,7 +291,7 @@ def test_delayer_holds_while_conditions_hold_and_releases_at_max_delay() -> None
 
 
 def test_delayer_does_not_hold_without_sharing_or_with_a_good_hit_rate() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     delayer = PrefillDelayer(
         DelayerConfig(max_delay_s=1.0, min_reusable=2, max_hit_rate=0.5), clock
     )
@@ -316,7 +309,7 @@ def test_delayer_does_not_hold_without_sharing_or_with_a_good_hit_rate() -> None
 
 
 def test_delayer_bad_input() -> None:
-    delayer = PrefillDelayer(clock=FakeClock())
+    delayer = PrefillDelayer(clock=FakeClock(100.0))
     with pytest.raises(InvalidArgumentError):
         delayer.observe(5, 4)
     with pytest.raises(InvalidArgumentError):
@@ -331,7 +324,7 @@ def test_delayer_bad_input() -> None:
 
 
 def test_plan_feeds_the_delayer() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     queue = [req(f"r{i}", [*SHARED, i], t=100.0 + i / 100) for i in range(4)]
     plan = sched(sim(), P.LPM).plan(queue)
     assert plan.stats == QueueStats(4, 3, 100.0)

@@ -10,59 +10,21 @@ import asyncio
 import dataclasses
 import json
 import pathlib
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from http_kit import ADMIN_KEY, DENSE, GREEDY, client, serving, slowed, start, stop
 from prometheus_client.parser import text_string_to_metric_families
-from serving_kit import ENGINE, PAGE, VOCAB, hicache_config, serve, tiny_model, trace
+from serving_kit import ENGINE, PAGE, VOCAB, serve, trace
 
-from hicache.models.config import ModelPreset
 from hicache.radix.eviction import EvictionPolicy
-from hicache.server.app import HttpServer, Listen
+from hicache.server.app import HttpServer
 from hicache.server.auth import Access
-from hicache.server.limits import Limits
-from hicache.server.request_body import ServedModel
-from hicache.serving.engine import CacheMode, EngineConfig
-from hicache.serving.setup import open_engine
+from hicache.serving.engine import CacheMode
 
-DENSE = ModelPreset.DENSE
-GREEDY = {"temperature": 0}
 PROMPTS = [[7 + i] * 24 + list(range(10, 10 + 4 * i)) for i in range(4)]
-ADMIN_KEY = "admin-key-for-tests"
-
-
-async def start(
-    l3: pathlib.Path | None,
-    device_tokens: int = 128,
-    mode: CacheMode | None = None,
-    engine: EngineConfig = ENGINE,
-    tokenizer: Any = None,
-    access: Access | None = None,
-    limits: Limits | None = None,
-) -> HttpServer:
-    if mode is None:
-        mode = CacheMode.DEVICE_HOST if l3 is None else CacheMode.DEVICE_HOST_L3
-    setup = await open_engine(tiny_model(DENSE), mode, hicache_config(l3), device_tokens, engine)
-    model = ServedModel("tiny", VOCAB, tokenizer)
-    access = access or Access(admin_key=ADMIN_KEY)  # no tenant keys: /v1 is open
-    server = HttpServer(setup, model, Listen("127.0.0.1", 0, drain_s=10.0), access, limits)
-    task = asyncio.create_task(server.serve())
-    for _ in range(500):
-        if server.url is not None or task.done():
-            break
-        await asyncio.sleep(0.01)
-    if task.done():
-        task.result()  # raises what stopped it
-    server.task = task  # type: ignore[attr-defined]
-    return server
-
-
-async def stop(server: HttpServer) -> None:
-    server.stop()
-    await asyncio.wait_for(server.task, 30)  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -71,11 +33,6 @@ async def server(tmp_path: pathlib.Path) -> AsyncIterator[HttpServer]:
     yield running
     if not running.task.done():  # type: ignore[attr-defined]
         await stop(running)
-
-
-def client(server: HttpServer, key: str = ADMIN_KEY) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {key}"}
-    return httpx.AsyncClient(base_url=server.url or "", timeout=30.0, headers=headers)
 
 
 async def test_completions_equal_the_engines_own_run(server: HttpServer) -> None:
@@ -211,28 +168,23 @@ async def device_hit(http: httpx.AsyncClient, server: HttpServer, prompt: list[i
 
 
 async def test_pin_keeps_a_prefix_through_a_flush() -> None:
-    server = await start(None)
-    try:
-        async with client(server) as http:
-            await post(http, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 1})
-            await post(http, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 1})
-            pin = await post(http, "/admin/pin", {"prompt": PROMPTS[0], "ttl_s": 60})
-            assert pin.status_code == 200 and pin.json()["pinned_tokens"] >= 16
-            flushed = await post(http, "/admin/flush", {})
-            assert flushed.status_code == 200 and flushed.json()["dropped_tokens"] > 0
-            assert await device_hit(http, server, PROMPTS[0]) >= 16  # pinned: still there
-            assert await device_hit(http, server, PROMPTS[1]) == 0  # flushed
-            for body in ({"prompt": PROMPTS[0], "ttl_s": 0}, {"prompt": [VOCAB], "ttl_s": 5}):
-                bad = await post(http, "/admin/pin", body)
-                assert bad.status_code == 400, bad.text
-    finally:
-        await stop(server)
+    async with serving(None) as server, client(server) as http:
+        await post(http, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 1})
+        await post(http, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 1})
+        pin = await post(http, "/admin/pin", {"prompt": PROMPTS[0], "ttl_s": 60})
+        assert pin.status_code == 200 and pin.json()["pinned_tokens"] >= 16
+        flushed = await post(http, "/admin/flush", {})
+        assert flushed.status_code == 200 and flushed.json()["dropped_tokens"] > 0
+        assert await device_hit(http, server, PROMPTS[0]) >= 16  # pinned: still there
+        assert await device_hit(http, server, PROMPTS[1]) == 0  # flushed
+        for body in ({"prompt": PROMPTS[0], "ttl_s": 0}, {"prompt": [VOCAB], "ttl_s": 5}):
+            bad = await post(http, "/admin/pin", body)
+            assert bad.status_code == 400, bad.text
 
 
 async def test_l3_detach_and_attach_at_run_time(tmp_path: pathlib.Path) -> None:
     access = Access(admin_key=ADMIN_KEY, l3_allow=(f"file://{tmp_path}/",))
-    server = await start(tmp_path / "l3", access=access)
-    try:
+    async with serving(tmp_path / "l3", access=access) as server:
         async with client(server) as http:
             detached = await post(http, "/admin/l3/detach", {})
             assert detached.json() == {"l3": None, "detached": True}
@@ -256,27 +208,21 @@ async def test_l3_detach_and_attach_at_run_time(tmp_path: pathlib.Path) -> None:
             await post(http, "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 1})
             await cache.quiesce(10)
         assert any(other.rglob("*")), "nothing written to the attached L3"
-    finally:
-        await stop(server)
 
 
 async def test_priority_admits_first_and_its_pages_are_evicted_last() -> None:
     engine = dataclasses.replace(ENGINE, eviction=EvictionPolicy.PRIORITY, max_running=1)
     access = Access(admin_key=ADMIN_KEY, max_priority=5)  # raising priority is the operator's
-    server = await start(None, device_tokens=96, mode=CacheMode.DEVICE, engine=engine,
-                         access=access)  # fmt: skip
-    try:
-        async with client(server) as http:
-            important = [3] * 40
-            await post(http, "/v1/completions", {"prompt": important, "max_tokens": 1,
-                                                 "priority": 5})  # fmt: skip
-            for i in range(4):  # low priority, enough to evict everything evictable twice
-                await post(http, "/v1/completions", {"prompt": [50 + i] * 40, "max_tokens": 1})
-            assert await device_hit(http, server, important) >= 32
-            bad = await post(http, "/v1/completions", {"prompt": [1], "priority": "high"})
-            assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
-    finally:
-        await stop(server)
+    options = {"device_tokens": 96, "mode": CacheMode.DEVICE, "engine": engine, "access": access}
+    async with serving(None, **options) as server, client(server) as http:
+        important = [3] * 40
+        await post(http, "/v1/completions", {"prompt": important, "max_tokens": 1,
+                                             "priority": 5})  # fmt: skip
+        for i in range(4):  # low priority, enough to evict everything evictable twice
+            await post(http, "/v1/completions", {"prompt": [50 + i] * 40, "max_tokens": 1})
+        assert await device_hit(http, server, important) >= 32
+        bad = await post(http, "/v1/completions", {"prompt": [1], "priority": "high"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
 
 
 async def test_text_prompts_and_answers_with_a_tokenizer() -> None:
@@ -287,8 +233,7 @@ async def test_text_prompts_and_answers_with_a_tokenizer() -> None:
     words = ["<unk>", "the", "cat", "sat", "on", "mat"] + [f"w{i}" for i in range(6, VOCAB)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    server = await start(None, tokenizer=tokenizer)
-    try:
+    async with serving(None, tokenizer=tokenizer) as server:
         async with client(server) as http:
             text = await post(http, "/v1/completions", {"prompt": "the cat sat on the mat",
                                                         "max_tokens": 3, **GREEDY})  # fmt: skip
@@ -299,24 +244,9 @@ async def test_text_prompts_and_answers_with_a_tokenizer() -> None:
         assert choice["token_ids"] == ids.json()["choices"][0]["token_ids"]
         assert choice["text"] == tokenizer.decode(choice["token_ids"]) and choice["text"]
         assert text.json()["usage"]["prompt_tokens"] == 6
-    finally:
-        await stop(server)
 
 
 # ----- clients that go away -----------------------------------------------------------------------
-def slowed(server: HttpServer, seconds: float = 0.01) -> None:
-    """Each forward step takes ``seconds`` more: a long answer lasts long enough for its client
-    to hang up while it is computed, however fast the machine."""
-    model = server.setup.engine.model
-    forward = model.forward_batch
-
-    def slow_forward(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(seconds)  # in the engine's forward thread, as a slow device would
-        return forward(*args, **kwargs)
-
-    model.forward_batch = slow_forward  # type: ignore[method-assign]
-
-
 async def record_of(server: HttpServer, rid: str) -> Any:
     for _ in range(500):
         found = [r for r in server.setup.engine.records if r.rid == rid and r.error is not None]
@@ -327,9 +257,8 @@ async def record_of(server: HttpServer, rid: str) -> Any:
 
 
 async def test_a_stream_whose_client_hangs_up_is_cancelled() -> None:
-    server = await start(None, device_tokens=512)
-    slowed(server)  # 200 tokens: 2 s at least
-    try:
+    async with serving(None, device_tokens=512) as server:
+        slowed(server)  # 200 tokens: 2 s at least
         async with client(server) as http:
             body = {"prompt": PROMPTS[0], "max_tokens": 200, "stream": True, **GREEDY}
             async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -344,27 +273,21 @@ async def test_a_stream_whose_client_hangs_up_is_cancelled() -> None:
             ok = await post(http, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
             assert ok.status_code == 200  # the server goes on, its slots free again
         assert server.metrics.sample("hicache_requests_total", {"outcome": "failed"}) == 1
-    finally:
-        await stop(server)
 
 
 async def test_a_whole_answer_whose_client_hangs_up_is_cancelled() -> None:
-    server = await start(None, device_tokens=512)
-    slowed(server)  # 300 tokens: 3 s at least; the client gives up after 0.3 s
-    try:
+    async with serving(None, device_tokens=512) as server:
+        slowed(server)  # 300 tokens: 3 s at least; the client gives up after 0.3 s
         async with httpx.AsyncClient(base_url=server.url or "", timeout=0.3) as http:
             body = {"prompt": PROMPTS[1], "max_tokens": 300, **GREEDY}
             with pytest.raises(httpx.ReadTimeout):
                 await http.post("/v1/completions", json=body)
         record = await record_of(server, "http-0")
         assert record.output_tokens < 300
-    finally:
-        await stop(server)
 
 
 async def test_a_cancelled_request_leaves_the_queue_before_it_runs() -> None:
-    server = await start(None, engine=dataclasses.replace(ENGINE, max_running=1))
-    try:
+    async with serving(None, engine=dataclasses.replace(ENGINE, max_running=1)) as server:
         source = server.source
         first = source.submit(PROMPTS[0], 20, 0.0)
         second = source.submit(PROMPTS[1], 20, 0.0)
@@ -376,5 +299,3 @@ async def test_a_cancelled_request_leaves_the_queue_before_it_runs() -> None:
         assert served.record.error is None and len(served.generated) == 20
         source.cancel(first)  # done already: nothing happens
         assert not first.request.cancelled
-    finally:
-        await stop(server)

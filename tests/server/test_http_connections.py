@@ -8,8 +8,8 @@ import json
 import socket
 
 import httpx
+from http_kit import serving
 from prometheus_client.parser import text_string_to_metric_families
-from test_http_api import start, stop
 
 from hicache.server.app import HttpServer
 from hicache.server.limits import Limits
@@ -35,8 +35,7 @@ async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
 
 
 async def test_slow_heads_are_closed_and_the_cap_refuses_more() -> None:
-    server = await start(None, limits=Limits(max_connections=4, header_timeout_s=0.5))
-    try:
+    async with serving(None, limits=Limits(max_connections=4, header_timeout_s=0.5)) as server:
         slow = [await _open(server, PARTIAL_HEAD) for _ in range(4)]
         extra, _ = await _open(server, PARTIAL_HEAD)
         assert await _closed_within(extra, 0.3)  # over the cap: closed at once
@@ -50,13 +49,10 @@ async def test_slow_heads_are_closed_and_the_cap_refuses_more() -> None:
         assert counts["hicache_http_connections_timed_out_total"] == 4
         for _, writer in slow:
             writer.close()
-    finally:
-        await stop(server)
 
 
 async def test_a_body_that_does_not_arrive_is_a_408() -> None:
-    server = await start(None, limits=Limits(body_timeout_s=0.3))
-    try:
+    async with serving(None, limits=Limits(body_timeout_s=0.3)) as server:
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b"Content-Length: 100\r\n\r\n{\"prompt\"")  # fmt: skip
         reader, writer = await _open(server, head)
@@ -66,13 +62,10 @@ async def test_a_body_that_does_not_arrive_is_a_408() -> None:
         async with httpx.AsyncClient(base_url=server.url or "") as client:
             body = {"prompt": [1, 2], "max_tokens": 1}
             assert (await client.post("/v1/completions", json=body)).status_code == 200
-    finally:
-        await stop(server)
 
 
 async def test_two_hundred_slow_heads_leave_health_and_requests_served() -> None:
-    server = await start(None)
-    try:
+    async with serving(None) as server:
         slow = [await _open(server, PARTIAL_HEAD) for _ in range(200)]
         async with httpx.AsyncClient(base_url=server.url or "", timeout=5.0) as client:
             started = asyncio.get_running_loop().time()
@@ -82,13 +75,10 @@ async def test_two_hundred_slow_heads_leave_health_and_requests_served() -> None
             assert (await client.post("/v1/completions", json=body)).status_code == 200
         for _, writer in slow:
             writer.close()
-    finally:
-        await stop(server)
 
 
 async def test_a_stream_whose_client_stops_reading_is_dropped() -> None:
-    server = await start(None, device_tokens=4096, limits=Limits(write_timeout_s=0.5))
-    try:
+    async with serving(None, device_tokens=4096, limits=Limits(write_timeout_s=0.5)) as server:
         host, port = (server.url or "").removeprefix("http://").split(":")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once: unread
@@ -119,5 +109,3 @@ async def test_a_stream_whose_client_stops_reading_is_dropped() -> None:
             await asyncio.sleep(0.05)
         assert server.guard.open == 0
         sock.close()
-    finally:
-        await stop(server)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import openai
 import pytest
-from test_http_api import start, stop
+from http_kit import serving, start, stop
 
 from hicache.models.byte_tokenizer import ByteTokenizer
 from hicache.server.app import HttpServer
@@ -115,12 +115,9 @@ async def test_refusals_raise_the_clients_own_errors(server: HttpServer) -> None
         await api.completions.create(model="tiny", prompt="x", max_tokens=2, top_p=5)
     with pytest.raises(openai.BadRequestError):
         await api.chat.completions.create(model="tiny", messages=[{"role": "nobody"}])  # type: ignore[list-item, typeddict-item]
-    slow = await start(None, tokenizer=ByteTokenizer(), access=Access(KeyRing({KEY: "t"})),
-                       limits=Limits(rate_per_s=0.5))  # a burst of one  # fmt: skip
-    try:
+    access, limits = Access(KeyRing({KEY: "t"})), Limits(rate_per_s=0.5)  # a burst of one
+    async with serving(None, tokenizer=ByteTokenizer(), access=access, limits=limits) as slow:
         limited = client(slow)
         await limited.completions.create(model="tiny", prompt="x", max_tokens=1)
         with pytest.raises(openai.RateLimitError):
             await limited.completions.create(model="tiny", prompt="x", max_tokens=1)
-    finally:
-        await stop(slow)

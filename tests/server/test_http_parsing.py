@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from test_http_api import client, start, stop
+from http_kit import client, serving
 
 from hicache.models.byte_tokenizer import ByteTokenizer
 from hicache.server.request_body import PARSE_IN_THREAD_BYTES
@@ -31,9 +31,8 @@ class SlowBytes(ByteTokenizer):
 
 async def test_a_large_body_is_parsed_off_the_event_loop() -> None:
     tokenizer = SlowBytes()
-    server = await start(None, tokenizer=tokenizer)
-    loop_thread = threading.get_ident()
-    try:
+    async with serving(None, tokenizer=tokenizer) as server:
+        loop_thread = threading.get_ident()
         async with client(server) as http:
             small = await http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1})
             assert small.status_code == 200, small.text
@@ -49,5 +48,3 @@ async def test_a_large_body_is_parsed_off_the_event_loop() -> None:
             assert waited < SLOW_S / 2, waited
             assert (await large).status_code == 400  # longer than the device pool
         assert tokenizer.threads[1] != loop_thread
-    finally:
-        await stop(server)

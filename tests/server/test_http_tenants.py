@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
+from http_kit import GREEDY, serving, slowed
 from serving_kit import ENGINE, VOCAB
-from test_http_api import GREEDY, slowed, start, stop
 
 from hicache.server.app import HttpServer
 from hicache.server.auth import Access, KeyRing
@@ -48,8 +48,7 @@ async def cached(server: HttpServer, key: str, prompt: list[int], **extra: Any) 
 
 
 async def test_requests_without_a_valid_key_get_a_401_that_does_not_echo_it() -> None:
-    server = await start(None, access=Access(KEYS))
-    try:
+    async with serving(None, access=Access(KEYS)) as server:
         for key in (None, "wrong-key-123456", ALICE[:-1]):
             async with http(server, key) as client:
                 for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
@@ -67,8 +66,6 @@ async def test_requests_without_a_valid_key_get_a_401_that_does_not_echo_it() ->
             assert models["data"][0]["owned_by"] and models["data"][0]["created"] > 0
             assert (await client.get("/metrics")).status_code == 200
         assert await cached(server, ALICE, PROMPT[:20]) == 0
-    finally:
-        await stop(server)
 
 
 @pytest.mark.parametrize(
@@ -79,32 +76,29 @@ async def test_requests_without_a_valid_key_get_a_401_that_does_not_echo_it() ->
 async def test_a_key_that_is_not_utf8_is_a_401_not_a_500(access: Access) -> None:
     """httpx sends header bytes as given: an Authorization with bytes that are not UTF-8, to
     every check that compares a key (tenant keys, the admin key, a worker's internal token)."""
-    server = await start(None, access=access)
-    try:
-        async with httpx.AsyncClient(base_url=server.url or "", timeout=30.0) as client:
-            for raw in (ALICE[:-1].encode() + b"\xff", b"\xff\xfe", b"\xc3\x28"):
-                headers = [(b"Authorization", b"Bearer " + raw)]
-                for path in ("/v1/completions", "/admin/flush"):
-                    answer = await client.post(path, json={"prompt": [1]}, headers=headers)
-                    assert answer.status_code in (401, 404), (path, raw, answer.text)
-                    assert answer.status_code == 401 or access.admin_key is None
-    finally:
-        await stop(server)
+    async with (
+        serving(None, access=access) as server,
+        httpx.AsyncClient(base_url=server.url or "", timeout=30.0) as client,
+    ):
+        for raw in (ALICE[:-1].encode() + b"\xff", b"\xff\xfe", b"\xc3\x28"):
+            headers = [(b"Authorization", b"Bearer " + raw)]
+            for path in ("/v1/completions", "/admin/flush"):
+                answer = await client.post(path, json={"prompt": [1]}, headers=headers)
+                assert answer.status_code in (401, 404), (path, raw, answer.text)
+                assert answer.status_code == 401 or access.admin_key is None
 
 
 async def test_metrics_can_be_public() -> None:
-    server = await start(None, access=Access(KEYS, metrics_public=True))
-    try:
-        async with http(server, None) as client:
-            assert (await client.get("/metrics")).status_code == 200
-            assert (await client.post("/v1/completions", json={})).status_code == 401
-    finally:
-        await stop(server)
+    async with (
+        serving(None, access=Access(KEYS, metrics_public=True)) as server,
+        http(server, None) as client,
+    ):
+        assert (await client.get("/metrics")).status_code == 200
+        assert (await client.post("/v1/completions", json={})).status_code == 401
 
 
 async def test_tenants_and_salts_share_no_cached_page(tmp_path: pathlib.Path) -> None:
-    server = await start(tmp_path / "l3", access=Access(KEYS))
-    try:
+    async with serving(tmp_path / "l3", access=Access(KEYS)) as server:
         assert await cached(server, ALICE, PROMPT) == 0
         assert await cached(server, ALICE, PROMPT) > 0  # the same tenant hits its own prefix
         assert await cached(server, BOB, PROMPT) == 0  # another tenant's prefix is a miss
@@ -115,50 +109,34 @@ async def test_tenants_and_salts_share_no_cached_page(tmp_path: pathlib.Path) ->
         # The user field names nobody's cache: bob stays bob.
         assert await cached(server, BOB, PROMPT[::-1], user="alice") == 0
         await server.setup.cache.quiesce(10)  # type: ignore[union-attr]
-    finally:
-        await stop(server)
     # A new server over the same L3: alice's pages are hers only.
-    again = await start(tmp_path / "l3", access=Access(KEYS))
-    try:
+    async with serving(tmp_path / "l3", access=Access(KEYS)) as again:
         assert await cached(again, ALICE, HERS) > 0
         assert again.setup.engine.records[-1].hit_l3 > 0
         assert await cached(again, BOB, HERS[:40] + [3] * 24) == 0
-    finally:
-        await stop(again)
 
 
 async def test_share_cache_lets_tenants_hit_each_others_prefixes() -> None:
-    server = await start(None, access=Access(KEYS, share_cache=True))
-    try:
+    async with serving(None, access=Access(KEYS, share_cache=True)) as server:
         assert await cached(server, ALICE, PROMPT) == 0
         assert await cached(server, BOB, PROMPT) > 0
         assert await cached(server, BOB, PROMPT, cache_salt="own") == 0  # the salt still counts
-    finally:
-        await stop(server)
 
 
 async def test_a_bad_cache_salt_is_a_400() -> None:
-    server = await start(None, access=Access(KEYS))
-    try:
-        async with http(server, ALICE) as client:
-            for salt in ("", "x" * 257, "tab\there", 7, ["a"]):
-                body = {"prompt": PROMPT[:8], "cache_salt": salt}
-                answer = await client.post("/v1/completions", json=body)
-                assert answer.status_code == 400 and answer.json()["error"]["param"] == "cache_salt"
-    finally:
-        await stop(server)
+    async with serving(None, access=Access(KEYS)) as server, http(server, ALICE) as client:
+        for salt in ("", "x" * 257, "tab\there", 7, ["a"]):
+            body = {"prompt": PROMPT[:8], "cache_salt": salt}
+            answer = await client.post("/v1/completions", json=body)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "cache_salt"
 
 
 async def test_admin_routes_need_the_admin_key() -> None:
-    closed = await start(None, access=Access(KEYS))  # no admin key: no admin plane
-    try:
+    async with serving(None, access=Access(KEYS)) as closed:  # no admin key: no admin plane
         for key in (ALICE, None):
             async with http(closed, key) as client:
                 assert (await client.post("/admin/flush", json={})).status_code == 404
-    finally:
-        await stop(closed)
-    server = await start(None, access=Access(KEYS, admin_key=ADMIN))
-    try:
+    async with serving(None, access=Access(KEYS, admin_key=ADMIN)) as server:
         for key, status in ((ALICE, 403), (None, 401), ("not-the-admin-key", 401), (ADMIN, 200)):
             async with http(server, key) as client:
                 answer = await client.post("/admin/flush", json={})
@@ -171,15 +149,12 @@ async def test_admin_routes_need_the_admin_key() -> None:
             answer = await client.post("/admin/l3/attach", json={"url": url})
         assert answer.status_code == 403 and "--l3-allow" in answer.text
         assert not any(s in answer.text for s in ("AKIDEXAMPLE", "sEcReT-42", "zq9"))
-    finally:
-        await stop(server)
 
 
 async def test_limits_answer_with_their_status_and_retry_after() -> None:
     limits = Limits(max_body_bytes=4096, max_tokens=8, max_queue=1, rate_per_s=1.0,
                     max_concurrent=1)  # fmt: skip
-    server = await start(None, device_tokens=4096, access=Access(KEYS), limits=limits)
-    try:
+    async with serving(None, device_tokens=4096, access=Access(KEYS), limits=limits) as server:
         async with http(server, ALICE) as client:
             big = await client.post("/v1/completions", content=b"[" + b"1," * 4096 + b"1]")
             assert big.status_code == 413 and "error" in big.json()
@@ -197,28 +172,21 @@ async def test_limits_answer_with_their_status_and_retry_after() -> None:
         assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
         server.source.cancel(hold)
         await hold.done
-    finally:
-        await stop(server)
 
 
 async def test_unknown_routes_and_methods_answer_in_openais_shape() -> None:
-    server = await start(None, access=Access(KEYS))
-    try:
-        async with http(server, ALICE) as client:
-            for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405),
-                                         ("POST", "/admin/flush", 404)):  # fmt: skip
-                answer = await client.request(method, path)
-                assert answer.status_code == status
-                assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
-    finally:
-        await stop(server)
+    async with serving(None, access=Access(KEYS)) as server, http(server, ALICE) as client:
+        for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405),
+                                     ("POST", "/admin/flush", 404)):  # fmt: skip
+            answer = await client.request(method, path)
+            assert answer.status_code == status
+            assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
 
 
 async def test_priority_is_capped_per_tenant(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "keys"
     path.write_text(f"{ALICE} alice max_priority=3\n{BOB} bob\n")
-    server = await start(None, access=Access(KeyRing({}, path)))
-    try:
+    async with serving(None, access=Access(KeyRing({}, path))) as server:
 
         async def ask(key: str, priority: int) -> httpx.Response:
             async with http(server, key) as client:
@@ -237,44 +205,35 @@ async def test_priority_is_capped_per_tenant(tmp_path: pathlib.Path) -> None:
         server.access.keys.reload()  # SIGHUP: the new cap holds
         assert (await ask(ALICE, 5)).status_code == 200
         assert (await ask(BOB, 1)).status_code == 400
-    finally:
-        await stop(server)
 
 
 async def test_a_tenants_keys_share_one_rate_limit() -> None:
     keys = KeyRing({ALICE: "alice", "alice-key-0004": "alice", BOB: "bob"})
-    server = await start(None, access=Access(keys), limits=Limits(rate_per_s=1.0))
-    try:
+    async with serving(None, access=Access(keys), limits=Limits(rate_per_s=1.0)) as server:
         statuses = []
         for key in (ALICE, "alice-key-0004", BOB):
             async with http(server, key) as client:
                 body = {"prompt": PROMPT[:8], "max_tokens": 1}
                 statuses.append((await client.post("/v1/completions", json=body)).status_code)
         assert statuses == [200, 429, 200]  # alice's second key finds her bucket empty
-    finally:
-        await stop(server)
 
 
 async def test_without_keys_a_new_bearer_string_is_no_new_bucket() -> None:
-    server = await start(None, access=Access(), limits=Limits(rate_per_s=1.0))
-    try:
+    async with serving(None, access=Access(), limits=Limits(rate_per_s=1.0)) as server:
         statuses = []
         for _ in range(3):
             async with http(server, secrets.token_hex(12)) as client:
                 body = {"prompt": PROMPT[:8], "max_tokens": 1}
                 statuses.append((await client.post("/v1/completions", json=body)).status_code)
         assert statuses == [200, 429, 429]  # one client address, one bucket
-    finally:
-        await stop(server)
 
 
 async def test_tenants_take_turns_for_the_slots_that_free() -> None:
     """Bob has two requests running and a third queued when alice's arrives: the next slot
     that frees is hers (she has none running), not his third's, although his came first."""
     engine = dataclasses.replace(ENGINE, max_running=2)
-    server = await start(None, device_tokens=1024, engine=engine, access=Access(KEYS))
-    slowed(server, 0.01)  # each step 10 ms or more: the order is the engine's, not the clock's
-    try:
+    async with serving(None, device_tokens=1024, engine=engine, access=Access(KEYS)) as server:
+        slowed(server, 0.01)  # each step 10 ms or more: the order is the engine's, not the clock's
         async with http(server, BOB) as bob, http(server, ALICE) as alice:
             lengths = {"short": (11, 20), "long": (12, 200), "third": (13, 20)}
             bobs = [asyncio.create_task(bob.post("/v1/completions", json={
@@ -287,5 +246,3 @@ async def test_tenants_take_turns_for_the_slots_that_free() -> None:
             assert all(a.status_code == 200 for a in await asyncio.gather(*bobs))
         admitted = {r.prompt_tokens: r.admitted_s for r in server.setup.engine.records}
         assert admitted[14] < admitted[13]  # alice before bob's third
-    finally:
-        await stop(server)

@@ -8,6 +8,7 @@ import secrets
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from clock_kit import FakeClock
 
 from hicache.errors import ConfigError
 from hicache.server.auth import Access, KeyRing, access_middleware
@@ -15,16 +16,8 @@ from hicache.server.limits import CallerLimiter, Limits, caller_of, check_priori
 from hicache.server.request_body import ApiError
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_rate_limit_refuses_past_its_burst_and_says_when_to_retry() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     limiter = CallerLimiter(Limits(rate_per_s=2.0), clock)
     assert limiter.admit("a") is None and limiter.admit("a") is None  # a burst of 2
     wait = limiter.admit("a")
@@ -37,7 +30,7 @@ def test_a_rate_limit_refuses_past_its_burst_and_says_when_to_retry() -> None:
 
 
 def test_concurrency_is_counted_until_release() -> None:
-    limiter = CallerLimiter(Limits(max_concurrent=2), Clock())
+    limiter = CallerLimiter(Limits(max_concurrent=2), FakeClock(100.0))
     assert limiter.admit("a") is None and limiter.admit("a") is None
     assert limiter.admit("a") == 1.0
     limiter.release("a")
@@ -47,7 +40,7 @@ def test_concurrency_is_counted_until_release() -> None:
 
 
 def test_a_refused_request_takes_nothing() -> None:
-    limiter = CallerLimiter(Limits(rate_per_s=1.0, max_concurrent=1), Clock())
+    limiter = CallerLimiter(Limits(rate_per_s=1.0, max_concurrent=1), FakeClock(100.0))
     assert limiter.admit("a") is None
     assert limiter.admit("a") is not None  # concurrency: refused before the bucket is touched
     limiter.release("a")

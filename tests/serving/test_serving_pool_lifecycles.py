@@ -33,7 +33,7 @@ from hicache.keys import RadixKey
 from hicache.models.config import ModelConfig, ModelPreset
 from hicache.models.tiny import TinyTransformer
 from hicache.models.types import ChunkInput
-from hicache.pools.device import device_pools
+from hicache.pools.device import DevicePool, device_pools
 from hicache.serving.engine import CacheMode, Engine, EngineConfig, RequestSource
 from hicache.serving.engine_events import ChunkPlanned
 from hicache.serving.pool_slots import swa_reserve
@@ -47,6 +47,15 @@ DEVICE_TOKENS = 256
 
 def tiny(preset: ModelPreset, **changes: int) -> TinyTransformer:
     return TinyTransformer(dataclasses.replace(model_config(preset), **changes))
+
+
+def model_with_pools(
+    preset: ModelPreset, tokens: dict[str, int], **changes: int
+) -> tuple[TinyTransformer, dict[str, DevicePool]]:
+    """A tiny model and device pools of ``tokens`` slots each on the CPU, for forward calls
+    with no engine around them."""
+    model = tiny(preset, **changes)
+    return model, device_pools(model.config.pools(), tokens, "cpu")
 
 
 def longdoc(requests: int = 12, docs: int = 3, doc_tokens: int = 60) -> RequestSource:
@@ -198,9 +207,7 @@ async def test_swa_pool_holds_windows_only() -> None:
 
 
 def test_swa_layers_read_only_their_window_and_refuse_a_hole() -> None:
-    model = tiny(ModelPreset.SWA, window=8)
-    spec = model.config.pools()
-    pools = device_pools(spec, {"kv": 64, "swa": 64}, "cpu")
+    model, pools = model_with_pools(ModelPreset.SWA, {"kv": 64, "swa": 64}, window=8)
     tokens = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(2))
     kv, swa = pools["kv"].alloc(32), pools["swa"].alloc(32)
     assert kv is not None and swa is not None
@@ -254,9 +261,7 @@ async def test_hybrid_snapshots_every_interval_and_at_ends() -> None:
 
 
 def test_resuming_from_a_snapshot_is_computing_through() -> None:
-    model = tiny(ModelPreset.HYBRID, state_interval=8)
-    spec = model.config.pools()
-    pools = device_pools(spec, {"kv": 64, "conv": 8}, "cpu")
+    model, pools = model_with_pools(ModelPreset.HYBRID, {"kv": 64, "conv": 8}, state_interval=8)
     tokens = torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(4))
     kv = pools["kv"].alloc(44)
     assert kv is not None

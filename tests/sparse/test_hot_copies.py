@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from cuda_kit import needs_cuda
 from model_kit import VOCAB, model_config, tiny_model
 
 from hicache.models.config import ModelPreset
@@ -171,7 +172,7 @@ async def test_overlapped_copies_give_the_synchronous_tokens(masked: bool) -> No
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 async def test_side_stream_copies_give_the_synchronous_tokens_on_cuda() -> None:
     """On CUDA: copies queued on a side stream from the step's result tensors, against the
     synchronous path on the same device."""

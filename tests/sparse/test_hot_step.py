@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_kit import needs_cuda
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -223,7 +224,7 @@ def test_triton_interpreted_matches_torch() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_compiled_matches_torch() -> None:
     compare_triton_to_torch("cuda", [(300, 64, 16), (256, 64, 64), (64, 1024, 128)], 6)
@@ -231,7 +232,7 @@ def test_triton_compiled_matches_torch() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_dispatcher_falls_back_to_torch_above_the_triton_limit() -> None:
     held = torch.full((2, MAX_TRITON_SLOTS + 1), -1, dtype=torch.int64, device="cuda")
     last_used = torch.full_like(held, -1)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from tier_kit import PAGE, FakeClock, fake_kv
+from clock_kit import FakeClock
+from tier_kit import CLOCK_START, PAGE, fake_kv
 
 from hicache.keys import RadixKey
 from hicache.pools.device import DevicePool, device_pools
@@ -65,11 +66,18 @@ class PoolKit:
             tiers or TierConfig(), PrefetchConfig(threshold_tokens=page, timeout_base_s=5), storage
         )
         controller = await HiCacheController.open(config, device, host)
-        tree = HiRadixCache(controller, RadixCacheConfig(page_size=page), None, FakeClock())
+        radix = RadixCacheConfig(page_size=page)
+        tree = HiRadixCache(controller, radix, None, FakeClock(CLOCK_START))
         return cls(model, controller, tree, device, host, window)
 
     async def close(self) -> None:
         await self.controller.close(drain_s=5.0)
+
+    async def __aenter__(self) -> PoolKit:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     # ----- writing ------------------------------------------------------------------------
     def _fill_tokens(self, name: str, tokens: list[int], start: int, slots: torch.Tensor) -> None:

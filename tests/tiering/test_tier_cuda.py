@@ -11,19 +11,18 @@ import pathlib
 
 import pytest
 import torch
+from cuda_kit import needs_cuda
 from tier_kit import PAGE, Harness
 
 from hicache.keys import RadixKey
 
 pytestmark = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @needs_cuda
 def test_cuda_backup_evict_and_per_layer_load_back(tmp_path: pathlib.Path) -> None:
     async def scenario() -> None:
-        h = await Harness.build(url=f"file://{tmp_path}", device_kind="cuda")
-        try:
+        async with await Harness.build(url=f"file://{tmp_path}", device_kind="cuda") as h:
             assert h.kv.buffer.is_cuda and h.host["kv"].pinned
             tokens = list(range(1, 8 * PAGE + 1))
             assert h.run_request("a", tokens)["computed"] == len(tokens)
@@ -37,8 +36,6 @@ def test_cuda_backup_evict_and_per_layer_load_back(tmp_path: pathlib.Path) -> No
                 load.wait_layer("kv", layer)  # the current stream waits for this layer only
             torch.cuda.current_stream().synchronize()
             h.check_prefix(tokens, slots)
-        finally:
-            await h.close()
 
     asyncio.run(scenario())
 
@@ -51,13 +48,10 @@ def test_cuda_restart_reads_l3_into_pinned_host_and_device(tmp_path: pathlib.Pat
         first.run_request("a", tokens)
         await first.settle()
         await first.close()
-        h = await Harness.build(url=f"file://{tmp_path}", device_kind="cuda")
-        try:
+        async with await Harness.build(url=f"file://{tmp_path}", device_kind="cuda") as h:
             key = RadixKey(tokens)
             assert h.tree.prefetcher.start("b", key, h.tree.match_prefix(key))
             await h.settle(lambda: h.tree.prefetcher.may_run("b"))
             assert h.run_request("b", tokens) == {"device": 0, "host": len(tokens), "computed": 0}
-        finally:
-            await h.close()
 
     asyncio.run(scenario())

@@ -24,11 +24,8 @@ OTHER = tokens(5000, 6)
 
 
 async def stored_keys(url: str) -> list[str]:
-    backend = await open_backend(url)
-    try:
+    async with await open_backend(url) as backend:
         return sorted([info.key async for info in backend.scan()])
-    finally:
-        await backend.close()
 
 
 async def write(h: Harness, *requests: tuple[list[int], str | None]) -> None:
@@ -119,12 +116,9 @@ async def test_a_failing_delete_is_logged_and_close_still_closes(
 async def test_discarding_no_namespace_or_another_one_deletes_nothing(
     tmp_path: pathlib.Path,
 ) -> None:
-    backend = await open_backend(f"file://{tmp_path}/l3")
-    try:
+    async with await open_backend(f"file://{tmp_path}/l3") as backend:
         key = f"{namespace_tag(namespace_digest('kept-model'))}-0000000000000000-00"
         assert await backend.put([key], [b"page"]) == [True]
         assert await discard_namespaces(backend, ()) == 0
         assert await discard_namespaces(backend, {"0123456789abcdef"}) == 0
         assert await backend.exists([key]) == [True]
-    finally:
-        await backend.close()

@@ -28,8 +28,7 @@ async def _kit(write: WritePolicy = WritePolicy.WRITE_THROUGH) -> PoolKit:
 
 @pytest.mark.parametrize("pool", ["c128", "swa"])
 async def test_a_pool_evicted_alone_comes_back_from_host_alone(pool: str) -> None:
-    kit = await _kit()
-    try:
+    async with await _kit() as kit:
         tree = kit.tree
         assert kit.cache(TOKENS)
         await tree.quiesce(10)
@@ -60,8 +59,6 @@ async def test_a_pool_evicted_alone_comes_back_from_host_alone(pool: str) -> Non
             assert node.value is kept[node.id][0]  # c4 was not loaded again
         assert kit.fetch(TOKENS) == (len(TOKENS), 0)
         kit.recount()
-    finally:
-        await kit.close()
 
 
 def _sizes(tree: HiRadixCache) -> dict[str, tuple[int, int, int]]:
@@ -96,8 +93,7 @@ async def test_c4_evicted_to_host_keeps_the_other_pools_on_the_device() -> None:
     """Under write-back nothing is on host until the device evicts: c4's eviction backs c4 up
     and frees c4's device slots only; loading c4 back makes the prefix a device hit again
     without loading c128 or swa."""
-    kit = await _kit(WritePolicy.WRITE_BACK)
-    try:
+    async with await _kit(WritePolicy.WRITE_BACK) as kit:
         tree = kit.tree
         kept = await _c4_on_host(kit)
         key = RadixKey(TOKENS)
@@ -114,13 +110,10 @@ async def test_c4_evicted_to_host_keeps_the_other_pools_on_the_device() -> None:
             assert all(tree.ledger.data(node, p) is d for p, d in kept[node.id].items())
         assert kit.fetch(TOKENS) == (len(TOKENS), 0)
         kit.recount()
-    finally:
-        await kit.close()
 
 
 async def test_each_pool_evicted_after_c4_goes_to_host_and_comes_back() -> None:
-    kit = await _kit(WritePolicy.WRITE_BACK)
-    try:
+    async with await _kit(WritePolicy.WRITE_BACK) as kit:
         tree = kit.tree
         await _c4_on_host(kit)
         assert tree.evict_pool("c128", 10_000) == len(TOKENS)
@@ -137,16 +130,13 @@ async def test_each_pool_evicted_after_c4_goes_to_host_and_comes_back() -> None:
             "c4": len(TOKENS), "c128": len(TOKENS), "swa": PAGE,
         }  # fmt: skip
         kit.recount()
-    finally:
-        await kit.close()
 
 
 async def test_host_eviction_frees_every_pool_of_the_node_once() -> None:
     """A node on host with c128 and swa on the device: host eviction keeps it while a pool
     lock holds it, then takes it out, freeing its host pages and the other pools' device slots
     exactly once (a second free of a slot would raise)."""
-    kit = await _kit(WritePolicy.WRITE_BACK)
-    try:
+    async with await _kit(WritePolicy.WRITE_BACK) as kit:
         tree = kit.tree
         await _c4_on_host(kit)
         leaf = next(n for n in tree.all_nodes() if not n.children)
@@ -165,8 +155,6 @@ async def test_host_eviction_frees_every_pool_of_the_node_once() -> None:
         assert kit.cache(TOKENS)  # the freed slots serve a new request
         assert kit.fetch(TOKENS) == (len(TOKENS), 0)
         kit.recount()
-    finally:
-        await kit.close()
 
 
 async def test_a_pool_backed_up_as_it_is_evicted_keeps_its_node_while_host_makes_room() -> None:
@@ -175,9 +163,9 @@ async def test_a_pool_backed_up_as_it_is_evicted_keeps_its_node_while_host_makes
     must not take out the node being copied (its device slots would be freed under the copy):
     c128 is dropped on the device without a copy instead, and c4 stays on host."""
     tiers = TierConfig(write_policy=WritePolicy.WRITE_BACK)
-    kit = await PoolKit.build(PoolPreset.DSV4, page=PAGE, window=PAGE, tiers=tiers,
-                              host_sizes={"c128": 1})  # fmt: skip
-    try:
+    async with await PoolKit.build(
+        PoolPreset.DSV4, page=PAGE, window=PAGE, tiers=tiers, host_sizes={"c128": 1}
+    ) as kit:
         tree = kit.tree
         first, second = TOKENS[:PAGE], [t + 5 for t in TOKENS[:PAGE]]
         assert kit.cache(first) and tree.evict(10_000) == PAGE
@@ -197,5 +185,3 @@ async def test_a_pool_backed_up_as_it_is_evicted_keeps_its_node_while_host_makes
         tree.host_evictor.anchors[kept.id] -= 1
         assert kit.fetch(first) == (0, PAGE)
         kit.recount()
-    finally:
-        await kit.close()

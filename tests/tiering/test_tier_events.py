@@ -21,11 +21,8 @@ WAIT = PrefetchConfig(stop_policy=PrefetchStopPolicy.WAIT_COMPLETE, threshold_to
 async def gated_writes() -> AsyncIterator[tuple[Harness, Gate]]:
     """A harness whose L3 writes wait at a shut gate; closed after the test."""
     writes = Gate()
-    h = await Harness.build(backend=GatedBackend(MemoryBackend(), put=writes))
-    try:
+    async with await Harness.build(backend=GatedBackend(MemoryBackend(), put=writes)) as h:
         yield h, writes
-    finally:
-        await h.close()
 
 
 async def test_an_acknowledged_write_wakes_a_waiter_at_once(
@@ -46,8 +43,9 @@ async def test_an_acknowledged_write_wakes_a_waiter_at_once(
 
 async def test_quiesce_waits_for_a_running_prefetch_and_applies_it() -> None:
     reads = Gate(opened=True)
-    h = await Harness.build(backend=GatedBackend(MemoryBackend(), get=reads), prefetch=WAIT)
-    try:
+    async with await Harness.build(
+        backend=GatedBackend(MemoryBackend(), get=reads), prefetch=WAIT
+    ) as h:
         await seed_l3(h, SEQ)
         reads.shut()
         start_prefetch(h, "r", SEQ)
@@ -59,8 +57,6 @@ async def test_quiesce_waits_for_a_running_prefetch_and_applies_it() -> None:
         await asyncio.wait_for(quiet, 2.0)
         assert h.tree.idle and not h.tree.prefetcher.running
         assert h.tree.prefetcher.inserted_tokens["r"] == len(SEQ)  # applied, not only read
-    finally:
-        await h.close()
 
 
 async def test_quiesce_gives_up_with_a_timeout_error_when_l3_is_stuck(

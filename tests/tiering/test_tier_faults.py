@@ -121,13 +121,12 @@ def _flip_stored_page(h: Harness, memory: MemoryBackend, probe: PrefetchOp, page
 
 async def test_a_page_corrupted_at_rest_cuts_the_hit_there() -> None:
     memory = MemoryBackend()
-    h = await Harness.build(
+    async with await Harness.build(
         backend=memory,
         prefetch=PrefetchConfig(
             stop_policy=PrefetchStopPolicy.WAIT_COMPLETE, threshold_tokens=PAGE
         ),
-    )
-    try:
+    ) as h:
         await seed_l3(h, SEQ)
         probe = start_prefetch(h, "probe", SEQ)  # for the page hashes; its pages are freed
         await quiesce(h)
@@ -142,8 +141,6 @@ async def test_a_page_corrupted_at_rest_cuts_the_hit_there() -> None:
         # pages 0-2 come from L3 and must hold exactly the recomputed KV
         assert h.run_request("r", SEQ) == {"device": 0, "host": 12, "computed": 20}
         await assert_clean(h)
-    finally:
-        await h.close()
 
 
 # ----- stalls past the deadline -------------------------------------------------------------------

@@ -51,15 +51,12 @@ class StalledReads(WrapperBackend):
 
 async def test_a_stalled_read_past_its_deadline_has_ended_once_the_tier_is_closed() -> None:
     backend = StalledReads()
-    h = await Harness.build(backend=backend, storage=StorageConfig(op_deadline_s=0.05))
-    try:
+    async with await Harness.build(backend=backend, storage=StorageConfig(op_deadline_s=0.05)) as h:
         await seed_l3(h, SEQ)
         backend.stalling = True
         prefetch = start_prefetch(h, "r", SEQ)
         await until(lambda: h.controller.metrics.counts["timeouts"] == 1)
         assert not prefetch.reads_finished  # the late read still holds its host pages
-    finally:
-        await h.close()
     # Closing cancelled the read and waited for it: no task is left for the loop to destroy
     # ("Task was destroyed but it is pending") and the read is no longer filling host pages.
     assert backend.unwound

@@ -64,8 +64,7 @@ def _depth(node: TreeNode | None) -> int:
 
 
 async def test_dense_peek_agrees_with_the_match_on_device_host_and_both() -> None:
-    kit = await PoolKit.build(PoolPreset.DENSE, sizes={"kv": 64})
-    try:
+    async with await PoolKit.build(PoolPreset.DENSE, sizes={"kv": 64}) as kit:
         first, second = _tokens(24), [*_tokens(8), *_tokens(16, base=500)]
         kit.cache(first)
         kit.cache(second)
@@ -80,14 +79,11 @@ async def test_dense_peek_agrees_with_the_match_on_device_host_and_both() -> Non
         assert (peek.device, peek.host) == (0, 24) and _depth(peek.last_node) == 24
         for query in _queries(first, 9000):
             _agrees(kit.tree, query)
-    finally:
-        await kit.close()
 
 
 @pytest.mark.parametrize("kind", [PoolPreset.SWA, PoolPreset.HYBRID, PoolPreset.DSA])
 async def test_peek_applies_every_pools_hit_rule_as_the_match_does(kind: PoolPreset) -> None:
-    kit = await PoolKit.build(kind)
-    try:
+    async with await PoolKit.build(kind) as kit:
         tokens = _tokens(32)
         kit.cache(tokens, snapshots=(16,) if kind is PoolPreset.HYBRID else ())
         for query in _queries(tokens, 7000):
@@ -97,18 +93,13 @@ async def test_peek_applies_every_pools_hit_rule_as_the_match_does(kind: PoolPre
         assert (device, host) == (0, 32)
         for query in _queries(tokens, 7000):
             _agrees(kit.tree, query)
-    finally:
-        await kit.close()
 
 
 async def test_a_window_only_on_host_makes_the_whole_prefix_a_host_hit() -> None:
-    kit = await PoolKit.build(PoolPreset.SWA)
-    try:
+    async with await PoolKit.build(PoolPreset.SWA) as kit:
         tokens = _tokens(24)
         kit.cache(tokens)
         assert kit.tree.evict_pool("swa", 1) == WINDOW  # the anchor stays on the device
         assert _agrees(kit.tree, [*tokens, 5]) == (0, 24)
         # Its anchor alone is on the device: the plain tree's peek would call it all cached.
         assert kit.tree.peek_prefix(RadixKey([*tokens, 5])) == (0, None)
-    finally:
-        await kit.close()

@@ -282,8 +282,7 @@ def _unreachable(tmp_path: pathlib.Path) -> str:
 
 
 async def test_unreachable_l3_starts_with_l3_off_and_counts_it(tmp_path: pathlib.Path) -> None:
-    h = await Harness.build(url=_unreachable(tmp_path))
-    try:
+    async with await Harness.build(url=_unreachable(tmp_path)) as h:
         stats = h.controller.stats()
         assert stats["l3_unavailable"] == 1.0
         assert stats["l3_enabled"] == 0.0
@@ -293,8 +292,6 @@ async def test_unreachable_l3_starts_with_l3_off_and_counts_it(tmp_path: pathlib
         h.tree.evict(10**6)
         assert h.run_request("b", list(range(1, 17)))["host"] == 16
         assert h.controller.metrics.counts["prefetch_started"] == 0
-    finally:
-        await h.close()
 
 
 async def test_unreachable_required_l3_is_a_typed_error(tmp_path: pathlib.Path) -> None:
@@ -305,9 +302,8 @@ async def test_unreachable_required_l3_is_a_typed_error(tmp_path: pathlib.Path) 
 
 
 async def test_reachable_l3_is_enabled(tmp_path: pathlib.Path) -> None:
-    h = await Harness.build(url=f"file://{tmp_path}/l3", storage=StorageConfig(required=True))
-    try:
+    async with await Harness.build(
+        url=f"file://{tmp_path}/l3", storage=StorageConfig(required=True)
+    ) as h:
         assert h.controller.stats()["l3_enabled"] == 1.0
         assert h.controller.stats()["l3_unavailable"] == 0.0
-    finally:
-        await h.close()

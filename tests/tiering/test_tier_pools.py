@@ -25,11 +25,8 @@ def _tokens(n: int, base: int = 0) -> list[int]:
 @pytest.fixture
 async def swa_kit() -> AsyncIterator[PoolKit]:
     """A default SWA kit, closed after the test."""
-    kit = await PoolKit.build(PoolPreset.SWA)
-    try:
+    async with await PoolKit.build(PoolPreset.SWA) as kit:
         yield kit
-    finally:
-        await kit.close()
 
 
 async def test_swa_keeps_only_the_window_and_serves_a_hit_from_host(swa_kit: PoolKit) -> None:
@@ -77,8 +74,7 @@ async def test_a_window_needed_on_device_is_loaded_from_host_alone(swa_kit: Pool
 
 
 async def test_hybrid_hit_ends_at_the_last_snapshot_on_every_tier() -> None:
-    kit = await PoolKit.build(PoolPreset.HYBRID)
-    try:
+    async with await PoolKit.build(PoolPreset.HYBRID) as kit:
         tokens = _tokens(32)
         kit.cache(tokens, snapshots=(16,))
         assert kit.tree.ledger.size("conv") == 2  # two snapshots, not one per token
@@ -92,15 +88,12 @@ async def test_hybrid_hit_ends_at_the_last_snapshot_on_every_tier() -> None:
         assert kit.fetch(query) == (0, 16)
         assert kit.fetch(tokens) == (16, 16)
         kit.recount()
-    finally:
-        await kit.close()
 
 
 @pytest.mark.parametrize("kind", [PoolPreset.SWA, PoolPreset.HYBRID, PoolPreset.DSA])
 async def test_device_eviction_under_write_back_keeps_every_pool(kind: PoolPreset) -> None:
     tiers = TierConfig(write_policy=WritePolicy.WRITE_BACK)
-    kit = await PoolKit.build(kind, tiers=tiers, sizes={"kv": 32, "latent": 32})
-    try:
+    async with await PoolKit.build(kind, tiers=tiers, sizes={"kv": 32, "latent": 32}) as kit:
         first, second = _tokens(24), _tokens(24, base=3000)
         kit.cache(first)
         kit.cache(second)  # evicts the first to host (write_back backs it up then)
@@ -108,8 +101,6 @@ async def test_device_eviction_under_write_back_keeps_every_pool(kind: PoolPrese
         device, host = kit.fetch(first)
         assert device + host == 24 and host > 0
         kit.recount()
-    finally:
-        await kit.close()
 
 
 @pytest.mark.parametrize("kind", [PoolPreset.SWA, PoolPreset.HYBRID])
@@ -118,20 +109,16 @@ async def test_l3_stores_each_pool_by_its_rule_and_a_restart_serves_it(
 ) -> None:
     url = f"file://{tmp_path / 'store'}"
     tokens = _tokens(48)
-    kit = await PoolKit.build(kind, url=url)
-    try:
+    async with await PoolKit.build(kind, url=url) as kit:
         kit.cache(tokens, snapshots=(16, 32))
         assert kit.fetch(tokens) == (48, 0)  # a reuse: each window on the path may go to L3
         await kit.tree.quiesce(10)
         stored = await _objects_per_pool(kit)
-    finally:
-        await kit.close()
     assert stored[kit.tree.roles.anchor] == 12
     extra = "swa" if kind is PoolPreset.SWA else "conv"
     # A window's 2 pages, or 1 snapshot, at each of the three ends 16, 32 and 48.
     assert stored[extra] == (3 * WINDOW // PAGE if kind is PoolPreset.SWA else 3)
-    again = await PoolKit.build(kind, url=url)
-    try:
+    async with await PoolKit.build(kind, url=url) as again:
         tree = again.tree
         query = [*tokens[:44], *_tokens(4, base=7000)]
         match = tree.match_prefix(RadixKey(query), count_hits=False)
@@ -139,8 +126,6 @@ async def test_l3_stores_each_pool_by_its_rule_and_a_restart_serves_it(
         await tree.quiesce(10)
         assert again.fetch(query) == (0, 32)  # 44 shared, the last usable end in L3 at 32
         again.recount()
-    finally:
-        await again.close()
 
 
 async def _objects_per_pool(kit: PoolKit) -> dict[str, int]:
@@ -159,8 +144,7 @@ async def test_dsv4_pools_keep_compressed_entries_everywhere_and_the_window_at_e
 ) -> None:
     url = f"file://{tmp_path / 'store'}"
     tokens = _tokens(512)
-    kit = await PoolKit.build(PoolPreset.DSV4, url=url, page=128, window=128)
-    try:
+    async with await PoolKit.build(PoolPreset.DSV4, url=url, page=128, window=128) as kit:
         assert kit.cache(tokens)
         assert kit.tree.ledger.size("swa") == 128  # one window page of four
         assert kit.fetch(tokens) == (512, 0)
@@ -169,8 +153,6 @@ async def test_dsv4_pools_keep_compressed_entries_everywhere_and_the_window_at_e
         kit.tree.evict(10_000)
         assert kit.fetch(tokens) == (0, 512)
         kit.recount()
-    finally:
-        await kit.close()
     assert stored == {"c4": 4, "indexer": 4, "c128": 4, "swa": 1}
     # A page of 128 tokens holds 32 C4 entries and one C128 entry per layer.
     shape = kit.model.pool("c4").layout
@@ -182,25 +164,19 @@ async def test_a_window_goes_to_l3_once_reused(tmp_path: pathlib.Path) -> None:
     """Under the default window admission a window no request reused stays out of L3 (the
     anchor's pages go); the first hit on its node writes it. ALL writes every window."""
     tokens = _tokens(24)
-    kit = await PoolKit.build(PoolPreset.SWA, url=f"file://{tmp_path / 'reused'}")
-    try:
+    async with await PoolKit.build(PoolPreset.SWA, url=f"file://{tmp_path / 'reused'}") as kit:
         kit.cache(tokens)
         await kit.tree.quiesce(10)
         assert (await _objects_per_pool(kit)) == {"kv": 6, "swa": 0}
         kit.fetch(tokens)
         await kit.tree.quiesce(10)
         assert (await _objects_per_pool(kit)) == {"kv": 6, "swa": WINDOW // PAGE}
-    finally:
-        await kit.close()
     storage = StorageConfig(window_admission=WindowAdmission.ALL)
     url = f"file://{tmp_path / 'all'}"
-    kit = await PoolKit.build(PoolPreset.SWA, url=url, storage=storage)
-    try:
+    async with await PoolKit.build(PoolPreset.SWA, url=url, storage=storage) as kit:
         kit.cache(tokens)
         await kit.tree.quiesce(10)
         assert (await _objects_per_pool(kit)) == {"kv": 6, "swa": WINDOW // PAGE}
-    finally:
-        await kit.close()
 
 
 async def test_a_store_written_with_another_window_serves_only_where_it_suffices(
@@ -211,32 +187,25 @@ async def test_a_store_written_with_another_window_serves_only_where_it_suffices
     window only). Never a window with a hole."""
     url = f"file://{tmp_path / 'store'}"
     tokens = _tokens(48)
-    kit = await PoolKit.build(PoolPreset.SWA, url=url, window=8)
-    try:
+    async with await PoolKit.build(PoolPreset.SWA, url=url, window=8) as kit:
         for end in (48, 32, 24):  # windows [40, 48), [24, 32), [16, 24)
             kit.cache(tokens[:end])
             kit.fetch(tokens[:end])  # reused: the window may go to L3
         await kit.tree.quiesce(10)
-    finally:
-        await kit.close()
-    wide = await PoolKit.build(PoolPreset.SWA, url=url, window=16)
-    try:
+    async with await PoolKit.build(PoolPreset.SWA, url=url, window=16) as wide:
         tree = wide.tree
         key = RadixKey(tokens)
         assert tree.prefetcher.start("r", key, tree.match_prefix(key, count_hits=False))
         await tree.quiesce(10)
         assert wide.fetch(tokens) == (0, 32)
         wide.recount()
-    finally:
-        await wide.close()
 
 
 async def test_a_load_back_that_cannot_place_a_window_says_nothing_was_loaded() -> None:
     """Only the window is missing on the device and the window pool is full of locked data:
     nothing is loaded, and the node returned is not the prefix's end (which would claim the
     prefix is on the device)."""
-    kit = await PoolKit.build(PoolPreset.SWA, sizes={"swa": WINDOW})
-    try:
+    async with await PoolKit.build(PoolPreset.SWA, sizes={"swa": WINDOW}) as kit:
         first, other = _tokens(24), _tokens(24, base=5000)
         assert kit.cache(first)
         assert kit.tree.evict_pool("swa", 1) == WINDOW  # to host: the pool is empty again
@@ -252,5 +221,3 @@ async def test_a_load_back_that_cannot_place_a_window_says_nothing_was_loaded() 
         assert kit.tree.ready_to_load_host_cache() == []
         kit.tree.ledger.unlock(held, "swa")
         kit.recount()
-    finally:
-        await kit.close()

@@ -14,8 +14,9 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 import pytest
+from clock_kit import FakeClock
 from gated_kit import Gate, GatedBackend, quiesce, seed_l3, start_prefetch, tokens, until
-from tier_kit import PAGE, FakeClock, Harness
+from tier_kit import PAGE, Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.backends.wrappers import LatencyBackend, LatencyConfig
@@ -64,8 +65,7 @@ async def finish(h: Harness) -> None:
 # ----- fast L3: every policy waits for nothing and gets everything -------------------------------
 @pytest.mark.parametrize("policy", [BEST, WAIT, TIMEOUT])
 async def test_fast_l3_completes_under_every_policy(policy: PrefetchStopPolicy) -> None:
-    h = await build(policy, MemoryBackend())
-    try:
+    async with await build(policy, MemoryBackend()) as h:
         await seed_l3(h, SEQ)
         op = start_prefetch(h, "r", SEQ)
         await until(lambda: op.reads_finished)
@@ -75,8 +75,6 @@ async def test_fast_l3_completes_under_every_policy(policy: PrefetchStopPolicy) 
         assert h.run_request("r", SEQ) == {"device": 0, "host": 32, "computed": 0}
         await finish(h)
         assert host_used(h) == 8  # the prefetched pages, now a host node, and nothing else
-    finally:
-        await h.close()
 
 
 # ----- slow L3: every call takes fake time, so the test decides when each one ends ---------------
@@ -285,8 +283,7 @@ async def test_each_batch_is_acknowledged_on_its_own() -> None:
 
 # ----- what is not prefetched ---------------------------------------------------------------------
 async def test_a_candidate_under_the_threshold_is_not_started() -> None:
-    h = await build(WAIT, MemoryBackend(), threshold_tokens=16)
-    try:
+    async with await build(WAIT, MemoryBackend(), threshold_tokens=16) as h:
         await seed_l3(h, SEQ)
         short = [*SEQ[:12], 9999]  # 3 whole pages (12 tokens) < 16
         key = RadixKey(short)
@@ -297,13 +294,10 @@ async def test_a_candidate_under_the_threshold_is_not_started() -> None:
         key = RadixKey(SEQ)
         assert h.tree.prefetcher.start("l", key, h.tree.match_prefix(key)) is True
         await finish(h)
-    finally:
-        await h.close()
 
 
 async def test_l3_holding_less_than_the_threshold_is_not_read() -> None:
-    h = await build(WAIT, MemoryBackend(), threshold_tokens=16)
-    try:
+    async with await build(WAIT, MemoryBackend(), threshold_tokens=16) as h:
         await seed_l3(h, SEQ[:8])  # L3 holds 2 pages of the 8 asked for
         op = start_prefetch(h, "r", SEQ)
         await until(lambda: op.reads_finished)
@@ -314,8 +308,6 @@ async def test_l3_holding_less_than_the_threshold_is_not_read() -> None:
         assert counts(h)["bytes_l3_to_host"] == 0
         await finish(h)
         assert host_used(h) == 0
-    finally:
-        await h.close()
 
 
 async def test_the_capacity_share_cuts_and_then_refuses() -> None:
@@ -344,8 +336,7 @@ async def test_the_capacity_share_cuts_and_then_refuses() -> None:
 
 
 async def test_prefetch_starts_after_the_device_and_host_hits() -> None:
-    h = await build(WAIT, MemoryBackend())
-    try:
+    async with await build(WAIT, MemoryBackend()) as h:
         await seed_l3(h, SEQ)
         h.run_request("w1", SEQ[:4])  # recomputed: page 0 on the device
         h.run_request("w2", SEQ[:8])  # page 1 below it
@@ -361,26 +352,18 @@ async def test_prefetch_starts_after_the_device_and_host_hits() -> None:
         assert h.tree.prefetcher.may_run("r") is True
         assert h.run_request("r", SEQ) == {"device": 4, "host": 28, "computed": 0}
         await finish(h)
-    finally:
-        await h.close()
 
 
 async def test_prefetch_is_off_when_disabled_or_without_l3() -> None:
-    h = await Harness.build(prefetch=PrefetchConfig(threshold_tokens=PAGE))  # no L3
-    try:
+    async with await Harness.build(prefetch=PrefetchConfig(threshold_tokens=PAGE)) as h:  # no L3
         key = RadixKey(SEQ)
         assert h.tree.prefetcher.start("r", key, h.tree.match_prefix(key)) is False
-    finally:
-        await h.close()
-    h = await Harness.build(
+    async with await Harness.build(
         backend=MemoryBackend(),
         prefetch=PrefetchConfig(enabled=False, threshold_tokens=PAGE),
         tiers=TierConfig(),
-    )
-    try:
+    ) as h:
         await seed_l3(h, SEQ)
         key = RadixKey(SEQ)
         assert h.tree.prefetcher.start("r", key, h.tree.match_prefix(key)) is False
         assert counts(h)["prefetch_started"] == 0
-    finally:
-        await h.close()

@@ -87,10 +87,9 @@ async def _prefetched(
     them: (pages L3 was found to hold, pages asked about per ``exists`` call, objects per page)."""
     backend = CountedLookups()
     prefetch = PrefetchConfig(threshold_tokens=PAGE, timeout_base_s=1.0, batch_pages=batch_pages)
-    h = await Harness.build(
+    async with await Harness.build(
         backend=backend, prefetch=prefetch, pool_preset=preset, device_tokens=512, host_pages=256
-    )
-    try:
+    ) as h:
         seq = tokens(1, asked_pages)
         await seed_l3(h, seq[: seeded_pages * PAGE])
         per_page = len(h.controller.storage.bundler.host_pools)
@@ -108,8 +107,6 @@ async def _prefetched(
             before[1] + len(op.candidates),
         )
         return op.hit_pages, [len(keys) // per_page for keys in backend.asked], per_page
-    finally:
-        await h.close()
 
 
 # ----- the lookup: how much a prefetch asks L3 ----------------------------------------------------
@@ -150,13 +147,10 @@ async def test_windows_and_snapshots_are_asked_about_up_to_the_anchors_first_mis
     (the anchor misses at page 12), and the hit is the last usable end before it, 32 tokens."""
     url = f"file://{tmp_path / 'store'}"
     stored = list(range(48))
-    kit = await PoolKit.build(kind, url=url)
-    try:
+    async with await PoolKit.build(kind, url=url) as kit:
         kit.cache(stored, snapshots=(16, 32))
         assert kit.fetch(stored) == (48, 0)  # a reuse: each window on the path may go to L3
         await kit.tree.quiesce(10)
-    finally:
-        await kit.close()
     again = await PoolKit.build(kind, url=url)
     storage = again.controller.storage
     assert storage.backend is not None
@@ -178,8 +172,7 @@ async def test_windows_and_snapshots_are_asked_about_up_to_the_anchors_first_mis
 
 # ----- what a prefetch keeps for its request ------------------------------------------------------
 async def test_reserved_pages_survive_host_eviction_until_released() -> None:
-    h = await build(MemoryBackend())
-    try:
+    async with await build(MemoryBackend()) as h:
         await seed_l3(h, SEQ, OTHER)
         start(h, "kept", SEQ, reserve=True)
         start(h, "plain", OTHER, reserve=False)
@@ -196,16 +189,13 @@ async def test_reserved_pages_survive_host_eviction_until_released() -> None:
         h.tree.host_evictor.evict(10**6)
         assert host_hit(h, SEQ) == 0 and h.host["kv"].used_pages == 0
         await quiesce(h)
-    finally:
-        await h.close()
 
 
 async def test_yielded_reservations_may_be_evicted_and_later_ones_still_reserve() -> None:
     """A running request short of host memory makes the prefetches of queued ones give up
     what they keep (it stays in L3): host eviction may take it then; the request's credit
     (its L3 hit) stays, and a later prefetch of it keeps its pages again."""
-    h = await build(MemoryBackend())
-    try:
+    async with await build(MemoryBackend()) as h:
         await seed_l3(h, SEQ)
         start(h, "queued", SEQ, reserve=True)
         await settled(h, "queued")
@@ -220,16 +210,13 @@ async def test_yielded_reservations_may_be_evicted_and_later_ones_still_reserve(
         assert host_hit(h, SEQ) == len(SEQ)
         assert prefetcher.release("queued") == 2 * len(SEQ)  # both reads' tokens
         await quiesce(h)
-    finally:
-        await h.close()
 
 
 async def test_a_queued_request_reads_yielded_pages_again_at_its_turn() -> None:
     """The engine's read-back decision: a queued request whose kept pages were yielded and
     evicted reads them again when it is next to run (its cached prefix is no shorter than at
     its first read, which alone would not start one); without the yield it would not."""
-    h = await build(MemoryBackend())
-    try:
+    async with await build(MemoryBackend()) as h:
         await seed_l3(h, SEQ)
         reads = L3Reads(h.tree, skip_slow=False)
         request = ServeRequest("queued", [*SEQ, 7], 1)  # its key: SEQ
@@ -247,14 +234,11 @@ async def test_a_queued_request_reads_yielded_pages_again_at_its_turn() -> None:
         assert host_hit(h, SEQ) == len(SEQ)
         prefetcher.release("queued")
         await quiesce(h)
-    finally:
-        await h.close()
 
 
 async def test_a_prefetch_short_of_host_room_leaves_a_shortfall() -> None:
     # capacity_share 0.25 of 16 host pages: room for 4 of the 8 pages L3 holds
-    h = await build(MemoryBackend(), host_pages=16, capacity_share=0.25)
-    try:
+    async with await build(MemoryBackend(), host_pages=16, capacity_share=0.25) as h:
         await seed_l3(h, SEQ)
         start(h, "r", SEQ, reserve=True)
         await settled(h, "r")
@@ -269,15 +253,12 @@ async def test_a_prefetch_short_of_host_room_leaves_a_shortfall() -> None:
         assert host_hit(h, SEQ) == len(SEQ) and prefetcher.shortfall_tokens("r") == 0
         assert prefetcher.release("r") == 4 * PAGE
         await quiesce(h)
-    finally:
-        await h.close()
 
 
 # ----- turns --------------------------------------------------------------------------------------
 async def test_prefetches_take_turns_in_the_order_they_started() -> None:
     gate = Gate(opened=True)
-    h = await build(GatedBackend(MemoryBackend(), get=gate), concurrency=1)
-    try:
+    async with await build(GatedBackend(MemoryBackend(), get=gate), concurrency=1) as h:
         await seed_l3(h, SEQ, OTHER, tokens(900, 8))
         gate.shut()
         start(h, "first", SEQ, reserve=False)
@@ -298,5 +279,3 @@ async def test_prefetches_take_turns_in_the_order_they_started() -> None:
         await quiesce(h)
         assert host_hit(h, SEQ) == len(SEQ) and host_hit(h, OTHER) == len(OTHER)
         assert host_hit(h, tokens(900, 8)) == 0
-    finally:
-        await h.close()

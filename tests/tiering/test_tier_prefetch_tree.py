@@ -79,12 +79,9 @@ async def test_pages_cached_meanwhile_are_freed_not_doubled(cached: int) -> None
 async def _device_only_prefix(tmp_path: pathlib.Path) -> Harness:
     """L3 holds ``SEQ``; the tree holds its first 2 pages on the device only (no host copy)."""
     url = f"file://{tmp_path}/l3"
-    writer = await Harness.build(url=url)
-    try:
+    async with await Harness.build(url=url) as writer:
         writer.run_request("a", SEQ)
         await quiesce(writer)
-    finally:
-        await writer.close()
     never = TierConfig(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold=100)
     h = await Harness.build(url=url, prefetch=WAIT, tiers=never)
     h.run_request("w", SEQ[:8])
@@ -92,8 +89,7 @@ async def _device_only_prefix(tmp_path: pathlib.Path) -> Harness:
 
 
 async def test_prefetched_pages_whose_prefix_was_evicted_are_freed(tmp_path: pathlib.Path) -> None:
-    h = await _device_only_prefix(tmp_path)
-    try:
+    async with await _device_only_prefix(tmp_path) as h:
         op = start_prefetch(h, "r", SEQ)
         assert op.candidates[0].page_index == 2
         assert h.tree.evict(10**6) == 8  # the prefix is gone: it was on the device only
@@ -103,20 +99,15 @@ async def test_prefetched_pages_whose_prefix_was_evicted_are_freed(tmp_path: pat
         await assert_clean(h)
         assert h.host["kv"].used_pages == 0 and not h.tree.all_nodes()
         assert h.run_request("r", SEQ)["computed"] == 32
-    finally:
-        await h.close()
 
 
 async def test_pages_not_inserted_are_not_counted_as_l3_hits(tmp_path: pathlib.Path) -> None:
-    h = await _device_only_prefix(tmp_path)
-    try:
+    async with await _device_only_prefix(tmp_path) as h:
         op = start_prefetch(h, "r", SEQ)
         h.tree.evict(10**6)
         await until(lambda: op.reads_finished)
         h.tree.prefetcher.may_run("r")
         assert h.controller.metrics.counts["l3_hit_tokens"] == 0
-    finally:
-        await h.close()
 
 
 async def test_the_anchor_of_a_running_prefetch_survives_host_eviction() -> None:
@@ -143,12 +134,11 @@ async def test_the_anchor_of_a_running_prefetch_survives_host_eviction() -> None
 
 @pytest.mark.parametrize("pool_preset", [PoolPreset.DENSE, PoolPreset.MLA, PoolPreset.DSA])
 async def test_every_pool_of_the_group_is_prefetched_exactly(pool_preset: PoolPreset) -> None:
-    h = await Harness.build(backend=MemoryBackend(), prefetch=WAIT, pool_preset=pool_preset)
-    try:
+    async with await Harness.build(
+        backend=MemoryBackend(), prefetch=WAIT, pool_preset=pool_preset
+    ) as h:
         await seed_l3(h, SEQ)
         await _prefetch_all_of_seq(h)
-    finally:
-        await h.close()
 
 
 async def test_closing_with_reads_and_writes_in_flight_does_not_hang() -> None:
@@ -181,8 +171,9 @@ WRITE_PATHS = {
 @pytest.mark.parametrize("path", sorted(WRITE_PATHS))
 async def test_each_write_path_reaches_l3_and_reads_back_exactly(path: str) -> None:
     tiers, storage, written = WRITE_PATHS[path]
-    h = await Harness.build(backend=MemoryBackend(), tiers=tiers, storage=storage, prefetch=WAIT)
-    try:
+    async with await Harness.build(
+        backend=MemoryBackend(), tiers=tiers, storage=storage, prefetch=WAIT
+    ) as h:
         seen = []
         for i in range(3):
             h.run_request(f"a{i}", [*SEQ, 99 + i])
@@ -195,5 +186,3 @@ async def test_each_write_path_reaches_l3_and_reads_back_exactly(path: str) -> N
         h.tree.host_evictor.evict(10**6)
         assert not h.tree.all_nodes()
         await _prefetch_all_of_seq(h)
-    finally:
-        await h.close()

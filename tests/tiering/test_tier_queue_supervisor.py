@@ -26,23 +26,25 @@ def _job(pages: int, value: float) -> WriteJob:
     return WriteJob([page] * pages, value)
 
 
+def _submitted(tier: StorageTier, *jobs: WriteJob) -> tuple[WriteJob, ...]:
+    """Submit ``jobs`` in order; they come back for the asserts."""
+    for job in jobs:
+        tier.submit_write(job)
+    return jobs
+
+
 @pytest.fixture
 async def queue4() -> AsyncIterator[tuple[Harness, StorageTier]]:
     """A tier whose write queue holds 4 pages, closed after the test."""
-    h = await Harness.build(storage=StorageConfig(write_queue_pages=4))
-    try:
+    async with await Harness.build(storage=StorageConfig(write_queue_pages=4)) as h:
         yield h, h.controller.storage
-    finally:
-        await h.close()
 
 
 async def test_submit_write_drops_the_least_valuable_first(
     queue4: tuple[Harness, StorageTier],
 ) -> None:
     h, tier = queue4
-    low, mid = _job(2, 1.0), _job(2, 5.0)
-    tier.submit_write(low)
-    tier.submit_write(mid)
+    low, mid = _submitted(tier, _job(2, 1.0), _job(2, 5.0))
     assert tier.queued_pages == 4 and not tier.write_acks
     high = _job(2, 9.0)
     tier.submit_write(high)  # low goes, mid stays
@@ -61,10 +63,7 @@ async def test_submit_write_breaks_ties_by_dropping_the_newest(
     queue4: tuple[Harness, StorageTier],
 ) -> None:
     _, tier = queue4
-    old, new = _job(2, 1.0), _job(2, 1.0)
-    tier.submit_write(old)
-    tier.submit_write(new)
-    tier.submit_write(_job(2, 3.0))
+    old, new, _ = _submitted(tier, _job(2, 1.0), _job(2, 1.0), _job(2, 3.0))
     assert new.dropped and not old.dropped
 
 
@@ -72,9 +71,7 @@ async def test_submit_write_drops_nothing_for_a_job_that_cannot_fit(
     queue4: tuple[Harness, StorageTier],
 ) -> None:
     _, tier = queue4
-    cheap, dear = _job(2, 1.0), _job(2, 10.0)
-    tier.submit_write(cheap)
-    tier.submit_write(dear)
+    cheap, dear = _submitted(tier, _job(2, 1.0), _job(2, 10.0))
     middling = _job(4, 5.0)  # would need dear's room too, which is worth more
     tier.submit_write(middling)
     assert middling.dropped
@@ -122,8 +119,7 @@ async def test_supervisor_stop_cancels_its_workers_cleanly() -> None:
 
 
 async def test_a_crashed_l3_writer_is_restarted() -> None:
-    h = await Harness.build(backend=MemoryBackend(), storage=StorageConfig(workers=1))
-    try:
+    async with await Harness.build(backend=MemoryBackend(), storage=StorageConfig(workers=1)) as h:
         tier = h.controller.storage
         real = tier._write_job
         crashes = 0
@@ -143,5 +139,3 @@ async def test_a_crashed_l3_writer_is_restarted() -> None:
         h.run_request("b", tokens(500, 2))
         await assert_clean(h)
         assert h.controller.metrics.counts["pages_written_l3"] == 2  # the new worker writes
-    finally:
-        await h.close()

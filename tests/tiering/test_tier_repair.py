@@ -41,8 +41,7 @@ def flip(path: pathlib.Path, offset: int) -> None:
 
 async def test_one_pass_over_a_damaged_store_leaves_no_corrupt_page(tmp_path: pathlib.Path) -> None:
     root = tmp_path / "l3"
-    h = await Harness.build(url=f"file://{root}", prefetch=WAIT)
-    try:
+    async with await Harness.build(url=f"file://{root}", prefetch=WAIT) as h:
         await seed_l3(h, SEQ)
         keys = sorted(stored(root))
         assert len(keys) == 8 and not damaged(root)
@@ -60,24 +59,19 @@ async def test_one_pass_over_a_damaged_store_leaves_no_corrupt_page(tmp_path: pa
         await h.tree.quiesce(5.0)
         assert len(stored(root)) == 8 and not damaged(root)
         assert len(h.controller.storage.suspects) == 0
-    finally:
-        await h.close()
-    fresh = await Harness.build(url=f"file://{root}", prefetch=WAIT)  # a restart hits it all
-    try:
+    # A restart hits it all.
+    async with await Harness.build(url=f"file://{root}", prefetch=WAIT) as fresh:
         op = start_prefetch(fresh, "r", SEQ)
         await fresh.tree.quiesce(5.0)
         assert op.completed_pages == 8
         assert fresh.run_request("r", SEQ)["computed"] == 0  # check_prefix verified the KV
-    finally:
-        await fresh.close()
 
 
 async def test_exists_never_vouches_for_a_page_seen_corrupt() -> None:
     # The delete of the bad object fails, so L3 still holds it and `exists` says yes.
     inner = MemoryBackend()
     backend = FaultInjectionBackend(inner, FaultConfig())
-    h = await Harness.build(backend=backend, prefetch=WAIT)
-    try:
+    async with await Harness.build(backend=backend, prefetch=WAIT) as h:
         await seed_l3(h, SEQ)
         backend.set_faults(
             FaultConfig(operations=frozenset({Operation.GET}), corrupt_rate=1.0, seed=1)
@@ -98,5 +92,3 @@ async def test_exists_never_vouches_for_a_page_seen_corrupt() -> None:
         op = start_prefetch(h, "r2", SEQ)
         await h.tree.quiesce(5.0)
         assert op.completed_pages == 8
-    finally:
-        await h.close()

@@ -7,6 +7,7 @@ import pathlib
 import random
 
 import pytest
+from clock_kit import FakeClock
 from gated_kit import (
     Gate,
     GatedBackend,
@@ -17,7 +18,7 @@ from gated_kit import (
     tokens,
     until,
 )
-from tier_kit import PAGE, FakeClock, Harness
+from tier_kit import CLOCK_START, PAGE, Harness
 
 from hicache.backends.memory import MemoryBackend
 from hicache.dtypes import DType
@@ -61,16 +62,12 @@ async def test_a_restart_finds_what_was_written_before(
     tmp_path: pathlib.Path, options: dict[str, bool]
 ) -> None:
     url = f"file://{tmp_path}/l3"
-    first = await Harness.build(url=url, **waiting(**options))
-    try:
+    async with await Harness.build(url=url, **waiting(**options)) as first:
         first.run_request("a", SEQ[:8])  # node boundaries differ from the reader's: [0:8] ...
         first.run_request("b", SEQ)  # ... then [8:32]; the page hashes must not care
         await quiesce(first)
         assert first.controller.metrics.counts["pages_written_l3"] == 8
-    finally:
-        await first.close()
-    second = await Harness.build(url=url, **waiting(**options))
-    try:
+    async with await Harness.build(url=url, **waiting(**options)) as second:
         assert await fetch(second, "r", SEQ) == 8
         assert second.run_request("r", SEQ) == {"device": 0, "host": 32, "computed": 0}
         # a request sharing only the first 4 pages hits exactly those
@@ -81,8 +78,6 @@ async def test_a_restart_finds_what_was_written_before(
         assert await fetch(second, "t", other) == 4
         assert second.run_request("t", other) == {"device": 0, "host": 16, "computed": 16}
         await assert_clean(second)
-    finally:
-        await second.close()
 
 
 async def build_shape(
@@ -97,7 +92,7 @@ async def build_shape(
     prefetch = PrefetchConfig(stop_policy=WAIT, threshold_tokens=shape.page_size)
     config = HiCacheConfig(TierConfig(), prefetch, storage)
     controller = await HiCacheController.open(config, device, host)
-    clock = FakeClock()
+    clock = FakeClock(CLOCK_START)
     cache = RadixCacheConfig(page_size=shape.page_size)
     tree = HiRadixCache(controller, cache, ReqToTokenPool(16, 128), clock)
     return Harness(controller, tree, device, host, clock)
@@ -117,28 +112,20 @@ async def test_pages_of_another_model_or_format_are_never_loaded(
     tmp_path: pathlib.Path, what: str
 ) -> None:
     url = f"file://{tmp_path}/l3"
-    writer = await Harness.build(url=url, **waiting())
-    try:
+    async with await Harness.build(url=url, **waiting()) as writer:
         writer.run_request("a", SEQ)
         await quiesce(writer)
-    finally:
-        await writer.close()
     shape, pool_preset, model_id = OTHERS[what]
-    reader = await build_shape(url, shape, pool_preset, model_id)
-    try:
+    async with await build_shape(url, shape, pool_preset, model_id) as reader:
         assert await fetch(reader, "r", SEQ) == 0
         counts = reader.controller.metrics.counts
         assert counts["l3_hit_tokens"] == 0 and counts["bytes_l3_to_host"] == 0
         assert reader.host[reader.controller.anchor].used_pages == 0
         if shape.page_size == PAGE:
             assert reader.run_request("r", SEQ)["computed"] == 32
-    finally:
-        await reader.close()
-    control = await Harness.build(url=url, **waiting())  # the pages are there for their model
-    try:
+    # The pages are there for their model.
+    async with await Harness.build(url=url, **waiting()) as control:
         assert await fetch(control, "r", SEQ) == 8
-    finally:
-        await control.close()
 
 
 # ----- concurrency --------------------------------------------------------------------------------
@@ -316,8 +303,7 @@ async def test_terminate_before_l3_answered_takes_nothing() -> None:
 # ----- metrics ------------------------------------------------------------------------------------
 async def test_metrics_as_dict_and_prometheus() -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
-    h = await Harness.build(backend=MemoryBackend(), **waiting())
-    try:
+    async with await Harness.build(backend=MemoryBackend(), **waiting()) as h:
         await seed_l3(h, SEQ)
         assert await fetch(h, "r", SEQ) == 8
         stats = h.controller.stats()
@@ -335,8 +321,6 @@ async def test_metrics_as_dict_and_prometheus() -> None:
         assert "hicache_l3_enabled 1.0" in text
         h.controller.metrics.add("errors", 2)  # read at scrape time, not copied at register time
         assert registry.get_sample_value("hicache_errors_total") == 2.0
-    finally:
-        await h.close()
 
 
 def test_an_unknown_counter_is_refused() -> None:

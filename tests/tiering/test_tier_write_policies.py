@@ -30,8 +30,7 @@ async def build(policy: WritePolicy, **tiers: object) -> Harness:
 
 
 async def test_write_through_backs_up_every_node_on_insert() -> None:
-    h = await build(WritePolicy.WRITE_THROUGH)
-    try:
+    async with await build(WritePolicy.WRITE_THROUGH) as h:
         h.run_request("a", tokens(0))
         await h.settle()
         assert all(backed_up(h).values()) and len(backed_up(h)) == 1
@@ -39,13 +38,10 @@ async def test_write_through_backs_up_every_node_on_insert() -> None:
         await h.settle()
         assert backed_up(h) == {(1, 2): True, (100, 101): True, (110, 111): True}
         assert h.host["kv"].used_pages == 4  # 2 system + 1 + 1, no duplicate of the shared part
-    finally:
-        await h.close()
 
 
 async def test_selective_backs_up_once_hits_reach_the_threshold() -> None:
-    h = await build(WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold=2)
-    try:
+    async with await build(WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold=2) as h:
         h.run_request("a", tokens(0))  # creates the node: no hit yet
         h.run_request("b", tokens(1))  # first reuse of SYSTEM: 1 hit
         await h.settle()
@@ -56,25 +52,19 @@ async def test_selective_backs_up_once_hits_reach_the_threshold() -> None:
         assert state[(1, 2)] is True
         assert [v for k, v in state.items() if k != (1, 2)] == [False, False, False]
         assert h.host["kv"].used_pages == 2
-    finally:
-        await h.close()
 
 
 async def test_selective_internal_rematch_is_not_a_hit() -> None:
-    h = await build(WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold=1)
-    try:
+    async with await build(WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold=1) as h:
         h.run_request("a", tokens(0))
         node = h.tree.all_nodes()[0]
         assert node.hit_count == 0 and node.host_value is None
         h.tree.match_prefix(RadixKey(tokens(0)))
         assert node.hit_count == 1 and node.host_value is not None
-    finally:
-        await h.close()
 
 
 async def test_write_back_copies_only_on_eviction_and_keeps_the_data() -> None:
-    h = await build(WritePolicy.WRITE_BACK)
-    try:
+    async with await build(WritePolicy.WRITE_BACK) as h:
         h.run_request("a", tokens(0))
         h.run_request("b", tokens(1))
         await h.settle()
@@ -87,14 +77,11 @@ async def test_write_back_copies_only_on_eviction_and_keeps_the_data() -> None:
         # everything comes back from host, bit-exact (run_request checks the KV it loads)
         sources = h.run_request("c", tokens(1))
         assert sources == {"device": 0, "host": 12, "computed": 0}
-    finally:
-        await h.close()
 
 
 @pytest.mark.parametrize("policy", [WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE])
 async def test_device_eviction_keeps_backed_up_and_drops_the_rest(policy: WritePolicy) -> None:
-    h = await build(policy, write_threshold=1)
-    try:
+    async with await build(policy, write_threshold=1) as h:
         h.run_request("a", tokens(0))
         h.run_request("b", tokens(1))  # SYSTEM hit once: selective backs it up, not the tails
         await h.settle()
@@ -108,13 +95,10 @@ async def test_device_eviction_keeps_backed_up_and_drops_the_rest(policy: WriteP
         match = h.tree.match_prefix(RadixKey(tokens(1)))
         assert match.prefix_len == 0
         assert match.host_hit_length == (12 if policy is WritePolicy.WRITE_THROUGH else 8)
-    finally:
-        await h.close()
 
 
 async def test_host_eviction_makes_room_for_new_backups() -> None:
-    h = await Harness.build(host_pages=4)  # room for the system prompt and two tails
-    try:
+    async with await Harness.build(host_pages=4) as h:  # room for the system prompt and two tails
         for i in range(6):
             h.run_request(f"r{i}", tokens(i))
             h.tree.evict(10_000)  # push everything down to host
@@ -123,13 +107,10 @@ async def test_host_eviction_makes_room_for_new_backups() -> None:
         assert h.controller.metrics.counts["host_evicted_tokens"] > 0
         # whatever is left on host still loads back exactly (checked inside run_request)
         h.run_request("again", tokens(5))
-    finally:
-        await h.close()
 
 
 async def test_host_eviction_drops_copies_that_are_on_device_and_in_l3(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    h = await Harness.build(url=f"file://{tmp_path}", host_pages=8)
-    try:
+    async with await Harness.build(url=f"file://{tmp_path}", host_pages=8) as h:
         h.run_request("a", tokens(0))  # 3 pages on device, on host and (once written) in L3
         await h.settle()
         node = next(n for n in h.tree.all_nodes() if n.value is not None)
@@ -142,5 +123,3 @@ async def test_host_eviction_drops_copies_that_are_on_device_and_in_l3(tmp_path)
         assert h.run_request("b", tokens(0))["device"] == 12
         h.tree.evict(10_000)
         assert h.run_request("c", tokens(0)) == {"device": 0, "host": 12, "computed": 0}
-    finally:
-        await h.close()

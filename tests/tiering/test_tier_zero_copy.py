@@ -83,42 +83,35 @@ async def _round_trip(h: Harness) -> None:
 async def test_pages_move_only_through_registered_memory() -> None:
     backend = AddressCheckingBackend()
     prefetch = PrefetchConfig(threshold_tokens=4)
-    h = await Harness.build(backend=backend, prefetch=prefetch, pool_preset=PoolPreset.DSA)
-    try:
+    async with await Harness.build(
+        backend=backend, prefetch=prefetch, pool_preset=PoolPreset.DSA
+    ) as h:
         pools = len(h.host)  # the DSA preset: latent and indexer pools
         # Each pool's pages and header arena, and the repair check's scratch pages and headers.
         assert pools == 2 and len(backend.ranges) == 4 * pools
         await _round_trip(h)
         assert backend.staged == 0
         assert backend.direct > 2 * len(SEQ) // 4 * sum(p.spec.page_bytes for p in h.host.values())
-    finally:
-        await h.close()
     assert backend.ranges == {}  # unregistered when the storage tier stopped
 
 
 async def test_pages_checked_before_a_skipped_write_move_through_registered_memory() -> None:
     backend = AddressCheckingBackend()
-    h = await Harness.build(backend=backend, pool_preset=PoolPreset.DSA)
-    try:
+    async with await Harness.build(backend=backend, pool_preset=PoolPreset.DSA) as h:
         await seed_l3(h, SEQ)
         written = h.controller.metrics.counts["pages_written_l3"]
         await seed_l3(h, SEQ)  # computed again while L3 holds every page: read back, checked
         counts = h.controller.metrics.counts
         assert counts["pages_checked_l3"] == written and counts["pages_written_l3"] == written
         assert backend.staged == 0 and backend.direct > 0
-    finally:
-        await h.close()
 
 
 async def test_compressed_pages_are_new_bytes_and_counted_as_staged() -> None:
     backend = AddressCheckingBackend()
-    h = await Harness.build(
+    async with await Harness.build(
         backend=backend,
         prefetch=PrefetchConfig(threshold_tokens=4),
         storage=StorageConfig(compress=True),
-    )
-    try:
+    ) as h:
         await _round_trip(h)
         assert backend.staged > 0  # the compressed payload and its header are fresh buffers
-    finally:
-        await h.close()

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from clock_kit import FakeClock
 
 from hicache.backends.base import StorageBackend
 from hicache.keys import RadixKey
@@ -37,15 +38,8 @@ def fake_kv(tokens: Sequence[int], start: int, shape: tuple[int, ...]) -> torch.
     return base.reshape(-1, *([1] * len(shape))).expand(-1, *shape).clone()
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+# The tiered cache's tests start their clocks here, well past 0.
+CLOCK_START = 1000.0
 
 
 @dataclasses.dataclass
@@ -92,7 +86,7 @@ class Harness:
         controller = await HiCacheController.open(config, device, host)
         if backend is not None:
             controller.storage.start(backend)
-        clock = FakeClock()
+        clock = FakeClock(CLOCK_START)
         tree = HiRadixCache(
             controller, RadixCacheConfig(page_size=PAGE), ReqToTokenPool(16, device_tokens), clock
         )
@@ -100,6 +94,12 @@ class Harness:
 
     async def close(self) -> None:
         await self.controller.close()
+
+    async def __aenter__(self) -> Harness:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     # ----- the stand-in model -----------------------------------------------------------------
     def compute(self, tokens: Sequence[int], start: int, slots: torch.Tensor) -> None:

@@ -116,6 +116,14 @@ async def test_fsync_option(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPa
 
 
 # ----- O_DIRECT -------------------------------------------------------------------------------
+async def o_direct_store_with_k(root: pathlib.Path, nbytes: int) -> tuple[FileBackend, bytes]:
+    """An O_DIRECT store at ``root`` holding one object, ``k``: ``nbytes`` random bytes."""
+    backend = await open_file(root, o_direct=True)
+    payload = os.urandom(nbytes)
+    assert await backend.put(["k"], [payload]) == [True]
+    return backend, payload
+
+
 async def test_o_direct_reads_are_correct(tmp_path: pathlib.Path) -> None:
     backend = await open_file(tmp_path, o_direct=True)
     small, whole = os.urandom(5000), os.urandom(8192)
@@ -136,9 +144,7 @@ async def test_o_direct_reads_are_correct(tmp_path: pathlib.Path) -> None:
 async def test_o_direct_refused_falls_back_once(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = await open_file(tmp_path, o_direct=True)
-    payload = os.urandom(4096)
-    assert await backend.put(["k"], [payload]) == [True]
+    backend, payload = await o_direct_store_with_k(tmp_path, 4096)
     real_open, direct_opens = reads.open_key, []
 
     def no_direct(root: str, fan: str, key: str, flags: int) -> int:
@@ -160,9 +166,7 @@ async def test_o_direct_refused_falls_back_once(
 async def test_o_direct_read_refused_after_open_falls_back(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = await open_file(tmp_path, o_direct=True)
-    payload = os.urandom(6000)
-    assert await backend.put(["k"], [payload]) == [True]
+    backend, payload = await o_direct_store_with_k(tmp_path, 6000)
     real_preadv = os.preadv
 
     def refuse_direct(fd: int, buffers: list[memoryview], offset: int) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -46,3 +47,9 @@ def make_node(storage_loop: asyncio.AbstractEventLoop) -> Iterator[Callable[...,
     for node in nodes:
         if node.remote.connection is not None:
             node.remote.close()
+
+
+@pytest.fixture
+def node(tmp_path: Path, make_node: Callable[..., Node]) -> Node:
+    """A node over a ``file://`` store in the test's own directory."""
+    return make_node(f"file://{tmp_path}")

@@ -70,10 +70,7 @@ BAD_OBJECTS: dict[str, Callable[[bytes], bytes]] = {
 
 
 @pytest.mark.parametrize("damage", BAD_OBJECTS.values(), ids=BAD_OBJECTS.keys())
-def test_damaged_object_is_a_miss(
-    damage: Callable[[bytes], bytes], tmp_path: Path, make_node: Callable[..., Node]
-) -> None:
-    node = make_node(f"file://{tmp_path}")
+def test_damaged_object_is_a_miss(damage: Callable[[bytes], bytes], node: Node) -> None:
     key, name, data = _stored(node)
     _replace(node, name, damage(data))
     assert node.remote.get_blocking(key) is None
@@ -81,10 +78,7 @@ def test_damaged_object_is_a_miss(
     assert node.connector.stats()["bad_pages"] == 2
 
 
-def test_object_copied_under_another_key_is_foreign(
-    tmp_path: Path, make_node: Callable[..., Node]
-) -> None:
-    node = make_node(f"file://{tmp_path}")
+def test_object_copied_under_another_key_is_foreign(node: Node) -> None:
     key_a, _, data_a = _stored(node, seed=1)
     key_b, name_b, _ = _stored(node, seed=2)
     _replace(node, name_b, data_a)  # A's bytes, perfectly valid, under B's name
@@ -94,10 +88,7 @@ def test_object_copied_under_another_key_is_foreign(
     got.ref_count_down()
 
 
-def test_page_of_another_shape_under_the_right_name_is_a_miss(
-    tmp_path: Path, make_node: Callable[..., Node]
-) -> None:
-    node = make_node(f"file://{tmp_path}")
+def test_page_of_another_shape_under_the_right_name_is_a_miss(node: Node) -> None:
     key, name, data = _stored(node)
     payload = data[HEADER_SIZE:]
     # Same bytes, but declared as a chunk of another layout: a reader must not take it.
@@ -117,10 +108,7 @@ def test_engine_with_another_kv_shape_never_sees_the_chunks(
     assert reader.remote.get_blocking(key) is None
 
 
-def test_backend_failure_is_a_miss_not_an_exception(
-    tmp_path: Path, make_node: Callable[..., Node]
-) -> None:
-    node = make_node(f"file://{tmp_path}")
+def test_backend_failure_is_a_miss_not_an_exception(node: Node) -> None:
     key, _, _ = _stored(node)
     run_on(node.remote.loop, node.connector.backend.close())
     assert node.remote.get_blocking(key) is None

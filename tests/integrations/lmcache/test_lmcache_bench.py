@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_kit import run_without
 
 pytest.importorskip(
     "lmcache", reason="LMCache is installed only in the LMCache venv (.venv-lmcache)"
@@ -79,11 +80,6 @@ def test_bench_lmcache_refuses_a_directory_with_stores_in_it(tmp_path: Path) -> 
 
 
 def test_bench_lmcache_without_lmcache_says_where_to_run_it() -> None:
-    code = (
-        "import sys; sys.modules['lmcache'] = None; "
-        "from hicache.tools.cli import main; sys.exit(main())"
-    )
-    argv = [sys.executable, "-c", code, "bench", "lmcache", "--chunks", "1"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    done = run_without("lmcache", "bench", "lmcache", "--chunks", "1")
     assert done.returncode != 0
     assert ".venv-lmcache/bin/hicache bench lmcache" in done.stderr

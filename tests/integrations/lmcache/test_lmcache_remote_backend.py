@@ -44,10 +44,7 @@ def test_put_get_contains_remove_through_remote_backend(
     assert not node.remote.remove(key)
 
 
-def test_batched_put_then_leading_hits_and_batched_get(
-    tmp_path: Path, make_node: Callable[..., Node]
-) -> None:
-    node = make_node(f"file://{tmp_path}")
+def test_batched_put_then_leading_hits_and_batched_get(node: Node) -> None:
     keys = [chunk_key(h) for h in (11, 12, 13)]
     objs = [node.allocate() for _ in keys]
     expected = [fill(obj, seed=i) for i, obj in enumerate(objs)]
@@ -67,10 +64,7 @@ def test_batched_put_then_leading_hits_and_batched_get(
     assert node.connector.stats()["hits"] == 3
 
 
-def test_non_blocking_get_returns_the_prefix_before_the_first_miss(
-    tmp_path: Path, make_node: Callable[..., Node]
-) -> None:
-    node = make_node(f"file://{tmp_path}")
+def test_non_blocking_get_returns_the_prefix_before_the_first_miss(node: Node) -> None:
     keys = [chunk_key(h) for h in (21, 22, 23)]
     expected = []
     for i, key in enumerate((keys[0], keys[2])):
@@ -83,10 +77,7 @@ def test_non_blocking_get_returns_the_prefix_before_the_first_miss(
     got[0].ref_count_down()
 
 
-def test_a_last_chunk_of_fewer_tokens_reads_back_with_its_shape(
-    tmp_path: Path, make_node: Callable[..., Node]
-) -> None:
-    node = make_node(f"file://{tmp_path}")
+def test_a_last_chunk_of_fewer_tokens_reads_back_with_its_shape(node: Node) -> None:
     key = chunk_key(31)
     obj = node.allocate(tokens=5)  # save_unfull_chunk stores such chunks
     expected = fill(obj, seed=3)
@@ -99,8 +90,7 @@ def test_a_last_chunk_of_fewer_tokens_reads_back_with_its_shape(
     got.ref_count_down()
 
 
-def test_list_returns_the_original_keys(tmp_path: Path, make_node: Callable[..., Node]) -> None:
-    node = make_node(f"file://{tmp_path}")
+def test_list_returns_the_original_keys(node: Node) -> None:
     keys = [
         chunk_key(41),
         # No '@' in tag values: LMCache's own CacheEngineKey.from_string splits on it.

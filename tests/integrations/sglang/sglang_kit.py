@@ -47,6 +47,23 @@ def storage_config(
     )
 
 
+def host_pool_over(host_type: Any, device: Any, page: int, layout: str, **extra: Any) -> Any:
+    """A host pool of ``host_type`` over ``device``'s layers: twice its tokens, not pinned."""
+    info = device.get_device_pool_infos()[0].buffer_info
+    return host_type(
+        info,
+        2.0,
+        0,
+        page,
+        layout,
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+        **extra,
+    )
+
+
 def mha_pools(
     layout: str, dtype: torch.dtype = torch.bfloat16, heads: int = 2, page: int = PAGE
 ) -> tuple[Any, Any]:
@@ -60,19 +77,7 @@ def mha_pools(
         device="cpu",
         enable_memory_saver=False,
     )
-    info = device.get_device_pool_infos()[0].buffer_info
-    host = MHATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        page,
-        layout,
-        pin_memory=False,
-        device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
-    )
-    return device, host
+    return device, host_pool_over(MHATokenToKVPoolHost, device, page, layout)
 
 
 def mla_pools(layout: str, dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
@@ -86,17 +91,11 @@ def mla_pools(layout: str, dtype: torch.dtype = torch.bfloat16) -> tuple[Any, An
         device="cpu",
         enable_memory_saver=False,
     )
-    info = device.get_device_pool_infos()[0].buffer_info
-    host = MLATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
+    host = host_pool_over(
+        MLATokenToKVPoolHost,
+        device,
         PAGE,
         layout,
-        pin_memory=False,
-        device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
         override_kv_cache_dim=device.kv_cache_dim,
         target_layer_num=LAYERS,
     )

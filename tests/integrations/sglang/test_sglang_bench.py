@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_kit import run_without
 
 pytest.importorskip(
     "sglang", reason="SGLang is installed only in the SGLang venv (make test-sglang)"
@@ -40,11 +41,6 @@ def test_bench_sglang_reports_every_backend(tmp_path) -> None:
 
 
 def test_bench_sglang_without_sglang_says_where_to_run_it(tmp_path) -> None:
-    code = (
-        "import sys; sys.modules['sglang'] = None; "
-        "from hicache.tools.cli import main; sys.exit(main())"
-    )
-    argv = [sys.executable, "-c", code, "bench", "sglang", "--backend", "file"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    done = run_without("sglang", "bench", "sglang", "--backend", "file")
     assert done.returncode != 0
     assert ".venv-sglang/bin/hicache bench sglang" in done.stderr

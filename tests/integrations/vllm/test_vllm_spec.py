@@ -5,8 +5,6 @@ a CPU engine its own worker, whose copies land in the very host region the manag
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM is installed only in its venvs")
 
 import torch
+from cuda_kit import needs_cuda
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
@@ -24,18 +23,13 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
 )
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from hicache.integrations.vllm import HiCacheOffloadingSpec, HiCacheTier
 from hicache.integrations.vllm.host_worker import HostCopyWorker
+from hicache.tools.bench.engines.vllm_sides import offloading_config
 
 cpu_only = pytest.mark.skipif(
     not current_platform.is_cpu(), reason="the host copy worker is the CPU platform's"
@@ -44,20 +38,10 @@ cpu_only = pytest.mark.skipif(
 PAGE = 4096  # bytes of one KV block of the one layer
 NUM_BLOCKS = 16
 CHUNKS = 8
-_ENGINES = itertools.count()
 
 
 def make_config(extra: dict[str, Any]) -> OffloadingConfig:
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer",), group_id=0),),
-        worker_kv_bytes_per_block=PAGE,
-        enable_kv_cache_events=False,
-        extra_config=extra,
-        engine_id=f"hicache-spec-test-{os.getpid()}-{next(_ENGINES)}",
-        model=OffloadingModelConfig(name="test-model", dtype="bfloat16"),  # 0.32 and 0.33 alike
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
-    )
+    return offloading_config(extra, PAGE, engine="spec-test", model="test-model")
 
 
 def extra_config(url: str, **options: Any) -> dict[str, Any]:
@@ -175,7 +159,7 @@ def test_a_bad_tier_value_stops_the_scheduler_side(options: dict[str, Any], name
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_on_cuda_the_spec_gives_vllms_own_worker(tmp_path: Path) -> None:
     """Run by tools/gpu_check.sh where vLLM's CUDA build is installed: the spec builds, its
     manager has the hicache tier, and its worker is vLLM's GPU worker (not the host one)."""

@@ -3,28 +3,18 @@ made by vLLM's own factory, and jobs. Imported only after vLLM is known to be th
 
 from __future__ import annotations
 
-import itertools
 import mmap
-import os
 import time
 from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from hicache.integrations.vllm import HiCacheTier
+from hicache.tools.bench.engines.vllm_sides import tiering_spec
 
-_ENGINES = itertools.count()
 CHUNK = 4096
 NUM_CHUNKS = 8
 CTX = ReqContext(req_id="r1")
@@ -45,21 +35,17 @@ def make_spec(
     dict), as vLLM's tier tests build one; a unique engine id names its /dev/shm region."""
     tier_config = {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm", "url": url}
     tier_config.update(tier_options)
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer",), group_id=0),),
-        worker_kv_bytes_per_block=CHUNK,
-        enable_kv_cache_events=events,
-        extra_config={
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": NUM_CHUNKS * CHUNK,
-            "secondary_tiers": [tier_config],
-        },
-        engine_id=f"hicache-test-{os.getpid()}-{next(_ENGINES)}",
-        model=OffloadingModelConfig(name=model, dtype=dtype),  # no max_model_len: 0.32 has none
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank, tp, tp, 1, 1, 1, 0, 1, None, False),
+    return tiering_spec(
+        tier_config,
+        CHUNK,
+        NUM_CHUNKS,
+        engine="test",
+        model=model,
+        dtype=dtype,
+        rank=rank,
+        tp=tp,
+        events=events,
     )
-    return TieringOffloadingSpec(config)
 
 
 def build_tier(url: str, **spec_kw: Any) -> Primary:

@@ -19,7 +19,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["OURS", "THEIRS", "Side", "TierShape", "Transfer", "offload_keys", "tier_config"]
+__all__ = [
+    "OURS",
+    "THEIRS",
+    "Side",
+    "TierShape",
+    "Transfer",
+    "offload_keys",
+    "offloading_config",
+    "tier_config",
+    "tiering_spec",
+]
 
 OURS, THEIRS = "hicache", "fs"
 _ENGINE_IDS = itertools.count()
@@ -56,7 +66,19 @@ def tier_config(name: str, root: str, threads: int) -> dict[str, Any]:
     return {"type": "fs", "root_dir": path, **common}
 
 
-def _spec(config: dict[str, Any], chunk_bytes: int, num_chunks: int) -> Any:
+def offloading_config(
+    extra_config: dict[str, Any],
+    block_bytes: int,
+    *,
+    engine: str,
+    model: str = "bench-model",
+    dtype: str = "bfloat16",
+    rank: int = 0,
+    tp: int = 1,
+    events: bool = False,
+) -> Any:
+    """vLLM's ``OffloadingConfig`` for one layer of ``block_bytes`` blocks, as vLLM's own tier
+    tests build it; ``engine`` joins a unique engine id, which names the /dev/shm region."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -64,23 +86,32 @@ def _spec(config: dict[str, Any], chunk_bytes: int, num_chunks: int) -> Any:
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer",), group_id=0),),
+        worker_kv_bytes_per_block=block_bytes,
+        enable_kv_cache_events=events,
+        extra_config=extra_config,
+        engine_id=f"hicache-{engine}-{os.getpid()}-{next(_ENGINE_IDS)}",
+        model=OffloadingModelConfig(name=model, dtype=dtype),  # no max_model_len: 0.32 has none
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank, tp, tp, 1, 1, 1, 0, 1, None, False),
+    )
+
+
+def tiering_spec(
+    tier: dict[str, Any], chunk_bytes: int, num_chunks: int, *, engine: str, **config: Any
+) -> Any:
+    """A real ``TieringOffloadingSpec`` with the one secondary ``tier`` (a ``secondary_tiers``
+    entry) over ``num_chunks`` host chunks; ``config`` as :func:`offloading_config` takes it."""
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    offloading = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer",), group_id=0),),
-        worker_kv_bytes_per_block=chunk_bytes,
-        enable_kv_cache_events=False,
-        extra_config={
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": num_chunks * chunk_bytes,
-            "secondary_tiers": [config],
-        },
-        engine_id=f"hicache-bench-{os.getpid()}-{next(_ENGINE_IDS)}",
-        model=OffloadingModelConfig(name="bench-model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
-    )
-    return TieringOffloadingSpec(offloading)
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": num_chunks * chunk_bytes,
+        "secondary_tiers": [tier],
+    }
+    return TieringOffloadingSpec(offloading_config(extra, chunk_bytes, engine=engine, **config))
 
 
 def offload_keys(tag: int, count: int) -> list[bytes]:
@@ -97,7 +128,7 @@ class Side:
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
         self.name = name
-        spec = _spec(config, chunk_bytes, num_chunks)
+        spec = tiering_spec(config, chunk_bytes, num_chunks, engine="bench")
         self._buf = mmap.mmap(-1, num_chunks * chunk_bytes)
         self.primary = np.frombuffer(self._buf, dtype=np.uint8).reshape(num_chunks, chunk_bytes)
         # The view vLLM hands a tier: a row of bytes per chunk (strides[0] is the chunk's size).
