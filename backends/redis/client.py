@@ -341,7 +341,7 @@ async def connect(cfg: RedisConfig) -> RedisClient:
     except FAILURES as exc:
         await close_quietly(client)
         hint = ""
-        if cfg.sentinel and any(word in str(exc) for word in ("NOAUTH", "WRONGPASS", "AUTH")):
+        if cfg.sentinel and "AUTH" in str(exc):  # NOAUTH, WRONGPASS ... AUTH, ...
             hint = "; the sentinels ask for a password: sentinel_password or sentinel_password_file"
         raise BackendUnavailableError(
             f"cannot reach redis {client.where} ({type(exc).__name__}: {exc}){hint}"

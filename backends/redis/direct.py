@@ -106,7 +106,9 @@ class DirectPool:
         """Send ``requests`` to ``address`` and ``read`` the replies: what ``read`` returns,
         and the value bytes that passed through the reader's spill buffer. Raises what the
         connection raised (``OSError``, ``RedisError``)."""
-        slots = self._slots.setdefault(address, asyncio.Semaphore(self._limit))
+        slots = self._slots.get(address)
+        if slots is None:
+            slots = self._slots[address] = asyncio.Semaphore(self._limit)
         async with slots:
             for attempt in (0, 1):
                 idle = self._idle.setdefault(address, [])

@@ -128,8 +128,9 @@ class ReplyReader:
             await self._fill()
 
     async def reply(self) -> object:
-        """The next reply: ``bytes`` (a simple or bulk string), ``int``, ``None`` (null) or a
-        ``ResponseError`` (an error reply, returned, not raised)."""
+        """The next reply: ``bytes`` (a simple or bulk string of at most :data:`MAX_LINE`),
+        ``int``, ``None`` (null) or a ``ResponseError`` (an error reply, returned, not
+        raised)."""
         line = await self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"+":
@@ -142,6 +143,8 @@ class ReplyReader:
             n = _number(rest)
             if n < 0:
                 return None
+            if n > MAX_LINE:  # the direct path asks nothing with a long answer but GET
+                raise InvalidResponse(f"a {n}-byte reply where a short one was due")
             value = bytearray(n)
             await self._take(memoryview(value), n)  # a small reply of its own: not staged
             await self._crlf()

@@ -95,6 +95,14 @@ async def test_a_malformed_or_cut_reply_raises(wire: Any, stream: bytes, error: 
         await ReplyReader(ours).value_into([memoryview(bytearray(16))])
 
 
+@pytest.mark.asyncio
+async def test_a_long_answer_to_a_short_command_is_refused(wire: Any) -> None:
+    ours, theirs = wire
+    theirs.sendall(b"$999999999999\r\n")  # not allocated: the stream is not what was asked
+    with pytest.raises(InvalidResponse):
+        await ReplyReader(ours).reply()
+
+
 # ----- against a server ------------------------------------------------------------------------
 @pytest.mark.asyncio
 async def test_large_pages_move_without_staging(backend: RedisBackend) -> None:
