@@ -32,15 +32,15 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from hicache.backends._io_threads import IOThreads, in_thread
+from hicache.backends._prepared_open import PreparedInThread
 from hicache.backends._urls import local_root
 from hicache.backends.base import (
     MISS,
     Capabilities,
     ObjectInfo,
-    StorageBackend,
     segments_nbytes,
 )
 from hicache.backends.disk.audit import DamagedRegion, audit_segments
@@ -65,12 +65,11 @@ from hicache.errors import ReadOnlyStoreError
 __all__ = ["DiskBackend", "DiskConfig"]
 
 logger = logging.getLogger(__name__)
-D = TypeVar("D", bound="DiskBackend")
 _INLINE_STALL_S = 0.002  # an inline put that took longer was made to wait by the kernel
 _INLINE_BACKOFF_S = 5.0
 
 
-class DiskBackend(StorageBackend):
+class DiskBackend(PreparedInThread):
     name = "disk"
     url_schemes = ("disk",)
     url_parts = frozenset({"host", "path"})  # the host may only be localhost
@@ -103,12 +102,6 @@ class DiskBackend(StorageBackend):
         return local_root(
             netloc, path, "disk", "a local path (disk:///abs/path)", "disk:///var/cache/kv"
         )
-
-    @classmethod
-    async def open(cls: type[D], config: Any) -> D:
-        backend = cls(config)
-        await asyncio.to_thread(backend._prepare)
-        return backend
 
     def _prepare(self) -> None:
         start = time.perf_counter()

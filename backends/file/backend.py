@@ -41,8 +41,9 @@ from typing import Any, TypeVar
 
 from hicache.backends._io_threads import outlive_cancel
 from hicache.backends._open_flags import CLOEXEC
+from hicache.backends._prepared_open import PreparedInThread
 from hicache.backends._urls import local_root
-from hicache.backends.base import Capabilities, ObjectInfo, StorageBackend
+from hicache.backends.base import Capabilities, ObjectInfo
 from hicache.backends.file.config import FileConfig
 from hicache.backends.file.io import write_all
 from hicache.backends.file.lru_index import LruIndex
@@ -71,7 +72,6 @@ __all__ = ["FileBackend", "FileConfig"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-F = TypeVar("F", bound="FileBackend")
 
 _TMP_KEY_CHARS = 200  # keeps ".<key>.<pid>.<random>.tmp" under NAME_MAX for 250-char keys
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -91,7 +91,7 @@ _COUNTERS = (
 )
 
 
-class FileBackend(ObjectReads, StoreMaintenance, StorageBackend):
+class FileBackend(ObjectReads, StoreMaintenance, PreparedInThread):
     """Objects as files under ``root``, with an optional size cap and LRU eviction.
 
     The cap is enforced per process: the LRU index is built by scanning root at open (ordered by
@@ -132,15 +132,9 @@ class FileBackend(ObjectReads, StoreMaintenance, StorageBackend):
         example = "file:///var/cache/hicache"
         return local_root(netloc, path, "file", "a local path (file:///abs/path)", example)
 
-    @classmethod
-    async def open(cls: type[F], config: Any) -> F:
+    def _prepare(self) -> None:
         """Create root if needed, check it is a writable directory, and load the index (a
         read-only open only checks that root is a directory)."""
-        backend = cls(config)
-        await asyncio.to_thread(backend._prepare)
-        return backend
-
-    def _prepare(self) -> None:
         self._root = self._existing_root() if self.config.read_only else self._writable_root()
         use_openat2(self._root)
         found = [info for top in top_dirs(self._root) for info in scan_top(self._root, top, "")]

@@ -41,12 +41,12 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from hicache.backends._io_threads import IOThreads
+from hicache.backends._prepared_open import PreparedInThread
 from hicache.backends._urls import local_root
 from hicache.backends.base import (
     MISS,
     Capabilities,
     ObjectInfo,
-    StorageBackend,
     segments_nbytes,
 )
 from hicache.backends.hf3fs.index import (
@@ -75,7 +75,6 @@ __all__ = ["Hf3fsBackend", "Hf3fsConfig", "Hf3fsMode"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-H = TypeVar("H", bound="Hf3fsBackend")
 _ALIGN = 4096
 _STAGING_ITEMS = 8  # slots per USRBIO staging buffer: a 32-key batch over 4 I/O threads
 _ZERO_HEADER = memoryview(bytes(SLOT_HEADER))
@@ -134,7 +133,7 @@ def _first(segs: Sequence[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-class Hf3fsBackend(StorageBackend):
+class Hf3fsBackend(PreparedInThread):
     """Objects in fixed slots of one file per rank, with a durable key-to-slot index."""
 
     name = "3fs"
@@ -162,15 +161,8 @@ class Hf3fsBackend(StorageBackend):
         example = "3fs:///mnt/3fs/hicache"
         return local_root(netloc, path, "3fs", "a mount path (3fs:///mnt/3fs)", example)
 
-    @classmethod
-    async def open(cls: type[H], config: Any) -> H:
+    def _prepare(self) -> None:
         """Check root, lock and size the data file, replay the index, start the I/O engine."""
-        backend = cls(config)
-        await asyncio.to_thread(backend._start)
-        backend._threads = IOThreads(config.io_threads, "hicache-3fs")
-        return backend
-
-    def _start(self) -> None:
         cfg = self.config
         check_root(cfg.root)
         usrbio = None
@@ -191,6 +183,7 @@ class Hf3fsBackend(StorageBackend):
             os.close(self._fd)  # releases the lock
             self._fd = -1
             raise
+        self._threads = IOThreads(cfg.io_threads, "hicache-3fs")
 
     def _load_index(self) -> None:
         try:

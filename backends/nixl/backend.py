@@ -32,7 +32,8 @@ from typing import Any, TypeVar
 from urllib.parse import unquote
 
 from hicache.backends._io_threads import in_thread
-from hicache.backends.base import MISS, Capabilities, ObjectInfo, StorageBackend, segments_nbytes
+from hicache.backends._prepared_open import PreparedInThread
+from hicache.backends.base import MISS, Capabilities, ObjectInfo, segments_nbytes
 from hicache.backends.nixl.agent import (
     NixlAgent,
     NixlPluginError,
@@ -56,7 +57,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-N = TypeVar("N", bound="NixlBackend")
 
 
 class NixlPlugin(enum.Enum):
@@ -124,7 +124,7 @@ class NixlConfig:
         return self.path.strip("/")
 
 
-class NixlBackend(StorageBackend):
+class NixlBackend(PreparedInThread):
     """Objects in files or S3, moved by NIXL; zero-copy from memory given to register_memory."""
 
     name = "nixl"
@@ -149,14 +149,8 @@ class NixlBackend(StorageBackend):
     def url_location_fields(cls, netloc: str, path: str) -> dict[str, Any]:
         return {"bucket": netloc, "path": unquote(path)}
 
-    @classmethod
-    async def open(cls: type[N], config: Any) -> N:
+    def _prepare(self) -> None:
         """Start the agent and its plugin, register the staging region, check the store."""
-        backend = cls(config)
-        await asyncio.to_thread(backend._start)
-        return backend
-
-    def _start(self) -> None:
         cfg = self.config
         api = load_nixl_api()
         if cfg.plugin is NixlPlugin.POSIX:

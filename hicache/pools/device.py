@@ -18,7 +18,7 @@ import torch
 from hicache.errors import ConfigError, InvalidArgumentError, LayoutError
 from hicache.layouts import Layout, buffer_shape
 from hicache.pools._index import IndexLike, check_indices
-from hicache.pools.allocator import TokenSlotAllocator
+from hicache.pools.pool_base import PoolBase, build_pool_group
 from hicache.pools.pool_spec import INDEXER_SCALE_BYTES, ModelPools, PoolSpec
 
 __all__ = [
@@ -57,13 +57,15 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     return resolved
 
 
-class DevicePool:
+class DevicePool(PoolBase):
     """The slots of one pool on the compute device.
 
     ``num_slots`` is in tokens for a per-token pool, in snapshots for a per-sequence pool, and
     a multiple of the spec's page size. ``owner`` is the pool named by ``spec.shares_slots_with``
     (and only then): both are addressed by the same slot indices, allocated through the owner.
     """
+
+    _unit = "slot"
 
     def __init__(
         self,
@@ -76,7 +78,7 @@ class DevicePool:
             raise InvalidArgumentError(f"spec must be a PoolSpec, got {type(spec).__name__}")
         self.spec = spec
         self.device = _resolve_device(device)
-        self.allocator = self._allocator(num_slots, owner)
+        self.allocator = self._owned_or_shared_allocator(num_slots, owner, spec.page_size)
         self._offsets = torch.arange(spec.page_size, dtype=torch.int64)
         shape = buffer_shape(spec.layout, Layout.LAYER_FIRST, self.allocator.num_pages)
         # Zeros: a per-sequence state starts from the zero state, and a fresh KV slot is defined.
@@ -84,45 +86,9 @@ class DevicePool:
         self._bits = self.buffer.view(_BITS[self.buffer.element_size()])
         logger.debug("device pool %s: %s on %s", spec.name, list(shape), self.device)
 
-    def _allocator(self, num_slots: int, owner: DevicePool | None) -> TokenSlotAllocator:
-        shared = self.spec.shares_slots_with
-        if shared is None:
-            if owner is not None:
-                raise InvalidArgumentError(f"pool {self.spec.name!r} owns its slots; no owner")
-            return TokenSlotAllocator(num_slots, self.spec.page_size)
-        if not isinstance(owner, DevicePool) or owner.spec.name != shared:
-            raise InvalidArgumentError(f"pool {self.spec.name!r} needs its slot owner {shared!r}")
-        if owner.size != num_slots:
-            raise InvalidArgumentError(
-                f"pool {self.spec.name!r} shares {owner.size} slots with {shared!r}, "
-                f"not {num_slots}"
-            )
-        return owner.allocator
-
-    @property
-    def owns_slots(self) -> bool:
-        return self.spec.shares_slots_with is None
-
     @property
     def size(self) -> int:
         return self.allocator.size
-
-    @property
-    def page_size(self) -> int:
-        return self.spec.page_size
-
-    @property
-    def num_pages(self) -> int:
-        return self.allocator.num_pages
-
-    @property
-    def available_size(self) -> int:
-        """Free slots (shared with the owner for a sidecar pool)."""
-        return self.allocator.available_size
-
-    @property
-    def used_size(self) -> int:
-        return self.size - self.available_size
 
     def alloc(self, num_slots: int) -> torch.Tensor | None:
         """Slots for ``num_slots`` (whole pages), or None when they do not fit; all or nothing."""
@@ -141,13 +107,6 @@ class DevicePool:
         if bool((rows[:, 0] % ps != 0).any()) or bool((rows - rows[:, :1] != self._offsets).any()):
             raise InvalidArgumentError("free whole pages: each page's slots in order")
         self.allocator.free(index)
-
-    def _check_owner(self, what: str) -> None:
-        if not self.owns_slots:
-            raise InvalidArgumentError(
-                f"pool {self.spec.name!r} shares slots with {self.spec.shares_slots_with!r}; "
-                f"{what} there"
-            )
 
     def is_allocated(self, slots: IndexLike) -> torch.Tensor:
         """Per slot, whether it is allocated."""
@@ -218,20 +177,11 @@ def device_pools(
     model: ModelPools, slots: Mapping[str, int], device: torch.device | str | None = None
 ) -> dict[str, DevicePool]:
     """A device pool per pool of ``model``; ``slots`` sizes each slot owner (sidecars follow)."""
-    pools: dict[str, DevicePool] = {}
-    for spec in sorted(model, key=lambda s: s.shares_slots_with is not None):  # owners first
-        if spec.shares_slots_with is None:
-            if spec.name not in slots:
-                raise InvalidArgumentError(f"no slot count for pool {spec.name!r}")
-            pools[spec.name] = DevicePool(spec, slots[spec.name], device)
-        else:
-            owner = pools[spec.shares_slots_with]
-            size = slots.get(spec.name, owner.size)
-            pools[spec.name] = DevicePool(spec, size, owner.device, owner)
-    unknown = set(slots) - set(pools)
-    if unknown:
-        raise InvalidArgumentError(f"slot counts for unknown pools {sorted(unknown)}")
-    return {name: pools[name] for name in model.names}
+
+    def make(spec: PoolSpec, size: int, owner: DevicePool | None) -> DevicePool:
+        return DevicePool(spec, size, device if owner is None else owner.device, owner)
+
+    return build_pool_group(model, slots, "slot", make)
 
 
 def pack_indexer(keys: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

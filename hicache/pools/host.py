@@ -29,8 +29,8 @@ from hicache.layouts import (
     write_page,
 )
 from hicache.pools._index import IndexLike, check_indices
-from hicache.pools.allocator import TokenSlotAllocator
 from hicache.pools.device import DevicePool
+from hicache.pools.pool_base import PoolBase, build_pool_group
 from hicache.pools.pool_spec import ModelPools, PoolSpec
 
 __all__ = ["HostPool", "host_pools"]
@@ -46,9 +46,11 @@ def _resolve_pin(pin_memory: bool | None) -> bool:
     return bool(pin_memory)
 
 
-class HostPool:
+class HostPool(PoolBase):
     """``num_pages`` host pages of one pool in ``layout`` (pinned when ``pin_memory``; by
     default when CUDA is available). ``owner``: the pool named by ``spec.shares_slots_with``."""
+
+    _unit = "page"
 
     def __init__(
         self,
@@ -64,7 +66,8 @@ class HostPool:
             raise InvalidArgumentError(f"layout must be a Layout, got {layout!r}")
         self.spec = spec
         self.layout = layout
-        self.allocator = self._allocator(num_pages, owner)
+        # A "slot" of a host pool's allocator is a whole page.
+        self.allocator = self._owned_or_shared_allocator(num_pages, owner, 1)
         shape = buffer_shape(spec.layout, layout, self.allocator.num_pages)  # rejects RAW
         self.pinned = _resolve_pin(pin_memory)
         self.buffer = torch.zeros(shape, dtype=spec.layout.dtype.to_torch(), pin_memory=self.pinned)
@@ -74,50 +77,11 @@ class HostPool:
             owner._sidecars.append(self)
         logger.debug("host pool %s: %s %s pinned=%s", spec.name, layout.label, shape, self.pinned)
 
-    def _allocator(self, num_pages: int, owner: HostPool | None) -> TokenSlotAllocator:
-        shared = self.spec.shares_slots_with
-        if shared is None:
-            if owner is not None:
-                raise InvalidArgumentError(f"pool {self.spec.name!r} owns its pages; no owner")
-            return TokenSlotAllocator(num_pages, 1)  # a "slot" here is a whole page
-        if not isinstance(owner, HostPool) or owner.spec.name != shared:
-            raise InvalidArgumentError(f"pool {self.spec.name!r} needs its page owner {shared!r}")
-        if owner.num_pages != num_pages:
-            raise InvalidArgumentError(
-                f"pool {self.spec.name!r} shares {owner.num_pages} pages with {shared!r}, "
-                f"not {num_pages}"
-            )
-        return owner.allocator
-
-    # -- sizes, in pages and in slots (tokens, or snapshots for a per-sequence pool) ---------
-
-    @property
-    def num_pages(self) -> int:
-        return self.allocator.num_pages
-
-    @property
-    def page_size(self) -> int:
-        return self.spec.page_size
-
-    @property
-    def available_pages(self) -> int:
-        return self.allocator.available_size
-
-    @property
-    def used_pages(self) -> int:
-        return self.num_pages - self.available_pages
+    # -- protected sizes (the rest, in pages and in slots, are PoolBase's) -------------------
 
     @property
     def protected_pages(self) -> int:
         return int((self._protected > 0).sum())
-
-    @property
-    def available_size(self) -> int:
-        return self.available_pages * self.page_size
-
-    @property
-    def used_size(self) -> int:
-        return self.used_pages * self.page_size
 
     @property
     def protected_size(self) -> int:
@@ -169,13 +133,6 @@ class HostPool:
                 f"pool {self.spec.name!r} pages {index[free].tolist()} are not allocated"
             )
         return index
-
-    def _check_owner(self, what: str) -> None:
-        if self.spec.shares_slots_with is not None:
-            raise InvalidArgumentError(
-                f"pool {self.spec.name!r} shares pages with {self.spec.shares_slots_with!r}; "
-                f"{what} there"
-            )
 
     # -- pages as memory, for storage --------------------------------------------------------
 
@@ -278,17 +235,8 @@ def host_pools(
     pin_memory: bool | None = None,
 ) -> dict[str, HostPool]:
     """A host pool per pool of ``model``; ``pages`` sizes each page owner (sidecars follow)."""
-    pools: dict[str, HostPool] = {}
-    for spec in sorted(model, key=lambda s: s.shares_slots_with is not None):  # owners first
-        if spec.shares_slots_with is None:
-            if spec.name not in pages:
-                raise InvalidArgumentError(f"no page count for pool {spec.name!r}")
-            pools[spec.name] = HostPool(spec, pages[spec.name], layout, pin_memory)
-        else:
-            owner = pools[spec.shares_slots_with]
-            count = pages.get(spec.name, owner.num_pages)
-            pools[spec.name] = HostPool(spec, count, layout, owner.pinned, owner)
-    unknown = set(pages) - set(pools)
-    if unknown:
-        raise InvalidArgumentError(f"page counts for unknown pools {sorted(unknown)}")
-    return {name: pools[name] for name in model.names}
+
+    def make(spec: PoolSpec, count: int, owner: HostPool | None) -> HostPool:
+        return HostPool(spec, count, layout, pin_memory if owner is None else owner.pinned, owner)
+
+    return build_pool_group(model, pages, "page", make)

@@ -57,8 +57,6 @@ class TreeNode:
     serving/, scheduling/,      tree only through its methods
     server/, workloads/, tools)
     ==========================  ==================================================================
-
-    ``host_ref`` is set to 0 when a node is made and neither written nor read after that.
     """
 
     __slots__ = (
@@ -68,7 +66,6 @@ class TreeNode:
         "hash_value",
         "heap_version",
         "hit_count",
-        "host_ref",
         "host_value",
         "id",
         "in_storage",
@@ -100,7 +97,6 @@ class TreeNode:
         self.hash_value: list[bytes] | None = None
         self.in_storage = False
         self.lock_ref = 0
-        self.host_ref = 0
         self.hit_count = 0
         self.priority = 0
         self.protected = False  # SLRU: in the protected segment

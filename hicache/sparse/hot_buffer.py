@@ -141,6 +141,17 @@ class HotStats:
         return self.missed_pages / self.wanted_pages if self.wanted_pages else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _PageLoads:
+    """One layer's step as its copies see it: the buffer ``rows`` (B,), the ``wanted`` pages
+    (B, K), the ``slots`` they live in and which of them ``miss`` (were not held)."""
+
+    rows: torch.Tensor
+    wanted: torch.Tensor
+    slots: torch.Tensor
+    miss: torch.Tensor
+
+
 class HotBuffer:
     """``rows`` requests' hot buffers and indexer keys (``index_tokens`` slots) on ``device``,
     over the latent host pool ``host`` (the tree's), for contexts of up to ``context_tokens``
@@ -288,8 +299,11 @@ class HotBuffer:
         self._decode_rows += len(top) if layer == 0 else 0
         positions = rows.positions.to(self.held.device)
         value = latent_new.view(len(top), -1, *self.latent.shape[3:]).to(self.latent.dtype)
+        loads = _PageLoads(hot_rows, wanted, step.slots, step.miss)
         inputs = (hot_rows, wanted, step.slots, step.miss, positions, value)
-        pending = self.copies.launch(lambda: self._copy_layer(layer, *inputs), inputs)
+        pending = self.copies.launch(
+            lambda: self._copy_layer(layer, loads, positions, value), inputs
+        )
         buffer_rows = hot_rows[:, None] * hp + step.slots.clamp_min(0)
 
         def latent() -> torch.Tensor:
@@ -300,23 +314,17 @@ class HotBuffer:
         return latent
 
     def _copy_layer(
-        self,
-        layer: int,
-        rows: torch.Tensor,
-        wanted: torch.Tensor,
-        slots: torch.Tensor,
-        miss: torch.Tensor,
-        positions: torch.Tensor,
-        value: torch.Tensor,
+        self, layer: int, loads: _PageLoads, positions: torch.Tensor, value: torch.Tensor
     ) -> None:
         """One layer's copies, in order: the misses into their slots, then the new latent
         (``value``: (B, n, *item), positions up to ``positions``) into its page's slot (every
         row's first wanted page: its own) and to host."""
         hp = self.hot_pages
         if self.masked_copies:
-            self._load_masked(layer, rows, wanted, slots, miss)
+            self._load_masked(layer, loads)
         else:
-            self._load_listed(layer, rows, wanted, slots, miss)
+            self._load_listed(layer, loads)
+        rows, slots = loads.rows, loads.slots
         written = value.shape[1]
         if not written:
             return
@@ -330,35 +338,22 @@ class HotBuffer:
         host_layer = self._host_view[:, 0, layer]  # writes land in the host pool
         host_layer[host_pages, host_spans % ps] = value.to(host_layer.device, host_layer.dtype)
 
-    def _load_listed(
-        self,
-        layer: int,
-        rows: torch.Tensor,
-        wanted: torch.Tensor,
-        slots: torch.Tensor,
-        miss: torch.Tensor,
-    ) -> None:
+    def _load_listed(self, layer: int, loads: _PageLoads) -> None:
         """The misses as a list (on the CPU, where listing them costs no device sync)."""
-        where = torch.nonzero(miss)
+        where = torch.nonzero(loads.miss)
         if not len(where):
             return
-        miss_rows = rows[where[:, 0]]
-        host_pages = self.host_table[miss_rows, wanted[where[:, 0], where[:, 1]]]
-        dest = miss_rows * self.hot_pages + slots[where[:, 0], where[:, 1]]
+        miss_rows = loads.rows[where[:, 0]]
+        host_pages = self.host_table[miss_rows, loads.wanted[where[:, 0], where[:, 1]]]
+        dest = miss_rows * self.hot_pages + loads.slots[where[:, 0], where[:, 1]]
         self.latent[layer].index_copy_(0, dest, self._host[:, 0, layer].index_select(0, host_pages))
 
-    def _load_masked(
-        self,
-        layer: int,
-        rows: torch.Tensor,
-        wanted: torch.Tensor,
-        slots: torch.Tensor,
-        miss: torch.Tensor,
-    ) -> None:
+    def _load_masked(self, layer: int, loads: _PageLoads) -> None:
         """Every wanted position copies a page, so that nothing waits for the number of
         misses: a miss its host page into its slot, any other host page 0 into the spare row
         past every buffer row (the host pool read through its device alias on CUDA)."""
         hp = self.hot_pages
+        rows, wanted, slots, miss = loads.rows, loads.wanted, loads.slots, loads.miss
         pages = self._device_table[rows[:, None], wanted.clamp_min(0)]
         source = torch.where(miss, pages, 0).flatten()
         spare = self.latent.shape[1] - 1

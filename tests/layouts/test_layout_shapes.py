@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from layout_kit import random_buffer
 
 from hicache.dtypes import DType
 from hicache.errors import LayoutError, UnsupportedLayoutError
@@ -31,12 +32,6 @@ PRESETS = list(SpecPreset)
 
 def small(preset: SpecPreset) -> LayoutSpec:
     return preset.spec(page_size=4, layers=3)
-
-
-def random_buffer(spec: LayoutSpec, layout: Layout, pages: int, seed: int = 0) -> torch.Tensor:
-    raw = torch.empty(pages * spec.page_bytes, dtype=torch.uint8)
-    raw.random_(0, 256, generator=torch.Generator().manual_seed(seed))
-    return raw.view(spec.dtype.to_torch()).view(buffer_shape(spec, layout, pages))
 
 
 def item_at(buffer: torch.Tensor, spec: LayoutSpec, layout: Layout, c: int, layer: int, slot: int):  # type: ignore[no-untyped-def]
@@ -132,7 +127,7 @@ def test_layer_first_slots_must_be_whole_pages() -> None:
 @pytest.mark.parametrize("layout", KV_LAYOUTS, ids=lambda x: x.label)
 def test_item_offset_points_at_the_item(preset: SpecPreset, layout: Layout) -> None:
     spec, pages = small(preset), 3
-    buffer = random_buffer(spec, layout, pages)
+    buffer = random_buffer(spec, layout, pages, seed=0)
     flat = buffer.view(-1).view(torch.uint8)
     rng = random.Random(4)
     for _ in range(20):

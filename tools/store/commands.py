@@ -89,6 +89,20 @@ def _store_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParse
     return p
 
 
+def _add_parallel_flag(p: argparse.ArgumentParser) -> None:
+    """``--parallel``, as verify and compact both read batches."""
+    p.add_argument(
+        "--parallel", type=int_range(1, _MAX_PARALLEL), default=2, help="batches read at once"
+    )
+
+
+def _print_report(
+    as_json: bool, to_json: Callable[[], dict[str, Any]], lines: Callable[[], list[str]]
+) -> None:
+    """A report as one indented JSON object (``--json``) or as its text lines."""
+    print(json.dumps(to_json(), indent=2) if as_json else "\n".join(lines()))
+
+
 # ----- inspect ----------------------------------------------------------------------------------
 def add_inspect(sub: Any) -> argparse.ArgumentParser:
     """Add ``inspect``: what a store holds, from page headers."""
@@ -126,9 +140,7 @@ def add_verify(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--delete-bad", action="store_true", help="delete what is bad")
     p.add_argument("--prefix", type=_key_prefix, default="", help="only keys starting with this")
-    p.add_argument(
-        "--parallel", type=int_range(1, _MAX_PARALLEL), default=2, help="batches read at once"
-    )
+    _add_parallel_flag(p)
     p.add_argument(
         "--processes",
         type=int_range(0, _MAX_PROCESSES),
@@ -152,10 +164,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     async def work(backend: StorageBackend) -> int:
         with _progress(args)("verify", None) as bar:
             report = await verify_store(backend, options, bar)
-        if args.json:
-            print(json.dumps(report.to_json(), indent=2))
-        else:
-            print("\n".join(report.lines()))
+        _print_report(args.json, report.to_json, report.lines)
         return report.exit_code
 
     return _on_store(args.url, work, writes=args.delete_bad)
@@ -176,9 +185,7 @@ def add_compact(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--headers-only", action="store_true", help="skip payload checksums")
     p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--parallel", type=int_range(1, _MAX_PARALLEL), default=2, help="batches read at once"
-    )
+    _add_parallel_flag(p)
     p.set_defaults(func=_cmd_compact)
     return p
 
@@ -197,10 +204,8 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 
     async def work(backend: StorageBackend) -> int:
         report = await compact_store(backend, options, _progress(args))
-        if args.json:
-            print(json.dumps(report.to_json(), indent=2))
-        else:
-            print("\n".join(report.lines(verbose=args.dry_run or args.verbose)))
+        verbose = args.dry_run or args.verbose
+        _print_report(args.json, report.to_json, lambda: report.lines(verbose=verbose))
         return 0
 
     # Even with --dry-run: the plan is only worth having for a store compact could change.

@@ -133,14 +133,11 @@ async def test_the_password_never_shows_in_repr_errors_or_logs(
         with pytest.raises(ConfigError, match="authentication") as wrong:
             await open_backend(server.url(user="", password=SECRET + "-wrong"))
         assert SECRET not in str(wrong.value)
-        backend = await open_backend(server.url(user="", password=SECRET, timeout="1"))
-        try:
+        async with await open_backend(server.url(user="", password=SECRET, timeout="1")) as backend:
             assert await backend.put(["k"], [b"v"]) == [True]
             shown = [repr(backend), str(backend), repr(getattr(backend, "config", None))]
             server.stop()
             assert await backend.get(["k"]) == [None]  # logged as a failure
-        finally:
-            await backend.close()
     with pytest.raises(BackendUnavailableError) as down:
         await open_backend(server.url(user="", password=SECRET, timeout="1"))
     texts = [*shown, str(down.value), caplog.text]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from redis_kit import ACL_PASSWORD, ACL_USER, DEFAULT_PASSWORD, MAX_BULK
@@ -61,22 +61,27 @@ class _RedisSuite(BackendConformanceTests):
         return (backend.config.key_prefix + key).encode()
 
 
-def _server_client(server: RedisServer, **options: Any) -> Any:
-    from redis.asyncio import Redis
+class _OneServerSuite(_RedisSuite):
+    """Over one server (not a cluster); each subclass's autouse fixture sets ``server`` and
+    ``url``. The raw hooks connect as the default user, with ``raw_password`` if it has one."""
 
-    if server.tls is not None:
-        options |= {"ssl": True, "ssl_ca_certs": server.tls.ca_file}
-    return Redis(host="127.0.0.1", port=server.port, **options)
+    server: RedisServer
+    raw_password: ClassVar[str | None] = None
+
+    def raw_client(self) -> Any:
+        from redis.asyncio import Redis
+
+        options: dict[str, Any] = {"password": self.raw_password} if self.raw_password else {}
+        if self.server.tls is not None:
+            options |= {"ssl": True, "ssl_ca_certs": self.server.tls.ca_file}
+        return Redis(host="127.0.0.1", port=self.server.port, **options)
 
 
-class TestRedisSingle(_RedisSuite):
+class TestRedisSingle(_OneServerSuite):
     @pytest.fixture(autouse=True)
     def _server(self, single_server: RedisServer) -> None:
         self.server = single_server
         self.url = single_server.url()
-
-    def raw_client(self) -> Any:
-        return _server_client(self.server)
 
     @pytest.mark.asyncio
     async def test_the_limit_is_the_servers_proto_max_bulk_len(
@@ -90,26 +95,22 @@ class TestRedisSingle(_RedisSuite):
         assert (await backend.stats())["put_too_large"] == 2
 
 
-class TestRedisAuth(_RedisSuite):
+class TestRedisAuth(_OneServerSuite):
     """The ACL user: no CONFIG (``-@dangerous``), so the limit is the 512 MiB default."""
+
+    raw_password = DEFAULT_PASSWORD
 
     @pytest.fixture(autouse=True)
     def _server(self, auth_server: RedisServer) -> None:
         self.server = auth_server
         self.url = auth_server.url(user=ACL_USER, password=ACL_PASSWORD)
 
-    def raw_client(self) -> Any:
-        return _server_client(self.server, password=DEFAULT_PASSWORD)
 
-
-class TestRedisTls(_RedisSuite):
+class TestRedisTls(_OneServerSuite):
     @pytest.fixture(autouse=True)
     def _server(self, tls_server: RedisServer) -> None:
         self.server = tls_server
         self.url = tls_server.url()
-
-    def raw_client(self) -> Any:
-        return _server_client(self.server)
 
 
 class TestRedisCluster(_RedisSuite):

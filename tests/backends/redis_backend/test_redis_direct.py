@@ -144,21 +144,17 @@ async def test_a_cancelled_read_stops_writing_into_the_buffers(backend: RedisBac
 
 @pytest.mark.asyncio
 async def test_tls_pages_go_through_redis_py(tls_server: RedisServer) -> None:
-    backend = await open_redis(tls_server.url(key_prefix="d-tls:"))
-    try:
+    async with await open_redis(tls_server.url(key_prefix="d-tls:")) as backend:
         assert backend._client.direct is None
         assert await backend.put(["t"], [[memoryview(b"ab"), memoryview(b"cd")]]) == [True]
         assert await backend.get(["t"]) == [b"abcd"]
-    finally:
-        await backend.close()
 
 
 @pytest.mark.asyncio
 async def test_keys_a_cluster_moved_are_followed(
     cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = await open_redis(cluster.url(key_prefix="moved:"))
-    try:
+    async with await open_redis(cluster.url(key_prefix="moved:")) as backend:
         keys = [f"m-{i}" for i in range(24)]
         values = [f"value {i}".encode() * 100 for i in range(24)]
         assert await backend.put(keys, values) == [True] * 24
@@ -183,16 +179,13 @@ async def test_keys_a_cluster_moved_are_followed(
         stats = await backend.stats()
         assert stats.get("errors", 0) == 0
         assert await backend.get_into(["absent"], [[memoryview(bytearray(8))]]) == [MISS]
-    finally:
-        await backend.close()
 
 
 @pytest.mark.asyncio
 async def test_a_server_that_timed_out_is_skipped_for_a_while(own_server: RedisServer) -> None:
-    backend = await open_redis(own_server.url(timeout="0.3"))
     pid = own_server.pid
     assert pid is not None
-    try:
+    async with await open_redis(own_server.url(timeout="0.3")) as backend:
         assert await backend.put(["bo"], [b"page"]) == [True]
         os.kill(pid, signal.SIGSTOP)  # connections open, nothing answers: a black hole
         try:
@@ -211,5 +204,3 @@ async def test_a_server_that_timed_out_is_skipped_for_a_while(own_server: RedisS
         await asyncio.sleep(0.4)  # the wait is over: asked again, and it answers
         assert await backend.get(["bo"]) == [b"page"]
         assert await backend.exists(["bo"]) == [True]
-    finally:
-        await backend.close()

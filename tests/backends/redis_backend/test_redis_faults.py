@@ -85,8 +85,7 @@ async def test_evicted_pages_are_misses_and_a_full_server_fails_puts(
 ) -> None:
     own_server.cli("CONFIG", "SET", "maxmemory", "2mb")
     own_server.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
-    backend = await open_redis(own_server.url())
-    try:
+    async with await open_redis(own_server.url()) as backend:
         keys = [f"ev-{i:03d}" for i in range(64)]  # 4 MiB of values into 2 MiB
         for lo in range(0, 64, 8):
             assert await backend.put(keys[lo : lo + 8], [bytes(64 << 10)] * 8) == [True] * 8
@@ -106,8 +105,6 @@ async def test_evicted_pages_are_misses_and_a_full_server_fails_puts(
         counted = _counted(before, await backend.stats())
         assert counted["put_errors"] == 1 and counted["put_failures"] == 1
         assert await backend.exists(["full"]) == [False]
-    finally:
-        await backend.close()
 
 
 # ----- connections and the server going away ----------------------------------------------------
@@ -135,8 +132,7 @@ async def test_killed_connections_are_made_again_without_a_miss(
 async def test_a_stopped_server_gives_misses_and_counted_errors(
     own_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    backend = await open_redis(own_server.url(timeout="1"))
-    try:
+    async with await open_redis(own_server.url(timeout="1")) as backend:
         assert await backend.put(["st-1"], [b"page"]) == [True]
         own_server.stop()
         caplog.set_level(logging.DEBUG, logger="hicache.backends.redis")
@@ -159,14 +155,11 @@ async def test_a_stopped_server_gives_misses_and_counted_errors(
         assert await backend.put(["st-1"], [b"back"]) == [True]
         assert await backend.get(["st-1"]) == [b"back"]
         assert any("answers again" in r.getMessage() for r in caplog.records)
-    finally:
-        await backend.close()
 
 
 @pytest.mark.asyncio
 async def test_a_reply_later_than_the_timeout_is_a_miss(single_server: RedisServer) -> None:
-    backend = await open_redis(single_server.url(key_prefix="slow:", timeout="0.3"))
-    try:
+    async with await open_redis(single_server.url(key_prefix="slow:", timeout="0.3")) as backend:
         assert await backend.put(["slow"], [b"v"]) == [True]
         # DEBUG SLEEP blocks the whole server, as a long command or a fork would.
         cli = redis_executable("redis-cli")
@@ -178,8 +171,6 @@ async def test_a_reply_later_than_the_timeout_is_a_miss(single_server: RedisServ
             sleeper.wait(10)
         assert (await backend.stats())["read_errors"] >= 1
         assert await backend.get(["slow"]) == [b"v"]
-    finally:
-        await backend.close()
 
 
 # ----- expiry -------------------------------------------------------------------------------------
@@ -187,8 +178,7 @@ async def test_a_reply_later_than_the_timeout_is_a_miss(single_server: RedisServ
 async def test_ttl_is_set_by_puts_renewed_by_reads_and_expiry_is_a_miss(
     single_server: RedisServer,
 ) -> None:
-    backend = await open_redis(single_server.url(key_prefix="ttl:", ttl="100"))
-    try:
+    async with await open_redis(single_server.url(key_prefix="ttl:", ttl="100")) as backend:
         assert await backend.put(["t1", "t2"], [b"a", b"b"]) == [True, True]
         assert await backend.put_missing(["t3"], [b"c"]) == [True]
         for key in ("t1", "t2", "t3"):
@@ -200,8 +190,6 @@ async def test_ttl_is_set_by_puts_renewed_by_reads_and_expiry_is_a_miss(
         await asyncio.sleep(0.05)
         assert await backend.get(["t2"]) == [None]
         assert await backend.exists(["t2"]) == [False]
-    finally:
-        await backend.close()
 
 
 # ----- batches ------------------------------------------------------------------------------------
@@ -256,8 +244,7 @@ async def test_a_batch_of_large_values_is_cut_into_a_few_pipelines_by_bytes(
 async def test_a_cluster_batch_is_one_pipeline_per_master_and_a_dead_master_fails_only_its_keys(
     cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = await open_redis(cluster.url(key_prefix="spread:", timeout="1"))
-    try:
+    async with await open_redis(cluster.url(key_prefix="spread:", timeout="1")) as backend:
         keys = [f"c-{i}" for i in range(30)]
         made = _count_pipelines(backend, monkeypatch)
         assert await backend.put(keys, [b"v"] * 30) == [True] * 30
@@ -274,8 +261,6 @@ async def test_a_cluster_batch_is_one_pipeline_per_master_and_a_dead_master_fail
         finally:
             victim.start()
             wait_cluster_ok(cluster)
-    finally:
-        await backend.close()
 
 
 @pytest.mark.asyncio

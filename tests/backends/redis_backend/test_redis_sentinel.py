@@ -10,9 +10,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from redis_kit import SKIP_REASON
+from redis_kit import SKIP_REASON, open_redis
 
-from hicache.backends.redis import RedisBackend, RedisConfig
+from hicache.backends.redis import RedisConfig
 from hicache.backends.registry import open_backend
 from hicache.errors import BackendUnavailableError, ConfigError
 from hicache.tools.services.redis import RedisSentinels, redis_sentinels
@@ -31,9 +31,7 @@ def sentinels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentine
 
 @pytest.mark.asyncio
 async def test_pages_survive_a_forced_failover(sentinels: RedisSentinels) -> None:
-    backend = await open_backend(sentinels.url(key_prefix="sen:", timeout="2"))
-    assert isinstance(backend, RedisBackend)
-    try:
+    async with await open_redis(sentinels.url(key_prefix="sen:", timeout="2")) as backend:
         keys = [f"s-{i}" for i in range(8)]
         assert await backend.put(keys, [b"page"] * 8) == [True] * 8
         # Replicated before the switch, so the new master has them.
@@ -52,8 +50,6 @@ async def test_pages_survive_a_forced_failover(sentinels: RedisSentinels) -> Non
             await asyncio.sleep(0.1)
         assert await backend.get(["after", *keys]) == [b"new"] + [b"page"] * 8
         assert sentinels.master_port() == sentinels.replica.port
-    finally:
-        await backend.close()
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +75,12 @@ async def test_sentinels_that_ask_for_a_password_get_theirs(
     secret = tmp_path / "sentinel-pw"
     secret.write_text(SENTINEL_PASSWORD + "\n")
     for options in ({"sentinel_password": SENTINEL_PASSWORD}, {"sentinel_password_file": secret}):
-        backend = await open_backend(guarded.url(key_prefix="auth:", timeout="2", **options))
-        try:
+        async with await open_backend(
+            guarded.url(key_prefix="auth:", timeout="2", **options)
+        ) as backend:
             assert SENTINEL_PASSWORD not in repr(backend.config)
             assert await backend.put(["k"], [b"v"]) == [True]
             assert await backend.get(["k"]) == [b"v"]
-        finally:
-            await backend.close()
 
 
 def test_sentinel_password_options_are_checked() -> None:
