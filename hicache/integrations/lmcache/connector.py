@@ -11,6 +11,12 @@ header in a small buffer and the payload straight in a memory object allocated f
 local CPU backend: no join copy either way. A page that is missing, corrupt, truncated, of
 another format or stored under another name is a miss (counted and logged), never wrong KV
 and never an exception out of a read.
+
+A chunk whose put is still in flight is not stored yet: lookups answer for it from the
+connector's own list of puts in flight, without asking the backend. LMCache polls its lookup
+while its writes run in the background; those polls then cost no round trip to the store and
+no turn on the storage loop while the put they wait for is using it. (A chunk stored before and
+being stored again reads as a miss for that moment: a miss, never wrong KV.)
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
     _names: KeyNames
     _counters: dict[str, int]
     _timeout_s: float
+    _storing: dict[str, int]
 
     def __init__(
         self,
@@ -118,6 +125,9 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
         self._counters = dict.fromkeys(
             ("hits", "misses", "bad_pages", "read_errors", "alloc_failures", "put_failures"), 0
         )
+        # Names with a put in flight, and how many puts of each. Written on the loop; read
+        # from LMCache's lookup threads (a dict lookup is atomic under the GIL).
+        self._storing = {}
 
     def __repr__(self) -> str:
         return f"<HiCacheConnector {type(self._backend).__name__} {self._names.prefix}*>"
@@ -136,24 +146,38 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
 
     # ----- lookups ----------------------------------------------------------------------------
     async def exists(self, key: CacheEngineKey) -> bool:
-        return (await self._backend.exists([self.storage_name(key)]))[0]
+        name = self.storage_name(key)
+        return name not in self._storing and (await self._backend.exists([name]))[0]
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
+        if self.storage_name(key) in self._storing:
+            return False
         return run_on_loop(self.loop, self.exists(key), self._timeout_s)
 
     async def batched_async_contains(
         self, lookup_id: str, keys: Sequence[CacheEngineKey], pin: bool = False
     ) -> int:
         """How many keys from the first are stored, without a gap (``pin`` has no meaning)."""
-        return await self._backend.leading_hits(self._names_of(keys))
+        names = self._until_storing(keys)
+        return await self._backend.leading_hits(names) if names else 0
 
     def support_batched_contains(self) -> bool:
         return True
 
     def batched_contains(self, keys: Sequence[CacheEngineKey]) -> int:
-        return run_on_loop(
-            self.loop, self._backend.leading_hits(self._names_of(keys)), self._timeout_s
-        )
+        names = self._until_storing(keys)
+        if not names:
+            return 0
+        return run_on_loop(self.loop, self._backend.leading_hits(names), self._timeout_s)
+
+    def _until_storing(self, keys: Sequence[CacheEngineKey]) -> builtins.list[str]:
+        """The keys' names up to the first one whose put is in flight (the lookup's answer
+        cannot go past it)."""
+        names = self._names_of(keys)
+        for index, name in enumerate(names):
+            if name in self._storing:
+                return names[:index]
+        return names
 
     # ----- reads ------------------------------------------------------------------------------
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -256,7 +280,16 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
         for key, obj in zip(keys, memory_objs, strict=True):
             name = self.storage_name(key)
             pages[name] = encode_page(name, obj.byte_array, self._meta_of(obj))
-        stored = await self._backend.put(list(pages), list(pages.values()))
+        names = list(pages)
+        for name in names:
+            self._storing[name] = self._storing.get(name, 0) + 1
+        try:
+            stored = await self._backend.put(names, list(pages.values()))
+        finally:
+            for name in names:
+                left = self._storing.pop(name) - 1
+                if left:
+                    self._storing[name] = left
         failed = [name for name, ok in zip(pages, stored) if not ok]
         if failed:
             self._counters["put_failures"] += len(failed)

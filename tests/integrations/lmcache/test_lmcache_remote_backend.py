@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,3 +157,48 @@ def test_header_and_payload_move_without_a_join_copy(make_node: Callable[..., No
 
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def test_lookups_during_a_put_in_flight_do_not_ask_the_backend(
+    make_node: Callable[..., Node],
+) -> None:
+    """LMCache polls its lookup while its writes run: a chunk still being put is a miss
+    answered by the connector, and only the chunks before it are looked up in the store."""
+    node = make_node("memory://")
+    backend = node.connector.backend
+    stored, waiting = chunk_key(71), [chunk_key(72), chunk_key(73)]
+    first = node.allocate()
+    fill(first, seed=7)
+    node.put(stored, first)
+    first.ref_count_down()
+
+    asked: list[list[str]] = []
+    started, release = threading.Event(), asyncio.Event()
+    real_put, real_leading_hits = backend.put, backend.leading_hits
+
+    async def held_put(keys: Any, values: Any) -> list[bool]:
+        started.set()
+        await release.wait()
+        return await real_put(keys, values)
+
+    async def counted_leading_hits(keys: Any, batch_size: int = 128) -> int:
+        asked.append(list(keys))
+        return await real_leading_hits(keys, batch_size)
+
+    backend.put, backend.leading_hits = held_put, counted_leading_hits  # type: ignore[method-assign]
+    objs = [node.allocate() for _ in waiting]
+    for seed, obj in enumerate(objs):
+        fill(obj, seed=seed)
+    node.remote.batched_submit_put_task(waiting, objs)
+    assert started.wait(10)
+
+    assert node.remote.batched_contains(waiting) == 0
+    assert not node.remote.contains(waiting[0])
+    assert asked == []  # no round trip while the first key's put is in flight
+    assert node.remote.batched_contains([stored, *waiting]) == 1
+    assert asked == [[node.connector.storage_name(stored)]]
+
+    node.remote.loop.call_soon_threadsafe(release.set)
+    wait_stored(node.remote, waiting)
+    assert node.remote.batched_contains([stored, *waiting]) == 3
+    assert run_on(node.remote.loop, node.remote.batched_async_contains("l2", waiting)) == 2
