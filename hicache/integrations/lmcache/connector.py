@@ -173,10 +173,12 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
     def _until_storing(self, keys: Sequence[CacheEngineKey]) -> builtins.list[str]:
         """The keys' names up to the first one whose put is in flight (the lookup's answer
         cannot go past it)."""
-        names = self._names_of(keys)
-        for index, name in enumerate(names):
+        names: builtins.list[str] = []
+        for key in keys:  # name by name: a poll during a put stops at the first, in flight
+            name = self.storage_name(key)
             if name in self._storing:
-                return names[:index]
+                break
+            names.append(name)
         return names
 
     # ----- reads ------------------------------------------------------------------------------

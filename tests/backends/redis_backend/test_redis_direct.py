@@ -19,6 +19,7 @@ from redis_kit import open_redis
 
 from hicache.backends.base import MISS
 from hicache.backends.redis import RedisBackend
+from hicache.backends.redis.pages import READ_WINDOW
 from hicache.backends.redis.resp import ReplyReader, command, store_frame
 from hicache.tools.services.redis import RedisCluster, RedisServer
 
@@ -121,6 +122,30 @@ async def test_large_pages_move_without_staging(backend: RedisBackend) -> None:
         assert bytes(segs[0]) == head and bytes(segs[1][: size - 64]) == payload
     staged = (await backend.stats())["bytes_staged"] - before
     assert staged < 6 * size // 4, f"{staged} of {6 * size} bytes staged"
+
+
+@pytest.mark.asyncio
+async def test_reads_ask_for_a_window_of_values_at_a_time(backend: RedisBackend) -> None:
+    """A large batch of GETs asks each connection for READ_WINDOW bytes of values at a time (the
+    server then holds a window's replies, not the batch's), and every value still lands whole."""
+    pool = backend._client.direct
+    assert pool is not None
+    size, count = 256 << 10, 24  # 6 MiB: two stripes, each in windows of 4 values
+    keys = [f"win-{i}" for i in range(count)]
+    assert await backend.put(keys, [bytes([i]) * size for i in range(count)]) == [True] * count
+    asked: list[int] = []
+    real_run = pool.run
+
+    async def counted_run(address: Any, requests: Any, read: Any) -> Any:
+        asked.append(sum(bytes(r[:4]) == b"*2\r\n" for r in requests))  # GET key: 2 parts
+        return await real_run(address, requests, read)
+
+    pool.run = counted_run  # type: ignore[method-assign]
+    buffers = [[memoryview(bytearray(size))] for _ in keys]
+    assert await backend.get_into(keys, buffers) == [size] * count
+    assert all(bytes(b[0]) == bytes([i]) * size for i, b in enumerate(buffers))
+    assert sum(asked) == count
+    assert max(asked) == READ_WINDOW // size
 
 
 @pytest.mark.asyncio

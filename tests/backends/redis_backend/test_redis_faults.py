@@ -20,6 +20,7 @@ from redis_kit import open_redis, wait_cluster_ok
 from hicache.backends.base import MISS
 from hicache.backends.redis import RedisBackend
 from hicache.backends.redis.client import MAX_STRIPES, stripe_runs
+from hicache.backends.redis.pages import READ_WINDOW
 from hicache.codec import decode_page
 from hicache.errors import BackendUnavailableError, CodecError
 from hicache.keys import RadixKey
@@ -235,7 +236,8 @@ async def test_a_batch_of_large_values_is_cut_into_a_few_pipelines_by_bytes(
     buffers = [bytearray(size) for _ in keys]
     assert await backend.get_into(keys, buffers) == [size] * 10
     assert [bytes(b) for b in buffers] == values  # each reply back in its own key's buffer
-    assert len(made) == 6
+    # The reads: the same three stripes, each asking READ_WINDOW (1 MiB, one value) at a time.
+    assert size == READ_WINDOW and len(made) == 3 + 10
     assert len(stripe_runs(list(range(64)), [16 << 20] * 64)) == MAX_STRIPES  # at most this many
     assert stripe_runs([3, 1, 2], None) == [[3, 1, 2]]
 
