@@ -20,6 +20,7 @@ the server 6,800-8,000 page faults and 28-32 ms of CPU; in windows of 1 MiB, 120
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -126,7 +127,7 @@ async def _direct(
             if skipped := client.backoff.skipped(server):
                 raise skipped
             for part in _windows(group, sizes, window):
-                sent = pool.run(address, requests(part), lambda r, p=part: replies(p, r))
+                sent = pool.run(address, requests(part), functools.partial(replies, part))
                 found, spilled = await within(client.timeout, sent)
                 staged += spilled
                 settle(server, part, found)
