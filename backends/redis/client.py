@@ -150,13 +150,15 @@ def _build(cfg: RedisConfig, password: str | None) -> Any:
     return Redis.from_pool(pool)
 
 
-def stripe_runs(group: list[int], sizes: list[int] | None) -> list[list[int]]:
+def stripe_runs(
+    group: list[int], sizes: list[int] | None, most: int = MAX_STRIPES
+) -> list[list[int]]:
     """``group`` cut into runs of at least :data:`STRIPE_BYTES` (the last may be shorter), at
-    most :data:`MAX_STRIPES` of them; all of it when ``sizes`` is None or the group is small."""
+    most ``most`` of them; all of it when ``sizes`` is None or the group is small."""
     if sizes is None:
         return [group]
     total = sum(sizes[i] for i in group)
-    share = max(STRIPE_BYTES, -(-total // MAX_STRIPES))
+    share = max(STRIPE_BYTES, -(-total // most))
     parts: list[list[int]] = [[]]
     held = 0
     for i in group:

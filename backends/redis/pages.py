@@ -9,12 +9,14 @@ large (:func:`.client.stripe_runs`). In a cluster a key whose slot moved since t
 looked (``MOVED``, ``ASK``) is sent again through redis-py, which follows the redirection and
 learns the new slot map.
 
-A stripe of GETs asks for at most :data:`READ_WINDOW` bytes of values at a time on its
-connection, the next window once the last one's replies are in. Redis builds each reply in a
-buffer of its own; a stripe asked for all at once has the server holding (and faulting in) a
-buffer per value until the client drains them. 32 MiB of 512 KiB GETs in eight stripes took
-the server 6,800-8,000 page faults and 28-32 ms of CPU; in windows of 1 MiB, 120-360 faults and
-8-10 ms (``hicache bench lmcache --remote redis``, a scratch timer around the backend).
+Reads are paced (:data:`READS`): at most :data:`READ_STRIPES` stripes per server, each asking
+for :data:`READ_WINDOW` bytes of values at a time, the next window once the last one's replies
+are in. Redis builds each reply in a buffer of its own, and holds it until the client has
+drained it; every buffer beyond what it reused is a page fault per 4 KiB. Timed around the
+backend inside ``hicache bench lmcache --remote redis`` (a scratch timer, six rounds): 32 MiB of
+512 KiB GETs in eight stripes asked at once took the server 6,800-8,000 page faults and 28-32 ms
+of CPU, in windows of 1 MiB 120-360 faults and 8-10 ms; 64 MiB of 4 MiB GETs in eight windowed
+stripes 10,000 faults and 48 ms of wall time, in four 1,400 faults and 31 ms.
 """
 
 from __future__ import annotations
@@ -22,22 +24,44 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hicache.backends._io_threads import outlive_cancel
 from hicache.backends.base import copy_into_segments, segments_nbytes
-from hicache.backends.redis.client import FAILURES, RedisClient, stripe_runs, within
+from hicache.backends.redis.client import (
+    FAILURES,
+    MAX_STRIPES,
+    RedisClient,
+    stripe_runs,
+    within,
+)
 from hicache.backends.redis.direct import Address
 from hicache.backends.redis.resp import ReplyReader, command, store_frame
 
-__all__ = ["read_into", "store"]
+__all__ = ["READS", "READ_STRIPES", "READ_WINDOW", "WRITES", "Pacing", "read_into", "store"]
 
 #: Per key a reply, per key its server in words, and the bytes staged.
 Outcome = tuple[list[Any], list[str], int]
 Requests = Callable[[list[int]], list[bytes | memoryview]]
 Replies = Callable[[list[int], ReplyReader], Awaitable[list[Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    """How a batch's values go to one server: in at most ``stripes`` pipelines at once, each
+    asking for at most ``window`` bytes of values at a time (one value at least; None: all)."""
+
+    stripes: int
+    window: int | None
+
+
 #: The value bytes one connection asks a server for at once when reading (one value at least).
 READ_WINDOW = 1 << 20
+#: Stripes of GETs per server at once (writes use :data:`.client.MAX_STRIPES`).
+READ_STRIPES = 4
+READS = Pacing(READ_STRIPES, READ_WINDOW)
+WRITES = Pacing(MAX_STRIPES, None)
 
 
 async def read_into(
@@ -63,7 +87,7 @@ async def read_into(
             client, [keys[i] for i in moved], [buffers[i] for i in moved], ttl, None
         )
 
-    return await _direct(client, keys, sizes, (requests, replies), again, READ_WINDOW)
+    return await _direct(client, keys, sizes, (requests, replies), again, READS)
 
 
 async def store(
@@ -91,7 +115,7 @@ async def store(
             client, [keys[i] for i in moved], [values[i] for i in moved], ttl, nx
         )
 
-    return await _direct(client, keys, sizes, (requests, replies), again)
+    return await _direct(client, keys, sizes, (requests, replies), again, WRITES)
 
 
 async def _direct(
@@ -100,12 +124,12 @@ async def _direct(
     sizes: list[int],
     exchange: tuple[Requests, Replies],
     again: Callable[[list[int]], Awaitable[Outcome]],
-    window: int | None = None,
+    pacing: Pacing,
 ) -> Outcome:
     """Each server's keys as stripes on the direct connections, at once, each stripe in
-    exchanges of at most ``window`` value bytes (all in one without); an exchange that fails
-    gives each of its keys and the stripe's later ones that failure. The keys a cluster
-    redirected are sent ``again`` (through redis-py)."""
+    exchanges of at most ``pacing.window`` value bytes; an exchange that fails gives each of
+    its keys and the stripe's later ones that failure. The keys a cluster redirected are sent
+    ``again`` (through redis-py)."""
     requests, replies = exchange
     assert client.direct is not None
     pool = client.direct
@@ -126,7 +150,7 @@ async def _direct(
                 raise ConnectionError(f"{server}: no master serves these keys' slots")
             if skipped := client.backoff.skipped(server):
                 raise skipped
-            for part in _windows(group, sizes, window):
+            for part in _windows(group, sizes, pacing.window):
                 sent = pool.run(address, requests(part), functools.partial(replies, part))
                 found, spilled = await within(client.timeout, sent)
                 staged += spilled
@@ -140,7 +164,7 @@ async def _direct(
     stripes = [
         (server, address, part)
         for server, (address, group) in client.targets(keys).items()
-        for part in stripe_runs(group, sizes)
+        for part in stripe_runs(group, sizes, pacing.stripes)
     ]
     await asyncio.gather(*(run(*stripe) for stripe in stripes))
     moved = _redirected(out)
