@@ -45,11 +45,24 @@ from hicache.errors import (
 )
 from hicache.integrations.lmcache.names import KeyNames
 from hicache.integrations.lmcache.pages import ChunkPages
+from hicache.page_header import PageMeta
 
-__all__ = ["HiCacheConnector", "LMCacheConfigError", "run_on_loop"]
+__all__ = [
+    "PUT_GROUP_BYTES",
+    "HiCacheConnector",
+    "LMCacheConfigError",
+    "byte_groups",
+    "run_on_loop",
+]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+#: A chunk's bytes and its page meta, as a put encodes them.
+Chunk = tuple[memoryview, PageMeta]
+#: The payload bytes of a group of a large put: its checksums run while the group before it is
+#: stored. 64 chunks of 8 MiB in one group (inside ``bench lmcache``): 36 ms of a 168 ms put
+#: went to encoding, all before the backend began.
+PUT_GROUP_BYTES = 32 << 20
 
 
 class LMCacheConfigError(ConfigError, IrrecoverableException):  # type: ignore[misc]
@@ -272,32 +285,57 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
     ) -> None:
         """Store each chunk as a page; raises :class:`BackendError` if any was not stored (or
         the codec's :class:`InvalidArgumentError` for a chunk whose bytes do not match its
-        shape and dtype).
+        shape and dtype: the groups before it are stored).
 
-        LMCache's wrapper releases the memory objects once this returns, and the backend has
-        copied what it needs by then. LMCache logs and counts a raised error; nothing is
-        retried, a chunk not stored is a later miss.
+        A batch of more than :data:`PUT_GROUP_BYTES` goes to the backend in groups of about
+        that size, each encoded (the page checksum over its bytes) on a worker thread while the
+        backend stores the group before it. LMCache's wrapper releases the memory objects once
+        this returns, and the backend has copied what it needs by then. LMCache logs and counts
+        a raised error; nothing is retried, a chunk not stored is a later miss.
         """
-        pages: dict[str, builtins.list[bytes | memoryview]] = {}  # a repeated key is written once
+        chunks: dict[str, Chunk] = {}  # a repeated key is written once
         for key, obj in zip(keys, memory_objs, strict=True):
-            name = self.storage_name(key)
-            pages[name] = encode_page(name, obj.byte_array, self._meta_of(obj))
-        names = list(pages)
+            chunks[self.storage_name(key)] = (obj.byte_array, self._meta_of(obj))
+        names = list(chunks)
         for name in names:
             self._storing[name] = self._storing.get(name, 0) + 1
         try:
-            stored = await self._backend.put(names, list(pages.values()))
+            stored = await self._store_in_groups(list(chunks.items()))
         finally:
             for name in names:
                 left = self._storing.pop(name) - 1
                 if left:
                     self._storing[name] = left
-        failed = [name for name, ok in zip(pages, stored) if not ok]
+        failed = [name for name, ok in zip(names, stored) if not ok]
         if failed:
             self._counters["put_failures"] += len(failed)
             raise BackendError(
-                f"{len(failed)} of {len(pages)} chunks not stored ({failed[0]}, ...)"
+                f"{len(failed)} of {len(names)} chunks not stored ({failed[0]}, ...)"
             )
+
+    async def _store_in_groups(
+        self, chunks: builtins.list[tuple[str, Chunk]]
+    ) -> builtins.list[bool]:
+        """Each group encoded, then put while the next one is encoded; the puts' answers."""
+        groups = byte_groups(chunks, PUT_GROUP_BYTES)
+        if len(groups) == 1:  # one put, encoded here: no thread hop for a small batch
+            return await self._backend.put([n for n, _ in chunks], _encoded(chunks))
+        loop = asyncio.get_running_loop()
+        stored: builtins.list[bool] = []
+        puts: builtins.list[asyncio.Task[builtins.list[bool]]] = []
+        try:
+            for group in groups:
+                pages = await asyncio.to_thread(_encoded, group)  # xxh3 lets the GIL go
+                if puts:
+                    stored += await puts[-1]
+                puts.append(loop.create_task(self._backend.put([n for n, _ in group], pages)))
+            stored += await puts[-1]
+            return stored
+        finally:  # cancelled, or an encoding failed: no put outlives the call
+            pending = [put for put in puts if not put.done()]
+            for put in pending:
+                put.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     def _meta_of(self, obj: MemoryObj) -> Any:
         meta = obj.metadata
@@ -337,6 +375,25 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
 
     def _names_of(self, keys: Sequence[CacheEngineKey]) -> builtins.list[str]:
         return [self._names.name(key.to_string()) for key in keys]
+
+
+def byte_groups(chunks: list[tuple[str, Chunk]], most: int) -> list[list[tuple[str, Chunk]]]:
+    """``chunks`` in order, cut into runs of at most ``most`` payload bytes (a larger chunk
+    alone)."""
+    groups: list[list[tuple[str, Chunk]]] = [[]]
+    held = 0
+    for item in chunks:
+        size = item[1][0].nbytes
+        if groups[-1] and held + size > most:
+            groups.append([])
+            held = 0
+        groups[-1].append(item)
+        held += size
+    return groups
+
+
+def _encoded(chunks: list[tuple[str, Chunk]]) -> list[list[bytes | memoryview]]:
+    return [encode_page(name, view, meta) for name, (view, meta) in chunks]
 
 
 def _release(objs: Sequence[MemoryObj]) -> None:

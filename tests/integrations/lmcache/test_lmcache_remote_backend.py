@@ -20,6 +20,8 @@ from lmcache.utils import CacheEngineKey
 from lmcache_kit import CHUNK, Node, chunk_key, fill, run_on, wait_stored
 
 from hicache.codec import HEADER_SIZE
+from hicache.integrations.lmcache import connector as connector_module
+from hicache.integrations.lmcache.connector import byte_groups
 
 
 @pytest.mark.parametrize("store", ["file", "redis"])
@@ -202,3 +204,35 @@ def test_lookups_during_a_put_in_flight_do_not_ask_the_backend(
     wait_stored(node.remote, waiting)
     assert node.remote.batched_contains([stored, *waiting]) == 3
     assert run_on(node.remote.loop, node.remote.batched_async_contains("l2", waiting)) == 2
+
+
+def test_a_large_put_goes_in_groups_encoded_while_the_last_is_stored(
+    make_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch over PUT_GROUP_BYTES is several backend puts of at most that many payload
+    bytes, in order; every chunk reads back whole."""
+    node = make_node("memory://")
+    backend = node.connector.backend
+    keys = [chunk_key(80 + i) for i in range(5)]
+    objs = [node.allocate() for _ in keys]
+    expected = [fill(obj, seed=i) for i, obj in enumerate(objs)]
+    monkeypatch.setattr(connector_module, "PUT_GROUP_BYTES", 2 * objs[0].get_size())
+    groups: list[int] = []
+    real_put = backend.put
+
+    async def counted_put(names: Any, values: Any) -> list[bool]:
+        groups.append(len(names))
+        return await real_put(names, values)
+
+    backend.put = counted_put  # type: ignore[method-assign]
+    node.remote.batched_submit_put_task(keys, objs)
+    wait_stored(node.remote, keys)
+    assert groups == [2, 2, 1]
+    got = node.remote.batched_get_blocking(keys)
+    for obj, want in zip(got, expected, strict=True):
+        assert obj is not None and torch.equal(obj.tensor, want)
+        obj.ref_count_down()
+    one, three = memoryview(bytes(1 << 10)), memoryview(bytes(3 << 10))
+    runs = [("a", (one, None)), ("b", (one, None)), ("c", (three, None)), ("d", (one, None))]
+    cut = byte_groups(runs, 2 << 10)  # type: ignore[arg-type]
+    assert [[name for name, _ in group] for group in cut] == [["a", "b"], ["c"], ["d"]]
