@@ -21,6 +21,7 @@ __all__ = [
     "CopyFn",
     "Segments",
     "as_segments",
+    "byte_runs",
     "copy_into_segments",
     "fill_from_segments",
     "join_segments",
@@ -148,3 +149,18 @@ def split_iov(iov: list[Piece], offset: int, parts: int) -> list[tuple[list[Piec
             offset += size
             start, size = i + 1, 0
     return out
+
+
+def byte_runs(sizes: Sequence[int], most: int) -> list[range]:
+    """Positions ``0 .. len(sizes) - 1`` cut, in order, into runs of at most ``most`` bytes in
+    all (an item larger than ``most`` is a run of its own)."""
+    runs: list[range] = []
+    start = held = 0
+    for i, n in enumerate(sizes):
+        if i > start and held + n > most:
+            runs.append(range(start, i))
+            start, held = i, 0
+        held += n
+    if start < len(sizes):
+        runs.append(range(start, len(sizes)))
+    return runs

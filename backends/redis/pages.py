@@ -38,6 +38,7 @@ from hicache.backends.redis.client import (
 )
 from hicache.backends.redis.direct import Address
 from hicache.backends.redis.resp import ReplyReader, command, store_frame
+from hicache.backends.segments import byte_runs
 
 __all__ = ["READS", "READ_STRIPES", "READ_WINDOW", "WRITES", "Pacing", "read_into", "store"]
 
@@ -180,15 +181,7 @@ def _windows(group: list[int], sizes: list[int], window: int | None) -> list[lis
     """``group`` in runs of at most ``window`` bytes (a larger value alone); whole without."""
     if window is None:
         return [group]
-    parts: list[list[int]] = [[]]
-    held = 0
-    for i in group:
-        if parts[-1] and held + sizes[i] > window:
-            parts.append([])
-            held = 0
-        parts[-1].append(i)
-        held += sizes[i]
-    return parts
+    return [[group[j] for j in run] for run in byte_runs([sizes[i] for i in group], window)]
 
 
 def _redirected(replies: list[Any]) -> list[int]:

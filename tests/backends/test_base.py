@@ -16,7 +16,7 @@ from hicache.backends.base import (
     segments_nbytes,
 )
 from hicache.backends.memory import MemoryBackend, MemoryConfig
-from hicache.backends.segments import IOV_MAX, split_iov
+from hicache.backends.segments import IOV_MAX, byte_runs, split_iov
 from hicache.errors import ConfigError, InvalidArgumentError, InvalidKeyError
 from hicache.typed_config import build_config, parse_bool, parse_size
 
@@ -114,6 +114,12 @@ def test_split_iov_cuts_runs_that_cover_the_pieces_in_order(pieces: int, parts: 
         assert offset == at and size == sum(len(p) for p in part) and len(part) <= IOV_MAX
         at += size
     assert len(stretches) <= max(parts, -(-pieces // IOV_MAX)) + 1
+
+
+def test_byte_runs_cut_in_order_with_a_large_item_alone() -> None:
+    runs = byte_runs([1 << 10, 1 << 10, 3 << 10, 1 << 10], 2 << 10)
+    assert [list(run) for run in runs] == [[0, 1], [2], [3]]
+    assert byte_runs([], 1) == []
 
 
 def test_copy_into_segments_spreads_across_boundaries() -> None:

@@ -34,6 +34,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from hicache.backends.base import MISS, StorageBackend
+from hicache.backends.segments import byte_runs
 from hicache.codec import HEADER_SIZE, check_into, encode_page, payload_checked_by
 from hicache.errors import (
     BackendError,
@@ -51,7 +52,6 @@ __all__ = [
     "PUT_GROUP_BYTES",
     "HiCacheConnector",
     "LMCacheConfigError",
-    "byte_groups",
     "run_on_loop",
 ]
 
@@ -317,7 +317,8 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
         self, chunks: builtins.list[tuple[str, Chunk]]
     ) -> builtins.list[bool]:
         """Each group encoded, then put while the next one is encoded; the puts' answers."""
-        groups = byte_groups(chunks, PUT_GROUP_BYTES)
+        sizes = [view.nbytes for _, (view, _) in chunks]
+        groups = [chunks[run.start : run.stop] for run in byte_runs(sizes, PUT_GROUP_BYTES)]
         if len(groups) == 1:  # one put, encoded here: no thread hop for a small batch
             return await self._backend.put([n for n, _ in chunks], _encoded(chunks))
         loop = asyncio.get_running_loop()
@@ -331,11 +332,12 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
                 puts.append(loop.create_task(self._backend.put([n for n, _ in group], pages)))
             stored += await puts[-1]
             return stored
-        finally:  # cancelled, or an encoding failed: no put outlives the call
-            pending = [put for put in puts if not put.done()]
-            for put in pending:
+        except asyncio.CancelledError:
+            for put in puts:
                 put.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            raise
+        finally:  # no put outlives the call; after a failed encoding, the one in flight ends
+            await asyncio.gather(*puts, return_exceptions=True)
 
     def _meta_of(self, obj: MemoryObj) -> Any:
         meta = obj.metadata
@@ -375,21 +377,6 @@ class HiCacheConnector(RemoteConnector):  # type: ignore[misc]  # LMCache ships 
 
     def _names_of(self, keys: Sequence[CacheEngineKey]) -> builtins.list[str]:
         return [self._names.name(key.to_string()) for key in keys]
-
-
-def byte_groups(chunks: list[tuple[str, Chunk]], most: int) -> list[list[tuple[str, Chunk]]]:
-    """``chunks`` in order, cut into runs of at most ``most`` payload bytes (a larger chunk
-    alone)."""
-    groups: list[list[tuple[str, Chunk]]] = [[]]
-    held = 0
-    for item in chunks:
-        size = item[1][0].nbytes
-        if groups[-1] and held + size > most:
-            groups.append([])
-            held = 0
-        groups[-1].append(item)
-        held += size
-    return groups
 
 
 def _encoded(chunks: list[tuple[str, Chunk]]) -> list[list[bytes | memoryview]]:

@@ -21,7 +21,6 @@ from lmcache_kit import CHUNK, Node, chunk_key, fill, run_on, wait_stored
 
 from hicache.codec import HEADER_SIZE
 from hicache.integrations.lmcache import connector as connector_module
-from hicache.integrations.lmcache.connector import byte_groups
 
 
 @pytest.mark.parametrize("store", ["file", "redis"])
@@ -232,7 +231,3 @@ def test_a_large_put_goes_in_groups_encoded_while_the_last_is_stored(
     for obj, want in zip(got, expected, strict=True):
         assert obj is not None and torch.equal(obj.tensor, want)
         obj.ref_count_down()
-    one, three = memoryview(bytes(1 << 10)), memoryview(bytes(3 << 10))
-    runs = [("a", (one, None)), ("b", (one, None)), ("c", (three, None)), ("d", (one, None))]
-    cut = byte_groups(runs, 2 << 10)  # type: ignore[arg-type]
-    assert [[name for name, _ in group] for group in cut] == [["a", "b"], ["c"], ["d"]]
