@@ -16,7 +16,7 @@ from hicache.backends.base import (
     Capabilities,
     ObjectInfo,
     StorageBackend,
-    copy_into_segments,
+    copy_if_fits,
     fill_from_segments,
     join_segments,
     segments_nbytes,
@@ -63,10 +63,7 @@ class MemoryBackend(StorageBackend):
                 results.append(MISS)
                 continue
             self._objects.move_to_end(key)
-            data = entry[0]
-            if len(data) <= segments_nbytes(segs):
-                copy_into_segments(memoryview(data), segs)
-            results.append(len(data))
+            results.append(copy_if_fits(entry[0], segs))
         return results
 
     async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:

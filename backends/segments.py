@@ -22,6 +22,7 @@ __all__ = [
     "Segments",
     "as_segments",
     "byte_runs",
+    "copy_if_fits",
     "copy_into_segments",
     "fill_from_segments",
     "join_segments",
@@ -132,6 +133,16 @@ def copy_into_segments(
         n = min(seg.nbytes, total - offset)
         copy(seg[:n], source[offset : offset + n])
         offset += n
+
+
+def copy_if_fits(data: BufferLike, segments: Sequence[memoryview]) -> int:
+    """A read of one object held whole, as ``get_into`` reports it: ``data`` is copied into
+    ``segments`` when they can hold it, and its size is returned either way (a size larger
+    than the segments tells the caller it did not fit; they are then left untouched)."""
+    source = memoryview(data).cast("B")
+    if source.nbytes <= segments_nbytes(segments):
+        copy_into_segments(source, segments)
+    return source.nbytes
 
 
 def split_iov(iov: list[Piece], offset: int, parts: int) -> list[tuple[list[Piece], int, int]]:

@@ -8,26 +8,37 @@ lists them all, but builds in full, importing its module, only the one the comma
 The ``type=`` converters below check a value when the command line is parsed, so a bad one is
 a usage error (exit 2) before anything runs: numbers are finite and in range, with an upper
 bound wherever the value sizes an allocation.
+
+A parser's options may be declared as a table of :class:`Flag` rows, which :func:`add_flags`
+adds; keyed by the config field each one sets, the same table also reads the parsed values
+back (:func:`fields_from`), so a flag and the field it sets are named in one place.
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
+import enum
 import importlib
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+import shutil
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 __all__ = [
     "Command",
     "CommandFailed",
+    "Flag",
     "add_commands",
+    "add_flags",
     "arg_type",
+    "check_disk",
     "check_memory",
     "chosen_command",
     "duration_range",
+    "fields_from",
     "float_range",
     "host_memory",
     "input_dir",
@@ -98,6 +109,73 @@ def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return convert
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option of a parser, as data: its name and what ``add_argument`` is given for it.
+
+    Only the fields that are set are passed on, so argparse's own defaults hold for the rest
+    (no ``type``: the text; no ``default``: None).
+    """
+
+    name: str
+    type: Callable[[str], Any] | None = None
+    default: Any = None
+    help: str | None = None
+    _: KW_ONLY
+    metavar: str | None = None
+    action: str | None = None
+    choices: Sequence[str] | None = None
+    nargs: str | None = None
+
+    @classmethod
+    def switch(cls, name: str, help: str | None = None) -> Flag:
+        """An option without a value: True when given, else False."""
+        return cls(name, help=help, action="store_true")
+
+    @classmethod
+    def choice(
+        cls, name: str, kind: builtins.type[enum.Enum], default: enum.Enum, help: str
+    ) -> Flag:
+        """An option whose value is one of the enum ``kind``'s values (kept as that text)."""
+        return cls(name, default=default.value, help=help, choices=[k.value for k in kind])
+
+    @classmethod
+    def file(cls, name: str, help: str) -> Flag:
+        """A FILE that must exist and be readable when the command line is parsed."""
+        return cls(name, input_file, help=help, metavar="FILE")
+
+    @property
+    def dest(self) -> str:
+        """The attribute of the parsed namespace that holds the value."""
+        return self.name.lstrip("-").replace("-", "_")
+
+    def add_to(self, parser: argparse._ActionsContainer) -> None:
+        """Add this option to ``parser`` (a parser or one of its argument groups)."""
+        # A list default (an append option's) is copied: no two parsers share one list.
+        default = list(self.default) if isinstance(self.default, list) else self.default
+        given: dict[str, Any] = {
+            "type": self.type,
+            "default": default,
+            "help": self.help,
+            "metavar": self.metavar,
+            "action": self.action,
+            "choices": self.choices,
+            "nargs": self.nargs,
+        }
+        parser.add_argument(self.name, **{k: v for k, v in given.items() if v is not None})
+
+
+def add_flags(parser: argparse._ActionsContainer, flags: Iterable[Flag]) -> None:
+    """Add each of ``flags`` to ``parser`` (a parser or an argument group), in order."""
+    for flag in flags:
+        flag.add_to(parser)
+
+
+def fields_from(args: argparse.Namespace, flags: Mapping[str, Flag]) -> dict[str, Any]:
+    """The parsed values of ``flags``, a table keyed by the config field each flag sets."""
+    return {field: getattr(args, flag.dest) for field, flag in flags.items()}
 
 
 class CommandFailed(Exception):
@@ -267,4 +345,18 @@ def check_memory(nbytes: int, what: str) -> None:
         raise ConfigError(
             f"{what} is {nbytes / 2**30:.1f} GiB of buffers, more than half of the "
             f"{ram / 2**30:.1f} GiB of memory here; lower them"
+        )
+
+
+def check_disk(directory: str, nbytes: int, what: str, where: str, lower: str) -> None:
+    """Refuse a run that would write ``nbytes`` under ``directory``, more than is free there: a
+    usage error (exit 2) saying that ``what`` need them, ``where`` that is, and what to
+    ``lower``."""
+    from hicache.errors import ConfigError
+
+    free = shutil.disk_usage(directory).free
+    if nbytes > free:
+        raise ConfigError(
+            f"{what} need {nbytes / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free "
+            f"{where}; {lower}"
         )

@@ -12,7 +12,8 @@ seeded model computes in float64 over a float32 pool.
 :func:`gqa_attention` is the attention layer of the dense checkpoints, Jamba's attention layers
 and the seeded model's full-attention layers: q/k/v projections (with biases and per-head norms
 where the checkpoint has them), the rotary embedding where the model has one, the new K and V
-written to their slots, attention over the pool, the output projection.
+written to their slots, attention over the pool, the output projection; :func:`gqa_shapes`
+lists the tensors it reads, for a checkpoint's loader.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "attend",
     "cache_and_attend",
     "gqa_attention",
+    "gqa_shapes",
     "paged_attention",
     "projected_heads",
     "qkv",
@@ -214,3 +216,30 @@ def gqa_attention(
     q, k, v = qkv(weights, h, sizes, rotation, norm_eps)
     mixed = cache_and_attend(layout, q, k, v, pool, layer)
     return F.linear(mixed, weights["self_attn.o_proj.weight"], weights.get("self_attn.o_proj.bias"))
+
+
+def gqa_shapes(
+    sizes: HeadSizes, hidden: int, *, biases: bool = False, qk_norm: bool = False
+) -> dict[str, tuple[int, ...]]:
+    """The tensors :func:`gqa_attention` reads (names below ``model.layers.{i}.``) with their
+    shapes: the q/k/v/o projections, q/k/v biases when ``biases``, per-head q and k norms when
+    ``qk_norm``."""
+    q_dim, kv_dim = sizes.heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (q_dim, hidden),
+        "self_attn.k_proj.weight": (kv_dim, hidden),
+        "self_attn.v_proj.weight": (kv_dim, hidden),
+        "self_attn.o_proj.weight": (hidden, q_dim),
+    }
+    if biases:
+        shapes |= {
+            "self_attn.q_proj.bias": (q_dim,),
+            "self_attn.k_proj.bias": (kv_dim,),
+            "self_attn.v_proj.bias": (kv_dim,),
+        }
+    if qk_norm:
+        shapes |= {
+            "self_attn.q_norm.weight": (sizes.head_dim,),
+            "self_attn.k_norm.weight": (sizes.head_dim,),
+        }
+    return shapes

@@ -43,7 +43,7 @@ from hicache.radix.node import TreeNode
 from hicache.serving.pool_slots import PoolSlots
 from hicache.serving.request import RequestState, ServeRequest
 from hicache.sparse.hot_buffer import HotBuffer, HotRequest, canonical_pages
-from hicache.tiering.contract import TieredCache
+from hicache.tiering.contract import ComputedHostPages, TieredCache
 
 __all__ = ["HiSparseRequests", "HotEntry"]
 
@@ -261,7 +261,8 @@ class HiSparseRequests:
         own = hot.own_host[:count]
         self._copy_index_keys(hot, start * ps, own)
         # the tree takes the last ``taken`` of ``own`` (it held the others) and every extra page
-        taken = self.tree.insert_host_pages(key, start * ps, own, extras, cached.priority)
+        computed = ComputedHostPages(key, start * ps, own, extras, cached.priority)
+        taken = self.tree.insert_host_pages(computed)
         if not taken:  # all there already (or, never here, its prefix gone)
             return 0
         kept = torch.ones(len(hot.own_host), dtype=torch.bool)

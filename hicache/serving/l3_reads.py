@@ -17,7 +17,7 @@ computing the same tokens (measured rates) is skipped when ``skip_slow`` is on.
 from __future__ import annotations
 
 from hicache.serving.request import ServeRequest
-from hicache.tiering.contract import TieredCache
+from hicache.tiering.contract import PrefetchMode, TieredCache
 
 __all__ = ["L3Reads"]
 
@@ -60,9 +60,8 @@ class L3Reads:
             tree.metrics.add("prefetch_skipped_slow")
             return False
         match = tree.match_prefix(request.key, count_hits=False)
-        return tree.prefetch_start(
-            request.rid, request.key, match, reserve=True, urgent=admitting, whole=ahead
-        )
+        mode = PrefetchMode(reserve=True, urgent=admitting, whole=ahead)
+        return tree.prefetch_start(request.rid, request.key, match, mode)
 
     def short_of_l3(self, request: ServeRequest) -> bool:
         """Whether the request's last prefetch left pages in L3 for lack of host room, and it

@@ -47,8 +47,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from hicache.errors import ConfigError, InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.pools.device import DevicePool
@@ -65,13 +63,13 @@ from hicache.tiering.common.config import HiCacheConfig
 from hicache.tiering.common.metrics import HiCacheMetrics
 from hicache.tiering.common.parts import GroupTransfer, TierPools
 from hicache.tiering.common.policies import TerminationReason, WritePolicy, backup_on_hit
-from hicache.tiering.contract import ExtraPages, TieredCache, TieredCacheOps
+from hicache.tiering.contract import TieredCache, TieredCacheOps
 from hicache.tiering.controller import HiCacheController
 from hicache.tiering.host.backup import Backups
 from hicache.tiering.host.eviction import HostEvictor
 from hicache.tiering.host.load_back import LoadBack
 from hicache.tiering.host.peek import tiered_peek
-from hicache.tiering.host.pool import hang_host_leaf, split_host
+from hicache.tiering.host.pool import ComputedHostPages, hang_host_leaf, split_host
 from hicache.tiering.l3.bundler import BundlePage, PageHasher
 from hicache.tiering.l3.prefetch_insert import PrefetchInserter
 from hicache.tiering.l3.prefetcher import Prefetcher
@@ -312,17 +310,9 @@ class HiRadixCache(ShadowRadixCache, TieredCacheOps):
         its parent was gone). See :class:`~hicache.tiering.l3.prefetch_insert.PrefetchInserter`."""
         return self.inserter.insert(key, start, bundle)
 
-    def insert_host_pages(
-        self,
-        key: RadixKey,
-        start: int,
-        anchor_pages: torch.Tensor,
-        extras: ExtraPages,
-        priority: int = 0,
-    ) -> int:
+    def insert_host_pages(self, computed: ComputedHostPages) -> int:
         """See :meth:`TieredCache.insert_host_pages`."""
-        pools = self.host_evictor.pools
-        taken, nodes = hang_host_leaf(self, pools, key, start, anchor_pages, extras, priority)
+        taken, nodes = hang_host_leaf(self, self.host_evictor.pools, computed)
         for node in nodes:
             self.writer.after_backup(node)
         return taken

@@ -63,12 +63,14 @@ their pages protects them on ``host`` (``protect`` / ``release``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from hicache.keys import RadixKey
 from hicache.tiering.common.policies import TerminationReason
+from hicache.tiering.host.pool import ComputedHostPages
 
 if TYPE_CHECKING:
     from hicache.backends.base import StorageBackend
@@ -89,10 +91,18 @@ if TYPE_CHECKING:
     from hicache.tiering.l3.storage_tier import StorageTier
     from hicache.tiering.l3.writer import L3Writer
 
-__all__ = ["TieredCache", "TieredCacheOps"]
+__all__ = ["ComputedHostPages", "PrefetchMode", "TieredCache", "TieredCacheOps"]
 
-# Per extra token pool: (first position, host pages from there on); see insert_host_pages.
-ExtraPages = Mapping[str, tuple[int, torch.Tensor]]
+
+@dataclass(frozen=True, slots=True)
+class PrefetchMode:
+    """How a prefetch reads (:meth:`TieredCache.prefetch_start`). ``reserve``: keep what it
+    inserts for its request until ``prefetch_release``; ``urgent``: for a request about to run,
+    past the prefetch share of host memory; ``whole``: all pages L3 holds or none."""
+
+    reserve: bool = False
+    urgent: bool = False
+    whole: bool = False
 
 
 @runtime_checkable
@@ -147,17 +157,10 @@ class TieredCache(Protocol):
         """The fewest tokens a prefetch reads; a shortfall under it is not read."""
 
     def prefetch_start(
-        self,
-        rid: str,
-        key: RadixKey,
-        match: MatchResult,
-        reserve: bool = False,
-        urgent: bool = False,
-        whole: bool = False,
+        self, rid: str, key: RadixKey, match: MatchResult, mode: PrefetchMode = PrefetchMode()
     ) -> bool:
-        """Start reading ``key``'s pages past ``match``'s device and host hit from L3; whether
-        one started. ``reserve``: keep what it inserts for ``rid`` until ``prefetch_release``;
-        ``urgent``: past the prefetch share of host memory; ``whole``: all pages or none."""
+        """Start reading ``key``'s pages past ``match``'s device and host hit from L3, for
+        ``rid`` and read as ``mode`` says; whether one started."""
 
     def prefetch_may_run(self, rid: str) -> bool:
         """Whether ``rid`` may be scheduled now (its stop policy); stops its read when so."""
@@ -203,19 +206,11 @@ class TieredCache(Protocol):
         """Whether ``node``'s anchor pages are on host once this returns: copied now (waiting
         for the copy) when it had none, else its copy still in flight waited for."""
 
-    def insert_host_pages(
-        self,
-        key: RadixKey,
-        start: int,
-        anchor_pages: torch.Tensor,
-        extras: ExtraPages,
-        priority: int = 0,
-    ) -> int:
-        """Hang pages computed on host past ``start`` under ``key``'s cached path as host-only
-        nodes, which go to L3 as a backup does: ``anchor_pages`` (one per page of ``key`` from
-        ``start``) and per extra token pool (first position, host pages to the end of
-        ``key``). Returns how many of ``anchor_pages`` the tree took (the last ones); those
-        and every extra page are the cache's after the call, the rest stay the caller's."""
+    def insert_host_pages(self, computed: ComputedHostPages) -> int:
+        """Hang pages computed on host under their key's cached path as host-only nodes, which
+        go to L3 as a backup does. Returns how many of ``computed.anchor_pages`` the tree took
+        (the last ones); those and every extra page are the cache's after the call, the rest
+        stay the caller's."""
 
     def evict_host(self, num_tokens: int) -> int:
         """Evict host-only leaves for ``num_tokens``; the tokens evicted."""
@@ -297,15 +292,9 @@ class TieredCacheOps:
         return self.prefetcher.config.threshold_tokens
 
     def prefetch_start(
-        self,
-        rid: str,
-        key: RadixKey,
-        match: MatchResult,
-        reserve: bool = False,
-        urgent: bool = False,
-        whole: bool = False,
+        self, rid: str, key: RadixKey, match: MatchResult, mode: PrefetchMode = PrefetchMode()
     ) -> bool:
-        return self.prefetcher.start(rid, key, match, reserve, urgent, whole)
+        return self.prefetcher.start(rid, key, match, mode.reserve, mode.urgent, mode.whole)
 
     def prefetch_may_run(self, rid: str) -> bool:
         return self.prefetcher.may_run(rid)

@@ -11,6 +11,7 @@ import pytest
 from hicache.backends.base import (
     Capabilities,
     as_segments,
+    copy_if_fits,
     copy_into_segments,
     join_segments,
     segments_nbytes,
@@ -135,6 +136,15 @@ def test_copy_into_segments_of_exact_and_empty_sources() -> None:
     copy_into_segments(memoryview(b""), as_segments(parts, writable=True))
     assert parts == [b"123", b"45"]
 
+
+
+def test_copy_if_fits_reports_the_size_and_copies_only_what_fits() -> None:
+    parts = [bytearray(b"...."), bytearray(b"...")]
+    assert copy_if_fits(b"abcde", as_segments(parts, writable=True)) == 5
+    assert parts == [b"abcd", b"e.."]
+    # too large: the size tells the caller it did not fit, and the buffers stay as they were
+    assert copy_if_fits(bytearray(b"12345678"), as_segments(parts, writable=True)) == 8
+    assert parts == [b"abcd", b"e.."]
 
 # ----- base-class behaviour a backend inherits ---------------------------------------------------
 

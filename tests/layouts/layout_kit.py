@@ -1,10 +1,29 @@
-"""Random layout buffers, shared by the CPU and CUDA gather/scatter tests."""
+"""What the layout tests share: the presets at test size, the preset-by-layout parametrization,
+and random layout buffers (for the CPU and CUDA conversion, view and gather/scatter tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
 import torch
 
-from hicache.layouts import Layout, LayoutSpec, buffer_shape
+from hicache.layouts import KV_LAYOUTS, Layout, LayoutSpec, SpecPreset, buffer_shape
+
+PRESETS = list(SpecPreset)
+Test = TypeVar("Test", bound=Callable[..., None])
+
+
+def small(preset: SpecPreset) -> LayoutSpec:
+    """``preset`` at test size: pages of 4 tokens, 3 layers."""
+    return preset.spec(page_size=4, layers=3)
+
+
+def every_preset_and_layout(test: Test) -> Test:
+    """Parametrizes ``test`` over every preset (``preset``) in every KV layout (``layout``)."""
+    by_layout = pytest.mark.parametrize("layout", KV_LAYOUTS, ids=lambda x: x.label)(test)
+    return pytest.mark.parametrize("preset", PRESETS)(by_layout)
 
 
 def random_buffer(spec: LayoutSpec, layout: Layout, pages: int, seed: int) -> torch.Tensor:

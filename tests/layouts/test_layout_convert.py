@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layout_kit import PRESETS, small
 
 from hicache.dtypes import DType
 from hicache.errors import LayoutError, UnsupportedLayoutError
@@ -19,7 +20,6 @@ from hicache.layouts import (
     convert,
 )
 
-PRESETS = list(SpecPreset)
 ROUTES = conversions()
 
 
@@ -63,7 +63,7 @@ def test_the_table_has_every_kv_pair_and_nothing_else() -> None:
 def test_convert_matches_reference_and_round_trips(
     preset: SpecPreset, route: tuple[Layout, Layout]
 ) -> None:
-    spec = preset.spec(page_size=4, layers=3)
+    spec = small(preset)
     for pages, seed in ((1, 1), (5, 2)):
         x = canonical(spec, pages, seed)
         src, want = laid_out(x, spec, route[0]), laid_out(x, spec, route[1])

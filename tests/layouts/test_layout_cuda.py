@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from cuda_kit import needs_cuda
-from layout_kit import random_buffer
+from layout_kit import PRESETS, every_preset_and_layout, random_buffer, small
 
 from hicache.errors import LayoutError
 from hicache.layouts import (
-    KV_LAYOUTS,
     Layout,
     LayoutSpec,
     SpecPreset,
@@ -22,12 +21,6 @@ from hicache.layouts import (
 )
 
 pytestmark = [pytest.mark.cuda, needs_cuda]
-
-PRESETS = list(SpecPreset)
-
-
-def small(preset: SpecPreset) -> LayoutSpec:
-    return preset.spec(page_size=4, layers=3)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -54,8 +47,7 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory()
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("layout", KV_LAYOUTS, ids=lambda x: x.label)
+@every_preset_and_layout
 @pytest.mark.parametrize("aligned", [True, False], ids=["page_slots", "token_slots"])
 def test_device_host_device_is_exact(preset: SpecPreset, layout: Layout, aligned: bool) -> None:
     spec = small(preset)

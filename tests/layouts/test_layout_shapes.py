@@ -6,12 +6,11 @@ import random
 
 import pytest
 import torch
-from layout_kit import random_buffer
+from layout_kit import PRESETS, every_preset_and_layout, random_buffer, small
 
 from hicache.dtypes import DType
 from hicache.errors import LayoutError, UnsupportedLayoutError
 from hicache.layouts import (
-    KV_LAYOUTS,
     Layout,
     LayoutSpec,
     SpecPreset,
@@ -26,12 +25,6 @@ from hicache.layouts import (
     page_shape,
     storage_layout,
 )
-
-PRESETS = list(SpecPreset)
-
-
-def small(preset: SpecPreset) -> LayoutSpec:
-    return preset.spec(page_size=4, layers=3)
 
 
 def item_at(buffer: torch.Tensor, spec: LayoutSpec, layout: Layout, c: int, layer: int, slot: int):  # type: ignore[no-untyped-def]
@@ -99,8 +92,7 @@ def test_documented_shapes() -> None:
     assert buffer_bytes(spec, 6) == 6 * spec.page_bytes
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("layout", KV_LAYOUTS, ids=lambda x: x.label)
+@every_preset_and_layout
 def test_num_pages_inverts_shape(preset: SpecPreset, layout: Layout) -> None:
     spec = small(preset)
     for pages in (0, 1, 7):
@@ -123,8 +115,7 @@ def test_layer_first_slots_must_be_whole_pages() -> None:
 
 
 # ----- offsets ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("layout", KV_LAYOUTS, ids=lambda x: x.label)
+@every_preset_and_layout
 def test_item_offset_points_at_the_item(preset: SpecPreset, layout: Layout) -> None:
     spec, pages = small(preset), 3
     buffer = random_buffer(spec, layout, pages, seed=0)
@@ -148,8 +139,7 @@ def test_item_offset_out_of_range(args: tuple[int, int, int]) -> None:
         item_offset(spec, Layout.PAGE_FIRST, 3, *args)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("layout", KV_LAYOUTS, ids=lambda x: x.label)
+@every_preset_and_layout
 def test_page_ranges_hold_the_stored_page(preset: SpecPreset, layout: Layout) -> None:
     """Joined in order, a page's ranges are the page_first(_direct) page: the stored format."""
     spec, pages = small(preset), 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_kit import random_buffer
+from layout_kit import every_preset_and_layout, random_buffer, small
 
 from hicache.errors import LayoutError
 from hicache.layouts import (
@@ -22,7 +22,6 @@ from hicache.layouts import (
 )
 from hicache.pools import TokenSlotAllocator
 
-PRESETS = list(SpecPreset)
 POOL_PAGES, HOST_PAGES = 8, 6
 
 
@@ -62,13 +61,12 @@ def choose(spec: LayoutSpec, n: int, aligned: bool, seed: int) -> tuple[torch.Te
     return pages, slots
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("layout", KV_LAYOUTS, ids=lambda x: x.label)
+@every_preset_and_layout
 @pytest.mark.parametrize("aligned", [True, False], ids=["page_slots", "token_slots"])
 def test_device_to_host_to_device_is_exact(
     preset: SpecPreset, layout: Layout, aligned: bool
 ) -> None:
-    spec = preset.spec(page_size=4, layers=3)
+    spec = small(preset)
     pool = random_buffer(spec, Layout.LAYER_FIRST, POOL_PAGES, seed=1)
     host = zeros(spec, layout, HOST_PAGES)
     pages, slots = choose(spec, 4, aligned, seed=2)

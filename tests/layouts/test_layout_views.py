@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layout_kit import every_preset_and_layout, random_buffer, small
 
 from hicache.errors import LayoutError
 from hicache.layouts import (
     KV_LAYOUTS,
     Layout,
-    LayoutSpec,
     SpecPreset,
     buffer_shape,
     check_buffer,
@@ -23,14 +23,6 @@ from hicache.layouts import (
     write_page,
 )
 
-PRESETS = list(SpecPreset)
-
-
-def random_buffer(spec: LayoutSpec, layout: Layout, pages: int, seed: int = 0) -> torch.Tensor:
-    raw = torch.empty(pages * spec.page_bytes, dtype=torch.uint8)
-    raw.random_(0, 256, generator=torch.Generator().manual_seed(seed))
-    return raw.view(spec.dtype.to_torch()).view(buffer_shape(spec, layout, pages))
-
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
@@ -41,11 +33,10 @@ def inside(view: torch.Tensor, buffer: torch.Tensor) -> bool:
     return start <= view.data_ptr() < end
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("layout", KV_LAYOUTS, ids=lambda x: x.label)
+@every_preset_and_layout
 def test_page_view_shares_memory_in_stored_order(preset: SpecPreset, layout: Layout) -> None:
-    spec, pages = preset.spec(page_size=4, layers=3), 3
-    buffer = random_buffer(spec, layout, pages)
+    spec, pages = small(preset), 3
+    buffer = random_buffer(spec, layout, pages, seed=0)
     stored = convert(buffer, spec, layout, storage_layout(layout))
     for page in range(pages):
         pieces = page_view(buffer, spec, layout, page)
@@ -80,8 +71,7 @@ def test_page_segments_write_through(layout: Layout) -> None:
     assert not read_page(buffer, spec, layout, 2).view(torch.int16).any()
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("layout", KV_LAYOUTS, ids=lambda x: x.label)
+@every_preset_and_layout
 def test_write_then_read_page(preset: SpecPreset, layout: Layout) -> None:
     spec = preset.spec(page_size=3, layers=2)
     buffer = torch.zeros(buffer_shape(spec, layout, 4), dtype=spec.dtype.to_torch())

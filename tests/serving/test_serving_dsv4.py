@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from cli_kit import run
+from serving_kit import CHAT as KIT_CHAT
 from serving_kit import (
     VOCAB,
     Recording,
@@ -49,7 +50,7 @@ from hicache.tiering.common.policies import PrefetchStopPolicy, WritePolicy
 from hicache.tiering.host.pool import host_of
 from hicache.tools.serve.config import check_index_topk
 from hicache.workloads.pool_report import pool_bytes
-from hicache.workloads.synthetic import ChatConfig, MultiTurnChat
+from hicache.workloads.synthetic import MultiTurnChat
 
 PAGE = 128
 WINDOW = 128
@@ -246,15 +247,9 @@ def test_only_the_top_k_c4_entries_are_attended() -> None:
 
 
 # ----- served --------------------------------------------------------------------------------
-CHAT = ChatConfig(
-    clients=4,
-    rounds=2,
-    system_tokens=256,
-    system_prompts=2,
-    turn_tokens=70,
-    output_tokens=4,
-    vocab=VOCAB,
-)
+# The serving tests' chat with turns of this model's size (pages of 128 tokens), fewer clients
+# and rounds keeping the run short.
+CHAT = dataclasses.replace(KIT_CHAT, clients=4, rounds=2, system_tokens=256, turn_tokens=70)
 DEVICE_TOKENS = 1024  # 8 pages: the chat's ~2k tokens overflow it
 HOST_PAGES = 12  # fewer than the documents below need: the first ones are in L3 only
 ENGINE = EngineConfig(max_running=2, chunk_tokens=90, skip_slow_prefetch=False, stall_s=20.0)

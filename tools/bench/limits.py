@@ -1,5 +1,6 @@
 """Upper bounds of the benchmarks' sizes, shared by their parsers (``bench backends``, ``codec``,
-``tools``); what a run needs together is checked before it starts."""
+``tools``; ``MAX_REPEATS``: every benchmark's ``--repeats`` unless it sets a lower one); what a
+run needs together is checked before it starts."""
 
 from __future__ import annotations
 

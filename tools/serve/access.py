@@ -10,6 +10,7 @@ it off the command line, which other users can read in ``/proc``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import os
 import pathlib
@@ -26,7 +27,15 @@ from hicache.server.auth import (
 from hicache.server.l3_allow import check_allow_rules
 from hicache.server.limits import Limits
 from hicache.server.request_body import MAX_PRIORITY
-from hicache.tools.cli_parsing import float_range, input_file, int_range, size_range
+from hicache.tools.cli_parsing import (
+    Flag,
+    add_flags,
+    fields_from,
+    float_range,
+    input_file,
+    int_range,
+    size_range,
+)
 
 __all__ = [
     "access_of",
@@ -42,120 +51,116 @@ _ADMIN_ENV = "HICACHE_ADMIN_API_KEY"
 _MAX_SECRET_FILE_BYTES = 64 << 10
 
 
-def add_access_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("access (--http)")
-    g.add_argument(
-        "--api-key", action="append", default=[], metavar="KEY",
+_ACCESS_FLAGS = (
+    Flag(
+        "--api-key", default=[], metavar="KEY", action="append",
         help=f"a key of the tenant '{DEFAULT_TENANT}' (repeatable; also ${_KEY_ENV}): every "
         "/v1 request then needs 'Authorization: Bearer KEY'",
-    )  # fmt: skip
-    g.add_argument(
-        "--api-keys", type=input_file, metavar="FILE",
-        help="'KEY TENANT' or 'KEY TENANT max_priority=N' per line ('#' comments), reread on "
+    ),
+    Flag.file(
+        "--api-keys",
+        "'KEY TENANT' or 'KEY TENANT max_priority=N' per line ('#' comments), reread on "
         "SIGHUP; max_priority=N is the tenant's cap in place of --max-priority",
-    )  # fmt: skip
-    g.add_argument(
-        "--max-priority", type=int_range(0, MAX_PRIORITY), default=0, metavar="N",
+    ),
+    Flag(
+        "--max-priority", int_range(0, MAX_PRIORITY), 0, metavar="N",
         help="the highest 'priority' a request may ask for, where the key file sets no cap for "
         "its tenant; past it a 400 (default 0: a request may only lower its priority)",
-    )  # fmt: skip
-    g.add_argument(
+    ),
+    Flag(
         "--admin-api-key", metavar="KEY",
         help="turn the /admin routes on, for this key only (off without it; visible to other "
         f"users in the process list: prefer --admin-api-key-file or ${_ADMIN_ENV})",
-    )  # fmt: skip
-    g.add_argument(
-        "--admin-api-key-file", type=input_file, metavar="FILE",
-        help="as --admin-api-key, the key being the first line of FILE",
-    )  # fmt: skip
-    g.add_argument(
-        "--l3-allow", action="append", default=[], metavar="PREFIX",
+    ),
+    Flag.file("--admin-api-key-file", "as --admin-api-key, the key being the first line of FILE"),
+    Flag(
+        "--l3-allow", default=[], metavar="PREFIX", action="append",
         help="a URL prefix /admin/l3/attach accepts (repeatable; e.g. file:///var/cache/); "
         "without one, every attach is refused",
-    )  # fmt: skip
-    g.add_argument(
-        "--share-cache", action="store_true",
-        help="tenants share cached prefixes (by default each tenant has a cache of its own)",
-    )  # fmt: skip
-    g.add_argument("--metrics-public", action="store_true", help="/metrics answers without a key")
-    g.add_argument(
-        "--internal-token-file", type=input_file, metavar="FILE",
-        help="a worker behind a router: take only the token in FILE (the router's)",
-    )  # fmt: skip
-    g.add_argument("--ssl-certfile", type=input_file, help="serve HTTPS with this PEM chain")
-    g.add_argument("--ssl-keyfile", type=input_file, help="and this PEM private key")
-    g.add_argument(
-        "--insecure-no-auth", action="store_true",
-        help="listen on a non-loopback address with no API key (anyone may use the server)",
-    )  # fmt: skip
+    ),
+    Flag.switch(
+        "--share-cache",
+        "tenants share cached prefixes (by default each tenant has a cache of its own)",
+    ),
+    Flag.switch("--metrics-public", "/metrics answers without a key"),
+    Flag.file(
+        "--internal-token-file",
+        "a worker behind a router: take only the token in FILE (the router's)",
+    ),
+    Flag("--ssl-certfile", input_file, help="serve HTTPS with this PEM chain"),
+    Flag("--ssl-keyfile", input_file, help="and this PEM private key"),
+    Flag.switch(
+        "--insecure-no-auth",
+        "listen on a non-loopback address with no API key (anyone may use the server)",
+    ),
+)  # fmt: skip
+
+
+def add_access_flags(p: argparse.ArgumentParser) -> None:
+    add_flags(p.add_argument_group("access (--http)"), _ACCESS_FLAGS)
+
+
+_DEFAULT_LIMITS = Limits()
+_COUNT = int_range(1, 1 << 20)
+_SECONDS = float_range(0.0, 3600.0, low_open=True)
+# Each Limits field and the flag that sets it; a flag's default is the field's (add_limit_flags).
+_LIMIT_FLAGS = {
+    "max_body_bytes": Flag(
+        "--max-body-bytes", size_range(1 << 10, 1 << 30),
+        help="a larger request body is a 413 (default 16M)",
+    ),
+    "max_tokens": Flag(
+        "--max-tokens-cap", _COUNT,
+        help=f"the most max_tokens a request may ask for (default {_DEFAULT_LIMITS.max_tokens})",
+    ),
+    "max_queue": Flag(
+        "--max-queue", _COUNT,
+        help="requests in flight past which a new one is a 503 with Retry-After "
+        f"(default {_DEFAULT_LIMITS.max_queue})",
+    ),
+    "rate_per_s": Flag(
+        "--rate-limit", float_range(0.0, 1e6, low_open=True), metavar="PER_S",
+        help="requests a second per tenant (all its keys together; per client address without "
+        "keys); past it a 429 (default: no limit)",
+    ),
+    "max_concurrent": Flag(
+        "--max-concurrent", _COUNT,
+        help="requests in flight per tenant (all its keys together; per client address without "
+        "keys); past it a 429 (default: no limit, up to --max-queue)",
+    ),
+    "max_connections": Flag(
+        "--max-connections", _COUNT,
+        help="open connections; past it a new one is closed "
+        f"(default {_DEFAULT_LIMITS.max_connections})",
+    ),
+    "max_connections_per_client": Flag(
+        "--max-connections-per-client", _COUNT, metavar="N",
+        help="open connections from one client address; past it a new one from there is closed "
+        f"(default {_DEFAULT_LIMITS.max_connections_per_client})",
+    ),
+    "header_timeout_s": Flag(
+        "--header-timeout", _SECONDS, metavar="S",
+        help="close a connection whose first request head has not arrived by then (default 10)",
+    ),
+    "body_timeout_s": Flag(
+        "--body-timeout", _SECONDS, metavar="S",
+        help="a request body not arrived by then is a 408 (default 30)",
+    ),
+    "write_timeout_s": Flag(
+        "--write-timeout", _SECONDS, metavar="S",
+        help="drop a stream whose client has not taken a chunk by then (default 30)",
+    ),
+}  # fmt: skip
 
 
 def add_limit_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("request limits (--http)")
-    default = Limits()
-    g.add_argument(
-        "--max-body-bytes", type=size_range(1 << 10, 1 << 30), default=default.max_body_bytes,
-        help="a larger request body is a 413 (default 16M)",
-    )  # fmt: skip
-    g.add_argument(
-        "--max-tokens-cap", type=int_range(1, 1 << 20), default=default.max_tokens,
-        help=f"the most max_tokens a request may ask for (default {default.max_tokens})",
-    )  # fmt: skip
-    g.add_argument(
-        "--max-queue", type=int_range(1, 1 << 20), default=default.max_queue,
-        help="requests in flight past which a new one is a 503 with Retry-After "
-        f"(default {default.max_queue})",
-    )  # fmt: skip
-    g.add_argument(
-        "--rate-limit", type=float_range(0.0, 1e6, low_open=True), metavar="PER_S",
-        help="requests a second per tenant (all its keys together; per client address without "
-        "keys); past it a 429 (default: no limit)",
-    )  # fmt: skip
-    g.add_argument(
-        "--max-concurrent", type=int_range(1, 1 << 20),
-        help="requests in flight per tenant (all its keys together; per client address without "
-        "keys); past it a 429 (default: no limit, up to --max-queue)",
-    )  # fmt: skip
-    g.add_argument(
-        "--max-connections", type=int_range(1, 1 << 20), default=default.max_connections,
-        help=f"open connections; past it a new one is closed (default {default.max_connections})",
-    )  # fmt: skip
-    g.add_argument(
-        "--max-connections-per-client", type=int_range(1, 1 << 20),
-        default=default.max_connections_per_client, metavar="N",
-        help="open connections from one client address; past it a new one from there is closed "
-        f"(default {default.max_connections_per_client})",
-    )  # fmt: skip
-    g.add_argument(
-        "--header-timeout", type=float_range(0.0, 3600.0, low_open=True),
-        default=default.header_timeout_s, metavar="S",
-        help="close a connection whose first request head has not arrived by then (default 10)",
-    )  # fmt: skip
-    g.add_argument(
-        "--body-timeout", type=float_range(0.0, 3600.0, low_open=True),
-        default=default.body_timeout_s, metavar="S",
-        help="a request body not arrived by then is a 408 (default 30)",
-    )  # fmt: skip
-    g.add_argument(
-        "--write-timeout", type=float_range(0.0, 3600.0, low_open=True),
-        default=default.write_timeout_s, metavar="S",
-        help="drop a stream whose client has not taken a chunk by then (default 30)",
-    )  # fmt: skip
+    for field, flag in _LIMIT_FLAGS.items():
+        dataclasses.replace(flag, default=getattr(_DEFAULT_LIMITS, field)).add_to(g)
 
 
 def limits_of(args: argparse.Namespace) -> Limits:
-    return Limits(
-        max_body_bytes=args.max_body_bytes,
-        max_tokens=args.max_tokens_cap,
-        max_queue=args.max_queue,
-        rate_per_s=args.rate_limit,
-        max_concurrent=args.max_concurrent,
-        max_connections=args.max_connections,
-        max_connections_per_client=args.max_connections_per_client,
-        header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout,
-        write_timeout_s=args.write_timeout,
-    )
+    return Limits(**fields_from(args, _LIMIT_FLAGS))
 
 
 def tls_of(args: argparse.Namespace) -> TlsFiles | None:

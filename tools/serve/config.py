@@ -31,7 +31,7 @@ from hicache.serving.setup import device_slots, host_pages, resolve_device
 from hicache.sparse.hot_buffer import HOT_PAGES_MAX, HiSparseConfig
 from hicache.tiering.common.config import HiCacheConfig, check_config
 from hicache.tools import cli_parsing
-from hicache.tools.cli_parsing import int_range
+from hicache.tools.cli_parsing import Flag, add_flags, int_range
 from hicache.tools.config_flags import config_from_args
 
 __all__ = [
@@ -269,18 +269,16 @@ def checked_model(
 
 def add_policy_flags(e: Any) -> None:
     """The engine's eviction policy and prefill delayer."""
-    e.add_argument(
-        "--eviction",
-        choices=[p.value for p in EvictionPolicy],
-        default=EvictionPolicy.LRU.value,
-        help="which cached prefixes go first when the device (and host) fill up; priority: "
+    eviction = Flag.choice(
+        "--eviction", EvictionPolicy, EvictionPolicy.LRU,
+        "which cached prefixes go first when the device (and host) fill up; priority: "
         "those of lower-priority requests",
-    )
-    e.add_argument(
+    )  # fmt: skip
+    delay_prefill = Flag.switch(
         "--delay-prefill",
-        action="store_true",
-        help="hold prefill up to 50 ms while queued requests share prefixes and hits are rare",
+        "hold prefill up to 50 ms while queued requests share prefixes and hits are rare",
     )
+    add_flags(e, (eviction, delay_prefill))
 
 
 def engine_config_of(args: argparse.Namespace, hisparse: HiSparseConfig | None) -> EngineConfig:

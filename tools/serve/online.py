@@ -23,7 +23,7 @@ from hicache.models.tiny import TinyTransformer
 from hicache.models.types import ServingModel
 from hicache.server.router import RouterKind
 from hicache.server.workers import L3_ENV
-from hicache.tools.cli_parsing import arg_type, input_file, int_range
+from hicache.tools.cli_parsing import Flag, add_flags, arg_type, int_range
 from hicache.tools.config_flags import l3_url
 from hicache.tools.serve.access import (
     access_of,
@@ -41,50 +41,48 @@ __all__ = ["add_online_flags", "run_online"]
 _MASTER_CHECK_S = 1.0
 
 
-def add_online_flags(p: argparse.ArgumentParser) -> None:
-    add_access_flags(p)
-    add_limit_flags(p)
-    g = p.add_argument_group("serving clients")
-    g.add_argument(
-        "--http",
-        type=arg_type(parse_listen),
-        metavar="HOST:PORT",
-        help="serve an OpenAI-compatible /v1/completions (with /health and /metrics) here "
-        "until SIGINT or SIGTERM, instead of a workload (port 0: any free port)",
-    )
-    g.add_argument(
-        "--workers",
-        type=int_range(1, 256),
-        default=1,
-        help="--http: this many engine processes (one per GPU when CUDA shows several) behind "
-        "a router process; they share the L3",
-    )
-    g.add_argument(
-        "--worker", action="append", default=[], metavar="URL", type=arg_type(_worker_url),
-        help="--http: route over the worker at URL (repeatable; each started elsewhere with "
-        "serve --http ... --internal-token-file FILE) instead of starting --workers; use "
-        "https:// (the worker given --ssl-certfile) off this host",
-    )  # fmt: skip
-    g.add_argument(
-        "--worker-ca-file", type=input_file, metavar="FILE",
-        help="--worker https://...: the CA certificates (PEM) the workers' certificates are "
-        "checked against (default: the system's)",
-    )  # fmt: skip
-    g.add_argument(
-        "--router",
-        choices=[k.value for k in RouterKind],
-        default=RouterKind.CACHE_AWARE.value,
-        help="--workers: send each request where its prefix is cached (cache_aware, balanced "
-        "by load) or take turns (round_robin)",
-    )
-
-
 def _worker_url(text: str) -> str:
     parts = urlsplit(text)
     scheme_ok = parts.scheme in ("http", "https")
     if not scheme_ok or not parts.hostname or parts.port is None or parts.path.strip("/"):
         raise InvalidArgumentError(f"--worker wants http(s)://HOST:PORT, got {text!r}")
     return text.rstrip("/")
+
+
+_CLIENT_FLAGS = (
+    Flag(
+        "--http", arg_type(parse_listen), metavar="HOST:PORT",
+        help="serve an OpenAI-compatible /v1/completions (with /health and /metrics) here "
+        "until SIGINT or SIGTERM, instead of a workload (port 0: any free port)",
+    ),
+    Flag(
+        "--workers", int_range(1, 256), 1,
+        "--http: this many engine processes (one per GPU when CUDA shows several) behind "
+        "a router process; they share the L3",
+    ),
+    Flag(
+        "--worker", arg_type(_worker_url), [], metavar="URL", action="append",
+        help="--http: route over the worker at URL (repeatable; each started elsewhere with "
+        "serve --http ... --internal-token-file FILE) instead of starting --workers; use "
+        "https:// (the worker given --ssl-certfile) off this host",
+    ),
+    Flag.file(
+        "--worker-ca-file",
+        "--worker https://...: the CA certificates (PEM) the workers' certificates are "
+        "checked against (default: the system's)",
+    ),
+    Flag.choice(
+        "--router", RouterKind, RouterKind.CACHE_AWARE,
+        "--workers: send each request where its prefix is cached (cache_aware, balanced "
+        "by load) or take turns (round_robin)",
+    ),
+)  # fmt: skip
+
+
+def add_online_flags(p: argparse.ArgumentParser) -> None:
+    add_access_flags(p)
+    add_limit_flags(p)
+    add_flags(p.add_argument_group("serving clients"), _CLIENT_FLAGS)
 
 
 def run_online(args: argparse.Namespace) -> int:

@@ -21,8 +21,11 @@ from hicache.errors import BackendUnavailableError, ConfigError, HiCacheError
 from hicache.keys import validate_key_prefix
 from hicache.tools.cli_parsing import (
     CommandFailed,
+    Flag,
+    add_flags,
     arg_type,
     duration_range,
+    fields_from,
     int_range,
     output_file,
     size_range,
@@ -89,11 +92,9 @@ def _store_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParse
     return p
 
 
-def _add_parallel_flag(p: argparse.ArgumentParser) -> None:
-    """``--parallel``, as verify and compact both read batches."""
-    p.add_argument(
-        "--parallel", type=int_range(1, _MAX_PARALLEL), default=2, help="batches read at once"
-    )
+# verify and compact both read batches.
+_PARALLEL = Flag("--parallel", int_range(1, _MAX_PARALLEL), 2, "batches read at once")
+_JSON = Flag.switch("--json")
 
 
 def _print_report(
@@ -134,19 +135,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 # ----- verify -----------------------------------------------------------------------------------
+# Each VerifyOptions field the command line sets, and its flag.
+_VERIFY_FLAGS = {
+    "delete_bad": Flag.switch("--delete-bad", "delete what is bad"),
+    "prefix": Flag("--prefix", _key_prefix, "", "only keys starting with this"),
+    "parallel": _PARALLEL,
+}
+
+
 def add_verify(sub: Any) -> argparse.ArgumentParser:
     """Add ``verify``: read every object and check header and checksum."""
     p = _store_parser(sub, "verify", "read every object and check header and checksum")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--delete-bad", action="store_true", help="delete what is bad")
-    p.add_argument("--prefix", type=_key_prefix, default="", help="only keys starting with this")
-    _add_parallel_flag(p)
-    p.add_argument(
-        "--processes",
-        type=int_range(0, _MAX_PROCESSES),
-        default=0,
-        help="worker processes for small objects (0: cores)",
-    )
+    processes = Flag(
+        "--processes", int_range(0, _MAX_PROCESSES), 0,
+        "worker processes for small objects (0: cores)",
+    )  # fmt: skip
+    add_flags(p, [_JSON, *_VERIFY_FLAGS.values(), processes])
     p.set_defaults(func=_cmd_verify)
     return p
 
@@ -154,12 +158,8 @@ def add_verify(sub: Any) -> argparse.ArgumentParser:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from hicache.tools.store.verify import VerifyOptions, verify_store
 
-    options = VerifyOptions(
-        delete_bad=args.delete_bad,
-        prefix=args.prefix,
-        parallel=args.parallel,
-        processes=args.processes or (os.cpu_count() or 1),
-    )
+    cores = os.cpu_count() or 1
+    options = VerifyOptions(**fields_from(args, _VERIFY_FLAGS), processes=args.processes or cores)
 
     async def work(backend: StorageBackend) -> int:
         with _progress(args)("verify", None) as bar:
@@ -171,21 +171,23 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 # ----- compact ----------------------------------------------------------------------------------
+# Each CompactOptions field the command line sets before --json and --parallel, and its flag.
+_COMPACT_FLAGS = {
+    "max_bytes": Flag("--max-bytes", size_range(0, 1 << 60), help="e.g. 500G"),
+    "max_age_s": Flag("--max-age", duration_range(_CENTURY_S), help="e.g. 7d, 12h"),
+    "grace_s": Flag(
+        "--grace", duration_range(_CENTURY_S), TEMP_GRACE_S,
+        "keep temp files and orphans younger than this (default 15m)",
+    ),
+    "dry_run": Flag.switch("--dry-run", "print the plan, change nothing"),
+    "headers_only": Flag.switch("--headers-only", "skip payload checksums"),
+}  # fmt: skip
+
+
 def add_compact(sub: Any) -> argparse.ArgumentParser:
     """Add ``compact``: remove bad, orphaned, stale and over-budget pages."""
     p = _store_parser(sub, "compact", "remove bad, orphaned, stale and over-budget pages")
-    p.add_argument("--max-bytes", type=size_range(0, 1 << 60), help="e.g. 500G")
-    p.add_argument("--max-age", type=duration_range(_CENTURY_S), help="e.g. 7d, 12h")
-    p.add_argument(
-        "--grace",
-        type=duration_range(_CENTURY_S),
-        default=TEMP_GRACE_S,
-        help="keep temp files and orphans younger than this (default 15m)",
-    )
-    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
-    p.add_argument("--headers-only", action="store_true", help="skip payload checksums")
-    p.add_argument("--json", action="store_true")
-    _add_parallel_flag(p)
+    add_flags(p, [*_COMPACT_FLAGS.values(), _JSON, _PARALLEL])
     p.set_defaults(func=_cmd_compact)
     return p
 
@@ -193,14 +195,7 @@ def add_compact(sub: Any) -> argparse.ArgumentParser:
 def _cmd_compact(args: argparse.Namespace) -> int:
     from hicache.tools.store.compact import CompactOptions, compact_store
 
-    options = CompactOptions(
-        max_bytes=args.max_bytes,
-        max_age_s=args.max_age,
-        dry_run=args.dry_run,
-        grace_s=args.grace,
-        headers_only=args.headers_only,
-        parallel=args.parallel,
-    )
+    options = CompactOptions(**fields_from(args, _COMPACT_FLAGS), parallel=args.parallel)
 
     async def work(backend: StorageBackend) -> int:
         report = await compact_store(backend, options, _progress(args))

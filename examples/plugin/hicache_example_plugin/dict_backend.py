@@ -12,15 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.backends.base import (
-    MISS,
-    Capabilities,
-    ObjectInfo,
-    StorageBackend,
-    copy_into_segments,
-    join_segments,
-    segments_nbytes,
-)
+from hicache.backends.base import MISS, Capabilities, ObjectInfo, StorageBackend, copy_if_fits
 
 __all__ = ["ExampleBackend", "ExampleConfig"]
 
@@ -57,17 +49,13 @@ class ExampleBackend(StorageBackend):
         out = []
         for key, segs in zip(keys, buffers):
             entry = self._data.get(key)
-            if entry is None:
-                out.append(MISS)
-                continue
-            if len(entry[0]) <= segments_nbytes(segs):
-                copy_into_segments(memoryview(entry[0]), segs)
-            out.append(len(entry[0]))
+            # The size is reported even when it does not fit: the caller retries with room.
+            out.append(MISS if entry is None else copy_if_fits(entry[0], segs))
         return out
 
     async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
         for key, segs in zip(keys, values):
-            self._data[key] = (bytes(join_segments(segs)), time.time())
+            self._data[key] = (b"".join(segs), time.time())  # a copy: the caller reuses segs
         return [True] * len(keys)
 
     async def _delete(self, keys: list[str]) -> list[bool]:

@@ -20,14 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.backends.base import (
-    MISS,
-    Capabilities,
-    ObjectInfo,
-    StorageBackend,
-    copy_into_segments,
-    segments_nbytes,
-)
+from hicache.backends.base import MISS, Capabilities, ObjectInfo, StorageBackend, copy_if_fits
 from hicache.errors import ConfigError
 from hicache_example_plugin.sdk import BlockingKVClient
 
@@ -79,15 +72,11 @@ class ExampleSdkBackend(StorageBackend):
 
     async def _get_into(self, keys: list[str], buffers: list[list[memoryview]]) -> list[int]:
         found = await asyncio.to_thread(lambda: [self._client.get(k) for k in keys])
-        sizes: list[int] = []
-        for data, segs in zip(found, buffers, strict=True):
-            if data is None:
-                sizes.append(MISS)
-                continue
-            if len(data) <= segments_nbytes(segs):  # back on the loop: the caller still waits
-                copy_into_segments(memoryview(data), segs)
-            sizes.append(len(data))
-        return sizes
+        # Copied back on the loop, while the caller still waits for this call.
+        return [
+            MISS if data is None else copy_if_fits(data, segs)
+            for data, segs in zip(found, buffers, strict=True)
+        ]
 
     async def _put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
         payloads = [b"".join(segs) for segs in values]  # copied here, before the hop

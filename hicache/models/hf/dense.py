@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from hicache.dtypes import DType
-from hicache.models.attention import HeadSizes, gqa_attention
+from hicache.models.attention import gqa_attention, gqa_shapes
 from hicache.models.config import ModelConfig, ModelPreset
 from hicache.models.hf.config import RawConfig
-from hicache.models.hf.family import CheckpointConfig, CheckpointDecoder, ModelFamily
+from hicache.models.hf.family import CheckpointDecoder, GqaCheckpointConfig, ModelFamily
 from hicache.models.hf.weights import Shapes, TensorFiles, decoder_shapes
 from hicache.models.layers import swiglu_shapes
 from hicache.models.rope import RopeConfig, RotaryTable
@@ -30,26 +30,16 @@ LLAMA, QWEN2, QWEN3 = "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 
 
 @dataclass(frozen=True, slots=True)
-class DenseConfig(CheckpointConfig):
+class DenseConfig(GqaCheckpointConfig):
     """The sizes of a dense GQA decoder (the Llama / Qwen2 / Qwen3 family)."""
 
     hidden: int
-    kv_heads: int
-    head_dim: int
     intermediate: int
     rms_eps: float
     rope: RopeConfig
     attention_bias: bool  # q, k and v projections have biases (Qwen2; Llama's attention_bias)
     qk_norm: bool  # an RMSNorm over each head of q and k before the rotary embedding (Qwen3)
     max_positions: int
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
 
 
 def parse(raw: RawConfig) -> DenseConfig:
@@ -100,27 +90,10 @@ def tensor_shapes(cfg: DenseConfig) -> Shapes:
 
 
 def _layer_shapes(cfg: DenseConfig) -> Shapes:
-    attn = "self_attn"
-    shapes: Shapes = {
-        "input_layernorm.weight": (cfg.hidden,),
-        "post_attention_layernorm.weight": (cfg.hidden,),
-        f"{attn}.q_proj.weight": (cfg.q_dim, cfg.hidden),
-        f"{attn}.k_proj.weight": (cfg.kv_dim, cfg.hidden),
-        f"{attn}.v_proj.weight": (cfg.kv_dim, cfg.hidden),
-        f"{attn}.o_proj.weight": (cfg.hidden, cfg.q_dim),
-    } | swiglu_shapes("mlp", cfg.hidden, cfg.intermediate)
-    if cfg.attention_bias:
-        shapes |= {
-            f"{attn}.q_proj.bias": (cfg.q_dim,),
-            f"{attn}.k_proj.bias": (cfg.kv_dim,),
-            f"{attn}.v_proj.bias": (cfg.kv_dim,),
-        }
-    if cfg.qk_norm:
-        shapes |= {
-            f"{attn}.q_norm.weight": (cfg.head_dim,),
-            f"{attn}.k_norm.weight": (cfg.head_dim,),
-        }
-    return shapes
+    hidden = cfg.hidden
+    norms = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
+    attention = gqa_shapes(cfg.head_sizes, hidden, biases=cfg.attention_bias, qk_norm=cfg.qk_norm)
+    return norms | attention | swiglu_shapes("mlp", hidden, cfg.intermediate)
 
 
 def model_config(cfg: DenseConfig, page_size: int, kv_dtype: DType) -> ModelConfig:
@@ -140,7 +113,7 @@ class DenseModel(CheckpointDecoder):
     ) -> None:
         super().__init__(cfg, config, files, device, tensor_shapes(cfg))
         self.rotary = RotaryTable.of(cfg.rope, cfg.head_dim, device)
-        self.sizes = HeadSizes(cfg.heads, cfg.kv_heads, cfg.head_dim)
+        self.sizes = cfg.head_sizes
 
     def mix(self, index: int, h: torch.Tensor, step: Step) -> torch.Tensor:
         kv, weights = step.pools["kv"].buffer, self.layers[index]

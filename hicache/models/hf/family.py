@@ -10,13 +10,14 @@ from typing import Any
 import torch
 
 from hicache.dtypes import DType
+from hicache.models.attention import HeadSizes
 from hicache.models.config import ModelConfig
 from hicache.models.hf.config import RawConfig
 from hicache.models.hf.weights import Shapes, TensorFiles
 from hicache.models.step import PagedDecoder
 from hicache.models.types import ServingModel
 
-__all__ = ["CheckpointConfig", "CheckpointDecoder", "ModelFamily"]
+__all__ = ["CheckpointConfig", "CheckpointDecoder", "GqaCheckpointConfig", "ModelFamily"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,19 @@ class CheckpointConfig:
     layers: int
     heads: int
     tie_embeddings: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GqaCheckpointConfig(CheckpointConfig):
+    """A family whose attention layers are GQA (:func:`~hicache.models.attention.gqa_attention`):
+    ``heads`` query heads share ``kv_heads`` K/V heads of ``head_dim``."""
+
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def head_sizes(self) -> HeadSizes:
+        return HeadSizes(self.heads, self.kv_heads, self.head_dim)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from hicache.dtypes import DType
-from hicache.models.attention import HeadSizes, gqa_attention
+from hicache.models.attention import gqa_attention, gqa_shapes
 from hicache.models.config import ModelConfig, ModelPreset
 from hicache.models.hf.config import RawConfig
-from hicache.models.hf.family import CheckpointConfig, CheckpointDecoder, ModelFamily
+from hicache.models.hf.family import CheckpointDecoder, GqaCheckpointConfig, ModelFamily
 from hicache.models.hf.weights import Shapes, TensorFiles, decoder_shapes
 from hicache.models.layers import routed_experts, swiglu, swiglu_shapes
 from hicache.models.mamba import MambaSizes, mamba_layer, mamba_shapes
@@ -42,11 +42,9 @@ _STATE_INTERVAL = 128  # tokens between state snapshots, rounded up to whole pag
 
 
 @dataclass(frozen=True, slots=True)
-class JambaConfig(CheckpointConfig):
+class JambaConfig(GqaCheckpointConfig):
     """The sizes and layer pattern of a Jamba checkpoint."""
 
-    kv_heads: int
-    head_dim: int
     intermediate: int  # each MLP's and each expert's
     attn_period: int
     attn_offset: int
@@ -161,18 +159,13 @@ def tensor_shapes(cfg: JambaConfig) -> Shapes:
 
 def _layer(cfg: JambaConfig, layer: int) -> Shapes:
     """Layer ``layer``'s tensors, named below ``model.layers.{layer}.``."""
-    hidden, q_dim, kv_dim = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    hidden = cfg.hidden
     shapes: Shapes = {
         "input_layernorm.weight": (hidden,),
         "pre_ff_layernorm.weight": (hidden,),
     }
     if cfg.is_attention(layer):
-        shapes |= {
-            "self_attn.q_proj.weight": (q_dim, hidden),
-            "self_attn.k_proj.weight": (kv_dim, hidden),
-            "self_attn.v_proj.weight": (kv_dim, hidden),
-            "self_attn.o_proj.weight": (hidden, q_dim),
-        }
+        shapes |= gqa_shapes(cfg.head_sizes, hidden)
     else:
         shapes |= mamba_shapes(cfg.mamba)
     if not cfg.is_moe(layer):
@@ -207,7 +200,7 @@ class JambaModel(CheckpointDecoder):
         self, cfg: JambaConfig, config: ModelConfig, files: TensorFiles, device: torch.device
     ) -> None:
         super().__init__(cfg, config, files, device, tensor_shapes(cfg))
-        self.sizes = HeadSizes(cfg.heads, cfg.kv_heads, cfg.head_dim)
+        self.sizes = cfg.head_sizes
 
     def mix(self, index: int, h: torch.Tensor, step: Step) -> torch.Tensor:
         numbers, weights = self.pool_numbers[index], self.layers[index]

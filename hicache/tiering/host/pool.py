@@ -20,13 +20,14 @@ again when the request is matched).
 New host-only nodes get their pages here, whoever read or computed them: :func:`hang_host_pages`
 gives a new leaf each extra pool's host pages, cutting it where a pool's pages begin (L3
 prefetches, :mod:`~hicache.tiering.l3.prefetch_insert`); :func:`hang_host_leaf` hangs pages an
-engine computed on host (HiSparse's output) as a new leaf with its anchor's and extra pools'
-pages.
+engine computed on host (HiSparse's output, a :class:`ComputedHostPages`) as a new leaf with its
+anchor's and extra pools' pages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +38,8 @@ from hicache.radix.shadow_rules import PoolRoles
 from hicache.tiering.common.parts import NodeGrafts, TierPools
 
 __all__ = [
+    "ComputedHostPages",
+    "ExtraPages",
     "drop_host",
     "hang_host_leaf",
     "hang_host_pages",
@@ -48,6 +51,24 @@ __all__ = [
     "set_host",
     "split_host",
 ]
+
+
+# Per extra token pool: (first position, host pages from there on).
+ExtraPages = Mapping[str, tuple[int, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedHostPages:
+    """Pages an engine computed on host past ``start`` (whole pages) of ``key``, to hang under
+    ``key``'s cached path as host-only nodes: ``anchor_pages`` (one per page of ``key`` from
+    ``start``) and, per extra token pool, (first position, host pages to the end of ``key``);
+    the new leaf gets ``priority``."""
+
+    key: RadixKey
+    start: int
+    anchor_pages: torch.Tensor
+    extras: ExtraPages
+    priority: int = 0
 
 
 def host_of(node: TreeNode, pool: str) -> torch.Tensor | None:
@@ -129,33 +150,25 @@ def hang_host_pages(
 
 
 def hang_host_leaf(
-    tree: NodeGrafts,
-    pools: TierPools,
-    key: RadixKey,
-    start: int,
-    anchor_pages: torch.Tensor,
-    extras: Mapping[str, tuple[int, torch.Tensor]],
-    priority: int,
+    tree: NodeGrafts, pools: TierPools, computed: ComputedHostPages
 ) -> tuple[int, list[TreeNode]]:
-    """Hang pages computed on host past ``start`` (whole pages) under ``key``'s cached path, as
-    a new host-only leaf: ``anchor_pages`` (one per page of ``key`` from ``start``) and, per
-    extra token pool, (first position, host pages from there to the end of ``key``).
+    """Hang ``computed`` under its key's cached path, as a new host-only leaf.
 
-    Returns how many of ``anchor_pages`` the tree took (the last ones: the tree held the
+    Returns how many of its ``anchor_pages`` the tree took (the last ones: the tree held the
     others) and the nodes that took pages, in path order. The extra pools' pages are the
     tree's, or freed, whatever happened; the anchor pages not taken stay the caller's.
     """
-    ps = pools.page_size
-    _, have, leaf = tree.hang_leaf(key, start)
+    ps, start = pools.page_size, computed.start
+    _, have, leaf = tree.hang_leaf(computed.key, start)
     if leaf is None:  # all there already (or, never here, its prefix gone)
-        for name, (_, host) in extras.items():
+        for name, (_, host) in computed.extras.items():
             pools.hosts[name].free(host)
         return 0, []
-    taken = anchor_pages[have // ps - start // ps :].clone()
+    taken = computed.anchor_pages[have // ps - start // ps :].clone()
     leaf.host_value = taken
-    leaf.priority = priority
+    leaf.priority = computed.priority
     placed: dict[str, tuple[int, torch.Tensor]] = {}
-    for name, (first, host) in extras.items():
+    for name, (first, host) in computed.extras.items():
         skip = max(0, have - first) // ps  # positions the tree held already: freed
         if skip:
             pools.hosts[name].free(host[:skip])

@@ -15,6 +15,7 @@ pytest.importorskip(
 
 import torch
 import yaml
+from closing_kit import closed_on_exit
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.event_manager import EventManager
@@ -40,10 +41,8 @@ REMOTE = "RemoteBackend-hicache"
 
 @pytest.fixture
 def managers() -> Iterator[list[StorageManager]]:
-    made: list[StorageManager] = []
-    yield made
-    for manager in made:
-        manager.close()
+    with closed_on_exit(StorageManager.close) as made:
+        yield made
 
 
 def _manager(url: str, made: list[StorageManager]) -> StorageManager:

@@ -19,6 +19,7 @@ pytest.importorskip(
     reason="vLLM is installed only in the vLLM venv (make test-vllm)",
 )
 
+from closing_kit import closed_on_exit
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm_kit import NUM_CHUNKS, key, make_spec
 
@@ -109,10 +110,8 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @pytest.fixture
 def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
+    with closed_on_exit(Engine.close) as made:
+        yield made
 
 
 def chunks(n: int, width: int, seed: int) -> np.ndarray:

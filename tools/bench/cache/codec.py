@@ -16,8 +16,9 @@ import numpy as np
 from hicache.codec import PageMeta, decode_page, encode_page
 from hicache.dtypes import DType
 from hicache.errors import InvalidArgumentError
-from hicache.tools.bench.limits import MAX_OBJECT_BYTES, MAX_REPEATS
-from hicache.tools.cli_parsing import int_range, size_range
+from hicache.tools.bench.bench_flags import JSON_LINES, add_bench_parser, repeats_flag
+from hicache.tools.bench.limits import MAX_OBJECT_BYTES
+from hicache.tools.cli_parsing import Flag, size_range
 
 if TYPE_CHECKING:
     import torch
@@ -100,19 +101,13 @@ def run_codec_bench(page_bytes: int = 2 << 20, repeats: int = 5) -> list[dict[st
 
 def add_bench_codec_parser(bench_sub: Any) -> argparse.ArgumentParser:
     """Add ``codec`` to the ``hicache bench`` subcommands; :func:`run_bench_codec` runs it."""
-    p: argparse.ArgumentParser = bench_sub.add_parser(
-        "codec", help="page codec: compression ratio and speed"
-    )
-    p.add_argument(
-        "--object-bytes",
-        type=size_range(MIN_PAGE_BYTES, MAX_OBJECT_BYTES),
-        default=2 << 20,
-        help=f"bytes of KV-like data per page (at least {MIN_PAGE_BYTES})",
-    )
-    p.add_argument("--repeats", type=int_range(1, MAX_REPEATS), default=5, help="best of N")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.set_defaults(bench_run=run_bench_codec)
-    return p
+    page_bytes = Flag(
+        "--object-bytes", size_range(MIN_PAGE_BYTES, MAX_OBJECT_BYTES), 2 << 20,
+        f"bytes of KV-like data per page (at least {MIN_PAGE_BYTES})",
+    )  # fmt: skip
+    flags = (page_bytes, repeats_flag(5), JSON_LINES)
+    help_text = "page codec: compression ratio and speed"
+    return add_bench_parser(bench_sub, "codec", help_text, flags, run_bench_codec)
 
 
 def run_bench_codec(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -58,6 +58,7 @@ from hicache.radix.tree import RadixCacheConfig
 from hicache.tiering.cache import HiRadixCache
 from hicache.tiering.common.config import HiCacheConfig, PrefetchConfig, StorageConfig
 from hicache.tiering.controller import HiCacheController
+from hicache.tools.bench.bench_flags import add_bench_parser, repeats_flag, scratch_dir_flag
 from hicache.tools.bench.cache.controller_l3 import (
     BATCH_PAGES,
     CpuLog,
@@ -69,7 +70,7 @@ from hicache.tools.bench.cache.controller_l3 import (
     roundtrip_raw,
 )
 from hicache.tools.bench.rounds import rotated, spread
-from hicache.tools.cli_parsing import check_memory, input_dir, int_range
+from hicache.tools.cli_parsing import Flag, check_memory, int_range
 
 __all__ = ["add_bench_controller_parser", "run_bench_controller"]
 
@@ -79,7 +80,6 @@ _L3_PAGE_BYTES = 2 << 20  # the round trip's pages (see _measure)
 _MAX_OVERHEAD = 1 << 12
 _MAX_OVERHEAD_TOTAL = 1 << 20
 _MAX_PAGES = 1 << 14
-_MAX_REPEATS = 1000
 Step = Callable[[int], Awaitable[float]]  # round number -> seconds timed (prepares, cleans up)
 
 
@@ -288,29 +288,21 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+_FLAGS = (
+    Flag("--overhead-pages", int_range(1, _MAX_OVERHEAD), 64, "pages per sequence"),
+    Flag("--sequences", int_range(1, _MAX_OVERHEAD), 32),
+    Flag("--pages", int_range(1, _MAX_PAGES), 128, "2 MiB pages in the L3 round trip"),
+    repeats_flag(21, "rounds; each figure is their median, with its range"),
+    scratch_dir_flag("scratch directory for the file L3 (default: temp)"),
+    Flag.switch("--json"),
+)
+
+
 def add_bench_controller_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = bench_subparsers.add_parser(
-        "controller", help="controller CPU overhead per page, and L3 round trip vs raw file I/O"
-    )
-    p.add_argument(
-        "--overhead-pages", type=int_range(1, _MAX_OVERHEAD), default=64,
-        help="pages per sequence",
-    )  # fmt: skip
-    p.add_argument("--sequences", type=int_range(1, _MAX_OVERHEAD), default=32)
-    p.add_argument(
-        "--pages", type=int_range(1, _MAX_PAGES), default=128,
-        help="2 MiB pages in the L3 round trip",
-    )  # fmt: skip
-    p.add_argument(
-        "--repeats", type=int_range(1, _MAX_REPEATS), default=21,
-        help="rounds; each figure is their median, with its range",
-    )  # fmt: skip
-    p.add_argument(
-        "--dir", type=input_dir, help="scratch directory for the file L3 (default: temp)"
-    )
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(bench_run=run_bench_controller)
-    return p
+    """Add ``controller`` to the ``hicache bench`` subcommands; ``run_bench_controller`` runs
+    it."""
+    help_text = "controller CPU overhead per page, and L3 round trip vs raw file I/O"
+    return add_bench_parser(bench_subparsers, "controller", help_text, _FLAGS, run_bench_controller)
 
 
 def run_bench_controller(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -40,8 +40,9 @@ from hicache.layouts import (
     conversions,
     convert,
 )
+from hicache.tools.bench.bench_flags import JSON_LINES, add_bench_parser, repeats_flag
 from hicache.tools.bench.rounds import paired_ratio, rotated, spread
-from hicache.tools.cli_parsing import check_memory, int_range, size_range
+from hicache.tools.cli_parsing import Flag, add_flags, check_memory, int_range, size_range
 
 __all__ = [
     "LayoutBenchConfig",
@@ -59,7 +60,6 @@ logger = logging.getLogger(__name__)
 # widest preset at the largest page size is 512 MiB.
 _MAX_PAGE_SIZE = 4096
 _MAX_BYTES = 1 << 40
-_MAX_REPEATS = 1000
 _MAX_THREADS = 1024
 
 
@@ -271,46 +271,30 @@ def _run_devices(config: LayoutBenchConfig, spec: LayoutSpec) -> list[dict[str, 
     return rows
 
 
-def add_bench_layouts_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``layouts`` to the ``hicache bench`` subcommands; ``run_bench_layouts`` runs it."""
-    p: argparse.ArgumentParser = bench_subparsers.add_parser(
-        "layouts", help="layout conversions, gather and scatter vs a plain copy of the same bytes"
-    )
-    _add_arguments(p)
-    p.set_defaults(bench_run=run_bench_layouts)
-    return p
-
-
-def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--preset", choices=[e.value for e in SpecPreset], default=SpecPreset.MHA.value,
-        help="model shape of the pool (default: mha, Llama-3-8B-like)",
-    )  # fmt: skip
-    p.add_argument(
-        "--page-size", type=int_range(1, _MAX_PAGE_SIZE), default=32,
-        help="tokens per page (default 32)",
-    )  # fmt: skip
-    p.add_argument(
-        "--bytes", type=size_range(1, _MAX_BYTES), default=64 << 20,
-        help="bytes per operation on the CPU (e.g. 64M)",
-    )  # fmt: skip
-    p.add_argument(
-        "--cuda-bytes", type=size_range(1, _MAX_BYTES), default=1 << 30,
-        help="bytes per operation on CUDA (e.g. 1G)",
-    )  # fmt: skip
-    p.add_argument(
-        "--repeats", type=int_range(1, _MAX_REPEATS), default=7,
-        help="rounds; each figure is their median, with its range (default 7)",
-    )  # fmt: skip
-    p.add_argument(
+_OPERATION_BYTES = size_range(1, _MAX_BYTES)  # on the CPU and on CUDA alike
+# The options of `hicache bench layouts` and of main() below.
+_FLAGS = (
+    Flag.choice(
+        "--preset", SpecPreset, SpecPreset.MHA,
+        "model shape of the pool (default: mha, Llama-3-8B-like)",
+    ),
+    Flag("--page-size", int_range(1, _MAX_PAGE_SIZE), 32, "tokens per page (default 32)"),
+    Flag("--bytes", _OPERATION_BYTES, 64 << 20, "bytes per operation on the CPU (e.g. 64M)"),
+    Flag("--cuda-bytes", _OPERATION_BYTES, 1 << 30, "bytes per operation on CUDA (e.g. 1G)"),
+    repeats_flag(7, "rounds; each figure is their median, with its range (default 7)"),
+    Flag(
         "--device", action="append", choices=["cpu", "cuda"],
         help="repeatable (default: cpu, and cuda when available)",
-    )  # fmt: skip
-    p.add_argument(
-        "--threads", type=int_range(1, _MAX_THREADS), default=1,
-        help="torch CPU threads (default 1)",
-    )  # fmt: skip
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    ),
+    Flag("--threads", int_range(1, _MAX_THREADS), 1, "torch CPU threads (default 1)"),
+    JSON_LINES,
+)  # fmt: skip
+
+
+def add_bench_layouts_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``layouts`` to the ``hicache bench`` subcommands; ``run_bench_layouts`` runs it."""
+    help_text = "layout conversions, gather and scatter vs a plain copy of the same bytes"
+    return add_bench_parser(bench_subparsers, "layouts", help_text, _FLAGS, run_bench_layouts)
 
 
 def run_bench_layouts(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -342,7 +326,7 @@ def _check_host_memory(config: LayoutBenchConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hicache.tools.bench.cache.layouts``: the same benchmark without the CLI."""
     parser = argparse.ArgumentParser(prog="hicache-bench-layouts", description=__doc__)
-    _add_arguments(parser)
+    add_flags(parser, _FLAGS)
     args = parser.parse_args(argv)
     for row in run_bench_layouts(args):
         line = json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items())

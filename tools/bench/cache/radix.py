@@ -22,7 +22,8 @@ from hicache.errors import InvalidArgumentError
 from hicache.keys import RadixKey
 from hicache.models.config import SEED_MAX
 from hicache.radix import EvictionPolicy, RadixCache, RadixCacheConfig
-from hicache.tools.cli_parsing import float_range, input_file, int_range, output_file
+from hicache.tools.bench.bench_flags import repeats_flag
+from hicache.tools.cli_parsing import Flag, add_flags, float_range, int_range, output_file
 from hicache.workloads.synthetic import (
     ChatConfig,
     TokenCount,
@@ -51,7 +52,6 @@ _Step = tuple[list[int], list[int], str, int]
 _MAX_CLIENTS = 100_000
 _MAX_ROUNDS = 1000
 _MAX_FACTOR = 1000
-_MAX_REPEATS = 1000
 _MAX_TRACE_TOKENS = 1 << 28
 
 
@@ -176,6 +176,37 @@ def bench_match_scaling(
 
 
 # ----- command line ---------------------------------------------------------------------------
+# Where the requests come from: a trace file, or a generated workload (one or the other).
+_SOURCE_FLAGS = (
+    Flag.file("--trace", "JSONL trace, one request a line"),
+    Flag.choice(
+        "--workload", WorkloadKind, WorkloadKind.MULTITURN,
+        "generate a trace instead (default: multiturn)",
+    ),
+)  # fmt: skip
+_FLAGS = (
+    Flag("--clients", int_range(1, _MAX_CLIENTS), 64, "generated: sources of requests"),
+    Flag("--rounds", int_range(1, _MAX_ROUNDS), 5, "generated: requests per client"),
+    Flag("--seed", int_range(0, SEED_MAX), 0, "generated: random seed"),
+    Flag("--dump-trace", output_file, help="write the replayed trace as JSONL", metavar="FILE"),
+    Flag("--page-size", int_range(1, 1 << 16), 1),
+    Flag.choice("--policy", EvictionPolicy, EvictionPolicy.LRU, "eviction policy (default: lru)"),
+    Flag("--capacity-tokens", int_range(0, 1 << 48), 0, "cache capacity in tokens (0: unbounded)"),
+    Flag(
+        "--capacity-share", float_range(0.0, 1.0, low_open=True),
+        help="capacity as a share of the tokens an unbounded replay ends with (overrides "
+        "--capacity-tokens; 0.25: a quarter of the unique tokens)",
+    ),
+    repeats_flag(3),
+    Flag(
+        "--match-scaling", int_range(2, _MAX_FACTOR), metavar="FACTOR",
+        help="instead of a replay, time matching the generated trace's prompts against its own "
+        "tree and against one holding FACTOR times as many sequences",
+    ),
+    Flag.switch("--json"),
+)  # fmt: skip
+
+
 def add_bench_radix_parser(
     bench_subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
@@ -183,47 +214,8 @@ def add_bench_radix_parser(
     p = bench_subparsers.add_parser(
         "radix", help="replay a request trace through the radix tree (simulated, no KV)"
     )
-    source = p.add_mutually_exclusive_group()
-    source.add_argument(
-        "--trace", type=input_file, metavar="FILE", help="JSONL trace, one request a line"
-    )
-    source.add_argument(
-        "--workload", choices=[k.value for k in WorkloadKind], default="multiturn",
-        help="generate a trace instead (default: multiturn)",
-    )  # fmt: skip
-    p.add_argument(
-        "--clients", type=int_range(1, _MAX_CLIENTS), default=64,
-        help="generated: sources of requests",
-    )  # fmt: skip
-    p.add_argument(
-        "--rounds", type=int_range(1, _MAX_ROUNDS), default=5,
-        help="generated: requests per client",
-    )  # fmt: skip
-    p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0, help="generated: random seed")
-    p.add_argument(
-        "--dump-trace", type=output_file, metavar="FILE", help="write the replayed trace as JSONL"
-    )
-    p.add_argument("--page-size", type=int_range(1, 1 << 16), default=1)
-    p.add_argument(
-        "--policy", choices=[e.value for e in EvictionPolicy], default="lru",
-        help="eviction policy (default: lru)",
-    )  # fmt: skip
-    p.add_argument(
-        "--capacity-tokens", type=int_range(0, 1 << 48), default=0,
-        help="cache capacity in tokens (0: unbounded)",
-    )  # fmt: skip
-    p.add_argument(
-        "--capacity-share", type=float_range(0.0, 1.0, low_open=True),
-        help="capacity as a share of the tokens an unbounded replay ends with (overrides "
-        "--capacity-tokens; 0.25: a quarter of the unique tokens)",
-    )  # fmt: skip
-    p.add_argument("--repeats", type=int_range(1, _MAX_REPEATS), default=3, help="best of N")
-    p.add_argument(
-        "--match-scaling", type=int_range(2, _MAX_FACTOR), metavar="FACTOR",
-        help="instead of a replay, time matching the generated trace's prompts against its own "
-        "tree and against one holding FACTOR times as many sequences",
-    )  # fmt: skip
-    p.add_argument("--json", action="store_true")
+    add_flags(p.add_mutually_exclusive_group(), _SOURCE_FLAGS)
+    add_flags(p, _FLAGS)
     p.set_defaults(bench_run=run_bench_radix)
     return p
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -63,7 +62,7 @@ from hicache.tools.bench.engines.lmcache_stores import (
     redis_store,
 )
 from hicache.tools.bench.rounds import gb_s, paired_ratio, rotated
-from hicache.tools.cli_parsing import check_memory, input_dir, int_range
+from hicache.tools.cli_parsing import check_disk, check_memory, input_dir, int_range
 
 __all__ = ["ChunkShape", "add_bench_lmcache_parser", "run_bench_lmcache"]
 
@@ -164,13 +163,9 @@ def _check_room(root: str, shape: ChunkShape, rounds: int) -> None:
         path = os.path.join(root, name)
         if os.path.exists(path):
             raise ConfigError(f"{path} exists; give --dir a directory without it")
-    need = 4 * rounds * shape.round_bytes + _SEGMENT_SLACK  # the two stores and the floors
-    free = shutil.disk_usage(root).free
-    if need > free:
-        raise ConfigError(
-            f"the two stores and the floors need {need / 2**30:.1f} GiB, more than the "
-            f"{free / 2**30:.1f} GiB free there; lower --chunks, --rounds or the chunk's shape"
-        )
+    need = 4 * rounds * shape.round_bytes + _SEGMENT_SLACK
+    what = "the two stores and the floors"
+    check_disk(root, need, what, "there", "lower --chunks, --rounds or the chunk's shape")
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,11 +35,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hicache.tools.bench.bench_flags import repeats_flag, scratch_dir_flag
 from hicache.tools.cli_parsing import (
+    Flag,
+    add_flags,
     arg_type,
     check_memory,
     float_range,
-    input_dir,
     int_range,
 )
 
@@ -174,62 +176,62 @@ def _contexts(text: str) -> list[int]:
     return values
 
 
+_FLAGS = (
+    Flag(
+        "--only", nargs="+", action="extend", choices=list(MEASUREMENTS), metavar="NAME",
+        help=f"measure only these ({', '.join(MEASUREMENTS)}; default: all)",
+    ),
+    repeats_flag(
+        5, "rounds of each paired measurement (layout_host_io, delayer, lpm_vs_fcfs)", most=100
+    ),
+    Flag(
+        "--io-pages", int_range(1, 1 << 12), 32,
+        "layout_host_io: 2 MiB pages each round writes to L3 and reads back per layout",
+    ),
+    scratch_dir_flag(
+        "layout_host_io: where the disk:// L3 lives (default: /dev/shm when there is one, "
+        "so the figure is the layouts', not a disk's writeback; else the temp directory)"
+    ),
+    Flag(
+        "--kernel-pages", int_range(1, 1 << 12), 128,
+        "io_kernel: 4 MiB pages (Llama-3-8B's KV, 32 tokens) each copy moves",
+    ),
+    # The sizes of the generated workloads.
+    Flag("--slru-clients", int_range(1, 100_000), 128),
+    Flag("--slru-rounds", int_range(1, 100), 8),
+    Flag(
+        "--capacity-share", float_range(0.0, 1.0, low_open=True), 0.25,
+        "slru_vs_lru: the cache's capacity as a share of the trace's unique tokens",
+    ),
+    Flag("--burst-conversations", int_range(1, 1000), 8),
+    Flag("--burst-turns", int_range(1, 100), 4),
+    Flag(
+        "--lpm-clients", int_range(1, 1000), 16,
+        "lpm_vs_fcfs: clients of serve's longdoc workload (four to a document)",
+    ),
+    Flag("--lpm-rounds", int_range(1, 100), 4),
+    Flag(
+        "--contexts", arg_type(_contexts), [4096, 16384, 65536],
+        "decode_by_context: prompt tokens, comma-separated (default 4096,16384,65536; "
+        "each point prefills its prompt once, and that prefill, where every query scores every "
+        "cached key, grows with the square of the context: 65536 takes minutes on a CPU)",
+    ),
+    Flag(
+        "--decode-tokens", int_range(2, 1 << 14), 32,
+        "decode_by_context: tokens each request generates",
+    ),
+    Flag.switch("--json", "one JSON object"),
+)  # fmt: skip
+
+
 def add_bench_seed_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Add ``seed`` to the ``hicache bench`` subcommands; it runs :func:`run_bench_seed`."""
     p: argparse.ArgumentParser = bench_subparsers.add_parser(
         "seed", help="each measured claim of the seed design, beside the seed's figure"
     )
-    p.add_argument(
-        "--only", nargs="+", action="extend", choices=list(MEASUREMENTS), metavar="NAME",
-        help=f"measure only these ({', '.join(MEASUREMENTS)}; default: all)",
-    )  # fmt: skip
-    p.add_argument(
-        "--repeats", type=int_range(1, 100), default=5,
-        help="rounds of each paired measurement (layout_host_io, delayer, lpm_vs_fcfs)",
-    )  # fmt: skip
-    p.add_argument(
-        "--io-pages", type=int_range(1, 1 << 12), default=32,
-        help="layout_host_io: 2 MiB pages each round writes to L3 and reads back per layout",
-    )  # fmt: skip
-    p.add_argument(
-        "--dir", type=input_dir,
-        help="layout_host_io: where the disk:// L3 lives (default: /dev/shm when there is one, "
-        "so the figure is the layouts', not a disk's writeback; else the temp directory)",
-    )  # fmt: skip
-    p.add_argument(
-        "--kernel-pages", type=int_range(1, 1 << 12), default=128,
-        help="io_kernel: 4 MiB pages (Llama-3-8B's KV, 32 tokens) each copy moves",
-    )  # fmt: skip
-    _add_workload_flags(p)
-    p.add_argument("--json", action="store_true", help="one JSON object")
+    add_flags(p, _FLAGS)
     p.set_defaults(func=run_bench_seed)
     return p
-
-
-def _add_workload_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slru-clients", type=int_range(1, 100_000), default=128)
-    p.add_argument("--slru-rounds", type=int_range(1, 100), default=8)
-    p.add_argument(
-        "--capacity-share", type=float_range(0.0, 1.0, low_open=True), default=0.25,
-        help="slru_vs_lru: the cache's capacity as a share of the trace's unique tokens",
-    )  # fmt: skip
-    p.add_argument("--burst-conversations", type=int_range(1, 1000), default=8)
-    p.add_argument("--burst-turns", type=int_range(1, 100), default=4)
-    p.add_argument(
-        "--lpm-clients", type=int_range(1, 1000), default=16,
-        help="lpm_vs_fcfs: clients of serve's longdoc workload (four to a document)",
-    )  # fmt: skip
-    p.add_argument("--lpm-rounds", type=int_range(1, 100), default=4)
-    p.add_argument(
-        "--contexts", type=arg_type(_contexts), default=[4096, 16384, 65536],
-        help="decode_by_context: prompt tokens, comma-separated (default 4096,16384,65536; "
-        "each point prefills its prompt once, and that prefill, where every query scores every "
-        "cached key, grows with the square of the context: 65536 takes minutes on a CPU)",
-    )  # fmt: skip
-    p.add_argument(
-        "--decode-tokens", type=int_range(2, 1 << 14), default=32,
-        help="decode_by_context: tokens each request generates",
-    )  # fmt: skip
 
 
 def command_of(name: str, args: argparse.Namespace, context: int | None = None) -> str:

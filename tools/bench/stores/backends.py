@@ -55,11 +55,17 @@ from hicache.backends.disk.format import record_bytes
 from hicache.backends.registry import open_backend
 from hicache.errors import InvalidArgumentError
 from hicache.keys import KEY_MAX_LEN
-from hicache.tools.bench.limits import MAX_OBJECT_BYTES, MAX_OBJECTS, MAX_REPEATS
+from hicache.tools.bench.bench_flags import (
+    JSON_LINES,
+    add_bench_parser,
+    repeats_flag,
+    scratch_dir_flag,
+)
+from hicache.tools.bench.limits import MAX_OBJECT_BYTES, MAX_OBJECTS
 from hicache.tools.bench.rounds import rotated
 from hicache.tools.bench.stores.backend_row import backend_row, cpu_figures
 from hicache.tools.bench.stores.raw_local import file_baseline, memcpy_baseline
-from hicache.tools.cli_parsing import check_memory, input_dir, int_range, size_range, url_arg
+from hicache.tools.cli_parsing import Flag, check_memory, int_range, size_range, url_arg
 
 __all__ = [
     "BackendBenchConfig",
@@ -358,39 +364,6 @@ async def run_backend_bench(cfg: BackendBenchConfig) -> list[dict[str, Any]]:
     return results
 
 
-def add_bench_backends_parser(bench_sub: Any) -> argparse.ArgumentParser:
-    """Add ``backends`` to the ``hicache bench`` subcommands; :func:`run_bench_backends` runs
-    it."""
-    p: argparse.ArgumentParser = bench_sub.add_parser(
-        "backends", help="backend put/get vs raw I/O or memcpy"
-    )
-    p.add_argument(
-        "--backend", action="append", type=_backend_name, help="backend name (repeatable)"
-    )
-    p.add_argument("--url", type=url_arg, help="backend URL (with a single --backend)")
-    p.add_argument("--objects", type=int_range(1, MAX_OBJECTS), default=256)
-    p.add_argument("--object-bytes", type=size_range(1, MAX_OBJECT_BYTES), default=2 << 20)
-    p.add_argument(
-        "--repeats",
-        type=int_range(1, MAX_REPEATS),
-        default=6,
-        help="rounds (a multiple of 3 puts each side in each place equally): each figure is "
-        "their median, with its range",
-    )
-    p.add_argument(
-        "--dir", type=input_dir, help="scratch directory for file stores (default: temp)"
-    )
-    p.add_argument(
-        "--open-objects",
-        type=int_range(1, MAX_OBJECTS),
-        help="instead of put/get: time opening a disk (and file, up to 200000) store of this "
-        "many 64-byte objects whose writer died (default backends: disk, file)",
-    )
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.set_defaults(bench_run=run_bench_backends)
-    return p
-
-
 def _backend_name(text: str) -> str:
     """A registered backend's name (its client need not be installed: the run says so)."""
     from hicache.backends.registry import default_registry
@@ -399,6 +372,32 @@ def _backend_name(text: str) -> str:
     if text not in names:
         raise argparse.ArgumentTypeError(f"no backend {text!r}; registered: {', '.join(names)}")
     return text
+
+
+_FLAGS = (
+    Flag("--backend", _backend_name, help="backend name (repeatable)", action="append"),
+    Flag("--url", url_arg, help="backend URL (with a single --backend)"),
+    Flag("--objects", int_range(1, MAX_OBJECTS), 256),
+    Flag("--object-bytes", size_range(1, MAX_OBJECT_BYTES), 2 << 20),
+    repeats_flag(
+        6, "rounds (a multiple of 3 puts each side in each place equally): each figure is "
+        "their median, with its range",
+    ),
+    scratch_dir_flag("scratch directory for file stores (default: temp)"),
+    Flag(
+        "--open-objects", int_range(1, MAX_OBJECTS),
+        help="instead of put/get: time opening a disk (and file, up to 200000) store of this "
+        "many 64-byte objects whose writer died (default backends: disk, file)",
+    ),
+    JSON_LINES,
+)  # fmt: skip
+
+
+def add_bench_backends_parser(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add ``backends`` to the ``hicache bench`` subcommands; :func:`run_bench_backends` runs
+    it."""
+    help_text = "backend put/get vs raw I/O or memcpy"
+    return add_bench_parser(bench_sub, "backends", help_text, _FLAGS, run_bench_backends)
 
 
 def run_bench_backends(args: argparse.Namespace) -> list[dict[str, Any]]:

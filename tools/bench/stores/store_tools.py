@@ -34,10 +34,15 @@ from hicache.backends.base import StorageBackend
 from hicache.backends.file import FileBackend, FileConfig
 from hicache.codec import HEADER_SIZE, NO_PARENT, PageMeta, encode_page
 from hicache.dtypes import DType, Layout
-from hicache.errors import ConfigError
 from hicache.keys import PageKeyScheme, RadixKey, StorageFormat
-from hicache.tools.bench.limits import MAX_OBJECT_BYTES, MAX_OBJECTS, MAX_REPEATS
-from hicache.tools.cli_parsing import input_dir, int_range, size_range
+from hicache.tools.bench.bench_flags import (
+    JSON_LINES,
+    add_bench_parser,
+    repeats_flag,
+    scratch_dir_flag,
+)
+from hicache.tools.bench.limits import MAX_OBJECT_BYTES, MAX_OBJECTS
+from hicache.tools.cli_parsing import Flag, check_disk, fields_from, int_range, size_range
 from hicache.tools.store.inspect import InspectOptions, inspect_store
 from hicache.tools.store.verify import VerifyOptions, verify_store
 
@@ -220,38 +225,31 @@ async def run_tools_bench(cfg: ToolsBenchConfig) -> list[dict[str, Any]]:
     ]
 
 
+# Each ToolsBenchConfig field the command line sets, and its flag.
+_CONFIG_FLAGS = {
+    "small_objects": Flag("--small-objects", int_range(1, MAX_OBJECTS), 100_000),
+    "small_bytes": Flag("--small-bytes", size_range(1, MAX_OBJECT_BYTES), 4096),
+    "large_objects": Flag("--large-objects", int_range(1, MAX_OBJECTS), 1000),
+    "large_bytes": Flag("--large-bytes", size_range(1, MAX_OBJECT_BYTES), 2 << 20),
+    "repeats": repeats_flag(3),
+    "directory": scratch_dir_flag("scratch directory (default: temp)"),
+}
+
+
 def add_bench_tools_parser(bench_sub: Any) -> argparse.ArgumentParser:
     """Add ``tools`` to the ``hicache bench`` subcommands; :func:`run_bench_tools` runs it."""
-    p: argparse.ArgumentParser = bench_sub.add_parser(
-        "tools", help="inspect/verify vs a raw walk and read"
-    )
-    p.add_argument("--small-objects", type=int_range(1, MAX_OBJECTS), default=100_000)
-    p.add_argument("--small-bytes", type=size_range(1, MAX_OBJECT_BYTES), default=4096)
-    p.add_argument("--large-objects", type=int_range(1, MAX_OBJECTS), default=1000)
-    p.add_argument("--large-bytes", type=size_range(1, MAX_OBJECT_BYTES), default=2 << 20)
-    p.add_argument("--repeats", type=int_range(1, MAX_REPEATS), default=3, help="best of N")
-    p.add_argument("--dir", type=input_dir, help="scratch directory (default: temp)")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.set_defaults(bench_run=run_bench_tools)
-    return p
+    help_text = "inspect/verify vs a raw walk and read"
+    flags = [*_CONFIG_FLAGS.values(), JSON_LINES]
+    return add_bench_parser(bench_sub, "tools", help_text, flags, run_bench_tools)
 
 
 def run_bench_tools(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``hicache bench tools``: :func:`run_tools_bench` with the parsed flags, once the stores
     are known to fit in the scratch directory."""
     total = args.small_objects * args.small_bytes + args.large_objects * args.large_bytes
-    free = shutil.disk_usage(args.dir or tempfile.gettempdir()).free
-    if total > free:
-        raise ConfigError(
-            f"the stores need {total / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
-            "free in the scratch directory; lower the object counts or sizes"
-        )
-    config = ToolsBenchConfig(
-        small_objects=args.small_objects,
-        small_bytes=args.small_bytes,
-        large_objects=args.large_objects,
-        large_bytes=args.large_bytes,
-        repeats=args.repeats,
-        directory=args.dir,
+    scratch = args.dir or tempfile.gettempdir()
+    check_disk(
+        scratch, total, "the stores", "in the scratch directory", "lower the object counts or sizes"
     )
+    config = ToolsBenchConfig(**fields_from(args, _CONFIG_FLAGS))
     return asyncio.run(run_tools_bench(config))
