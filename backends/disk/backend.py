@@ -114,7 +114,8 @@ class DiskBackend(PreparedInThread):
             catalog = Catalog(dirs, slot, self.config.direct)
             catalog.load()
             if slot is not None:
-                self._appender = Appender(catalog, self.config, slot, lock_fd)
+                spread = self._io.spread if self._io is not None else None
+                self._appender = Appender(catalog, self.config, slot, lock_fd, spread)
                 self._reclaimer = Reclaimer(
                     catalog, self._appender, self.config.capacity, self.config.reinsert
                 )

@@ -65,7 +65,7 @@ NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 # its header first.
 PIECE_BYTES = LARGE_RECORD_BYTES
 # A batch at least this large is read by several threads, each a stretch of it (writes to a
-# segment take one thread: writer.py).
+# segment take one thread each: lanes.py).
 PARALLEL_BYTES = 8 << 20
 # A large batch is cut into this many groups per thread, claimed one at a time, so a thread
 # the scheduler holds back leaves its share to the others.

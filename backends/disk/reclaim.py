@@ -101,7 +101,7 @@ class Reclaimer:
         live = self.catalog.index.live_bytes
         out = []
         for code, st in list_segments(self.catalog.dirs.segments).items():
-            if code == self.appender.current_segment:
+            if code in self.appender.open_segments:
                 continue
             used = max(self.last_read_ns.get(code, 0), st.st_mtime_ns)
             out.append(_Segment(code, st.st_size, used if code in live else -1))

@@ -1,7 +1,8 @@
 """The ``disk`` backend's writing side: appends, deletes, snapshots (one slot, one process).
 
 A put batch becomes records appended to this slot's open segment with one ``pwritev`` of the
-record headers, keys and the callers' own buffers (no joined copy), then one append of their
+record headers, keys and the callers' own buffers (no joined copy; a batch of ``LANE_BYTES`` or
+more: its two halves into two segments at once, see :mod:`.lanes`), then one append of their
 PUT records to the slot's log, then the index. The data is written before the log names it,
 so whatever a crash leaves, an indexed record is whole; with ``fsync`` both are synced before
 the put returns. Everything here runs in worker threads, under one lock per process: appends
@@ -11,18 +12,17 @@ of a slot are sequential by nature, and the lock also orders them against reclai
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
 from hicache.backends.disk.catalog import Catalog, snapshot_lock, snapshot_positions, write_snapshot
 from hicache.backends.disk.config import DiskConfig
-from hicache.backends.disk.direct import DirectTail, open_direct
 from hicache.backends.disk.format import (
     LARGE_RECORD_BYTES,
     LOG_HEADER,
@@ -38,19 +38,39 @@ from hicache.backends.disk.format import (
     payload_hash,
     record_bytes,
     record_digest,
-    segment_code,
     split_code,
 )
+from hicache.backends.disk.lanes import LaneShared, SegmentLane
 from hicache.backends.disk.logs import LogWriter
-from hicache.backends.disk.segments import create_segment, next_number, segment_name
-from hicache.backends.segments import segments_after, segments_nbytes, split_iov
+from hicache.backends.disk.segments import segment_name
+from hicache.backends.segments import segments_nbytes
 from hicache.keys import KEY_MAX_LEN
 
-__all__ = ["Appender"]
+__all__ = ["LANE_BYTES", "Appender"]
 
 logger = logging.getLogger(__name__)
 
 _ZEROS = bytes(64)  # a record's gap and padding
+# Runs a function over groups of items on several threads, the results in item order
+# (IOThreads.spread): how a large batch's two lanes are written at once.
+Spread = Callable[[Callable[[list[Any]], list[Any]], list[Any]], list[Any]] | None
+# A batch of at least this many bytes is written by two lanes (see lanes.py).
+LANE_BYTES = 16 << 20
+# Two lanes only where the capacity holds this many segments: each lane keeps one open, which
+# no reclaim may take.
+_LANE_ROOM_SEGMENTS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """A batch being appended: its items, and the sequence of its first record (a move's
+    records keep theirs, ``moved_seqs``)."""
+
+    keys: list[str]
+    values: list[list[memoryview]]
+    lengths: list[int]
+    moved_seqs: list[int] | None
+    first_seq: int
 
 
 @dataclass(slots=True)
@@ -66,10 +86,39 @@ class _Run:
     entries: list[tuple[str, int, int, int, int]] = field(default_factory=list)
 
 
+def _lane_count(config: DiskConfig, segment_bytes: int) -> int:
+    """Two lanes where a second thread and the room for a second open segment are there."""
+    roomy = config.capacity is None or config.capacity >= _LANE_ROOM_SEGMENTS * segment_bytes
+    return 2 if config.threads > 1 and not config.direct and roomy else 1
+
+
+def _lane_cut(lengths: list[int]) -> int:
+    """Where a batch is cut in two halves of about equal bytes; 0 (not cut) under
+    ``LANE_BYTES``."""
+    total = sum(lengths)
+    if total < LANE_BYTES or len(lengths) < 2:
+        return 0
+    half, acc = total // 2, 0
+    for i, n in enumerate(lengths):
+        acc += n
+        if acc >= half:
+            return min(i + 1, len(lengths) - 1)
+    return 0
+
+
+def _flush(lane: SegmentLane, run: _Run, end: int, done: list[_Run]) -> None:
+    """Write ``run`` (ending at ``end``) into ``lane``; kept in ``done`` if written."""
+    lane.end = end
+    if run.iov and lane.write(run.iov, run.start, end - run.start):
+        done.append(run)
+
+
 class Appender:
     """Appends of the slot this process holds (its lock file ``lock_fd`` kept locked)."""
 
-    def __init__(self, catalog: Catalog, config: DiskConfig, slot: int, lock_fd: int) -> None:
+    def __init__(
+        self, catalog: Catalog, config: DiskConfig, slot: int, lock_fd: int, spread: Spread = None
+    ) -> None:
         self.catalog = catalog
         self.config = config
         self.slot = slot
@@ -79,22 +128,19 @@ class Appender:
         # reclaim everything else to fit.
         largest = self.segment_bytes - SEGMENT_HEADER - record_bytes(KEY_MAX_LEN, 0, MAX_GAP)
         self.max_object_bytes = min(largest, (config.capacity or largest * 2) // 2)
-        self.log = LogWriter(catalog.dirs.index, slot, config.fsync)
+        self.log = LogWriter(catalog.dirs.index, self.slot, config.fsync)
         self.log.recover(catalog.own_generation)
-        self._seg_code = -1
-        self._seg_fd = -1
-        self._seg_end = 0
-        self.counts = dict.fromkeys(
-            ("put_errors", "enospc", "put_too_large", "snapshots", "bytes_staged",
-             "direct_fallbacks"), 0
-        )  # fmt: skip
-        self._direct_fd = -1  # the open segment's O_DIRECT descriptor (direct=true)
-        self._tail: DirectTail | None = None
+        self.shared = LaneShared(catalog, config, slot, lock_fd)
+        self.counts = self.shared.counts
+        lanes = _lane_count(config, self.segment_bytes) if spread is not None else 1
+        self.lanes = [SegmentLane(self.shared) for _ in range(lanes)]
+        self._spread = spread
         self.room: Callable[[int], bool] = lambda nbytes: True  # set by the reclaimer
 
     @property
-    def current_segment(self) -> int:
-        return self._seg_code
+    def open_segments(self) -> set[int]:
+        """The codes of the segments the lanes are appending to (never reclaimed)."""
+        return {lane.code for lane in self.lanes if lane.is_open}
 
     # ----- puts -----------------------------------------------------------------------------
     def put(self, keys: list[str], values: list[list[memoryview]]) -> list[bool]:
@@ -121,7 +167,7 @@ class Appender:
         except OSError as exc:
             # The log append (or a reclaim's) failed, a full disk most often: nothing of the
             # batch is indexed, so the put is False and counted, never an exception.
-            self._count_error(exc, "a put failed")
+            self.shared.count_error(exc, "a put failed")
             return results
         try:
             self.maybe_snapshot()
@@ -155,27 +201,53 @@ class Appender:
         lengths: list[int],
         moved_seqs: list[int] | None,
     ) -> list[bool]:
-        """Records for ``keys`` in runs (one a segment), each run's log records and index
-        entries built beside its iovecs and kept only if its write succeeded."""
-        op = LogOp.PUT if moved_seqs is None else LogOp.MOVE
-        pack_log, header = LOG_RECORD.pack, pack_record_header
+        """Records for ``keys``, a large batch cut in two by bytes and each half written into
+        its lane's segment by a thread of its own (see :mod:`.lanes`); then one log frame for
+        every record written, then the index."""
+        first_seq = self._reserve_seqs(len(keys)) if moved_seqs is None else 0
+        batch = _Batch(keys, values, lengths, moved_seqs, first_seq)
+        cut = _lane_cut(lengths) if len(self.lanes) > 1 else 0
+        if cut:
+            parts = [(self.lanes[0], 0, cut), (self.lanes[1], cut, len(keys))]
+            assert self._spread is not None
+            done = self._spread(lambda group: [self._append_part(batch, *group[0])], parts)
+        else:
+            done = [self._append_part(batch, self.lanes[0], 0, len(keys))]
         results = [False] * len(keys)
-        done = _Run(0, 0)  # the log records and index entries of the runs written
-        seq = self._reserve_seqs(len(keys)) if moved_seqs is None else 0
-        end, limit, code = self._seg_end, self.segment_bytes, self._seg_code
-        run = _Run(end, 0)
+        log: list[bytes] = []
+        entries: list[tuple[str, int, int, int, int]] = []
+        for part in done:
+            for run in part:
+                results[run.first : run.first + len(run.entries)] = [True] * len(run.entries)
+                log += run.log
+                entries += run.entries
+        if entries:
+            self._index(log_frame(b"".join(log), len(entries)), entries, moved_seqs is not None)
+        return results
+
+    def _append_part(self, batch: _Batch, lane: SegmentLane, lo: int, hi: int) -> list[_Run]:
+        """Write items ``lo`` to ``hi`` of ``batch`` into ``lane``'s segments, in runs (one
+        per segment); the runs written, each with its log records and index entries."""
+        op = LogOp.PUT if batch.moved_seqs is None else LogOp.MOVE
+        pack_log, header = LOG_RECORD.pack, pack_record_header
+        keys, values, lengths = batch.keys, batch.values, batch.lengths
+        moved_seqs = batch.moved_seqs
+        done: list[_Run] = []
+        seq = batch.first_seq + lo
+        end, limit, code = lane.end, self.segment_bytes, lane.code
+        run = _Run(end, lo)
         iov, log, entries = run.iov, run.log, run.entries  # locals: this loop is the hot path
-        for i, key in enumerate(keys):
-            kb = key.encode("ascii")
+        for i in range(lo, hi):
+            kb = keys[i].encode("ascii")
             length, segs = lengths[i], values[i]
             large = length > LARGE_RECORD_BYTES  # its last piece aligned (format.payload_gap)
             gap = payload_gap(end, len(kb), length, segs[-1].nbytes) if large else 0
             size = (RECORD_HEADER + len(kb) + gap + length + 7) & ~7
-            if self._seg_fd < 0 or end + size > limit:
-                self._flush(run, end, i, done, results)
-                if not self._new_segment():
-                    break
-                end, code = self._seg_end, self._seg_code
+            if not lane.is_open or end + size > limit:
+                _flush(lane, run, end, done)
+                if not lane.start_segment():
+                    return done
+                end, code = lane.end, lane.code
                 gap = payload_gap(end, len(kb), length, segs[-1].nbytes) if large else 0
                 size = (RECORD_HEADER + len(kb) + gap + length + 7) & ~7
                 run = _Run(end, i)
@@ -197,24 +269,11 @@ class Appender:
                 iov.append(_ZEROS[:pad])
             log.append(pack_log(op, len(kb), seq, code, end, length))
             log.append(kb)
-            entries.append((key, code, end, length, seq))
+            entries.append((keys[i], code, end, length, seq))
             end += size
             seq += 1
-        else:
-            self._flush(run, end, len(keys), done, results)
-        if done.entries:
-            frame = log_frame(b"".join(done.log), len(done.entries))
-            self._index(frame, done.entries, moved_seqs is not None)
-        return results
-
-    def _flush(self, run: _Run, end: int, upto: int, done: _Run, results: list[bool]) -> None:
-        """Write ``run`` (batch items ``run.first`` to ``upto``, ending at ``end``); on success
-        its log records and entries go to ``done`` and its items' results are True."""
-        self._seg_end = end
-        if run.iov and self._write(run.iov, run.start, end - run.start):
-            done.log += run.log
-            done.entries += run.entries
-            results[run.first : upto] = [True] * (upto - run.first)
+        _flush(lane, run, end, done)
+        return done
 
     def _index(
         self, frame: bytes, entries: list[tuple[str, int, int, int, int]], moved: bool
@@ -228,88 +287,6 @@ class Appender:
             else:
                 for entry in entries:
                     index.put(*entry, moved=True)
-
-    def _write(self, iov: list[memoryview | bytes], offset: int, nbytes: int) -> bool:
-        """One run of ``nbytes`` of records at ``offset`` of the open segment; False (counted)
-        on failure, after which the segment is left for a new one."""
-        try:
-            if self._direct_fd >= 0:
-                assert self._tail is not None
-                self.counts["bytes_staged"] += self._tail.write(
-                    self._direct_fd, iov, offset, nbytes
-                )
-                if self.config.fsync:
-                    os.fdatasync(self._direct_fd)
-                return True
-            # One thread per segment: 64 pages of 8 MiB into one file, in the same memory state
-            # each time, went at 4.2 GB/s from one thread and 2.9 from two writing halves of it
-            # (they take turns on the file's lock); two threads each writing a file of its own
-            # went at 7.2 (docs/BENCHMARKS.md, issue 48).
-            for part, at, want in split_iov(iov, offset, 1):  # more than IOV_MAX pieces: cut
-                self._pwrite_all(part, at, want)
-            if self.config.fsync:
-                os.fdatasync(self._seg_fd)
-            return True
-        except OSError as exc:
-            self._count_error(exc, "a write failed")
-            self._seal()
-            return False
-
-    def _pwrite_all(self, iov: list[memoryview | bytes], offset: int, want: int) -> None:
-        """``iov`` at ``offset``, whole."""
-        done = os.pwritev(self._seg_fd, iov, offset)
-        while done < want:  # rare (a signal, a filesystem's limit): go on from where it stopped
-            rest = segments_after([memoryview(p) for p in iov], done)
-            n = os.pwritev(self._seg_fd, rest, offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, "segment write made no progress")
-            done += n
-
-    def _count_error(self, exc: OSError, what: str) -> None:
-        self.counts["put_errors"] += 1
-        self.counts["enospc"] += exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        logger.warning("disk store %s: %s: %s", self.catalog.dirs.root, what, exc)
-
-    def _new_segment(self) -> bool:
-        self._seal()
-        try:
-            number = next_number(self.lock_fd)
-            fd = create_segment(
-                self.catalog.dirs.segments, self.slot, number, time.time_ns(), self.segment_bytes
-            )
-        except OSError as exc:
-            self._count_error(exc, "cannot start a segment")
-            return False
-        self._seg_code, self._seg_fd, self._seg_end = (
-            segment_code(self.slot, number),
-            fd,
-            SEGMENT_HEADER,
-        )
-        if self.config.direct:
-            self._open_direct(number)
-        return True
-
-    def _open_direct(self, number: int) -> None:
-        """The new segment's O_DIRECT descriptor, and the copy of its first block; buffered
-        writes (counted, warned once) where the filesystem has no direct I/O."""
-        code = self._seg_code
-        fd = open_direct(segment_name(code), self.catalog.dirs.segments, os.O_WRONLY)
-        if fd is None:
-            if not self.counts["direct_fallbacks"]:
-                logger.warning("disk store %s: no O_DIRECT on this filesystem; writes buffered",
-                               self.catalog.dirs.root)  # fmt: skip
-            self.counts["direct_fallbacks"] += 1
-            return
-        self._direct_fd = fd
-        self._tail = DirectTail(os.pread(self._seg_fd, SEGMENT_HEADER, 0))
-
-    def _seal(self) -> None:
-        if self._direct_fd >= 0:
-            os.close(self._direct_fd)
-        self._direct_fd, self._tail = -1, None
-        if self._seg_fd >= 0:
-            os.close(self._seg_fd)
-        self._seg_fd, self._seg_code = -1, -1
 
     def _reserve_seqs(self, n: int) -> int:
         """The first of ``n`` consecutive sequences, newer than any this process has seen."""
@@ -344,7 +321,7 @@ class Appender:
         more: a deleted namespace frees its disk at once, not at the next reclaim."""
         live = self.catalog.index.live_bytes
         for code in codes:
-            if code in live or code == self._seg_code or split_code(code)[0] != self.slot:
+            if code in live or code in self.open_segments or split_code(code)[0] != self.slot:
                 continue
             self.log_reclaim(code)
             with contextlib.suppress(FileNotFoundError):
@@ -385,13 +362,15 @@ class Appender:
             return True
 
     def seal(self) -> None:
-        """Close the open segment, and unlink it if nothing in it is live (a deleted scratch
-        namespace leaves no file behind)."""
-        code = self._seg_code
-        self._seal()
-        self.drop_empty({code})
+        """Close the open segments, and unlink those with nothing live in them (a deleted
+        scratch namespace leaves no file behind)."""
+        codes = self.open_segments
+        for lane in self.lanes:
+            lane.seal()
+        self.drop_empty(codes)
 
     def close(self) -> None:
-        self._seal()
+        for lane in self.lanes:
+            lane.seal()
         self.log.close()
         os.close(self.lock_fd)

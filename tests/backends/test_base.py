@@ -137,7 +137,6 @@ def test_copy_into_segments_of_exact_and_empty_sources() -> None:
     assert parts == [b"123", b"45"]
 
 
-
 def test_copy_if_fits_reports_the_size_and_copies_only_what_fits() -> None:
     parts = [bytearray(b"...."), bytearray(b"...")]
     assert copy_if_fits(b"abcde", as_segments(parts, writable=True)) == 5
@@ -145,6 +144,7 @@ def test_copy_if_fits_reports_the_size_and_copies_only_what_fits() -> None:
     # too large: the size tells the caller it did not fit, and the buffers stay as they were
     assert copy_if_fits(bytearray(b"12345678"), as_segments(parts, writable=True)) == 8
     assert parts == [b"abcd", b"e.."]
+
 
 # ----- base-class behaviour a backend inherits ---------------------------------------------------
 
