@@ -83,6 +83,7 @@ def test_a_value_past_either_bound_of_a_bench_flag_is_refused(
 ) -> None:
     """Just below and just above the range a flag's type declares: a usage error naming the
     flag. (Text that is not a number, and paths: the cases of the test above.)"""
+    checked = 0
     for action in _bench_flags(name):
         bounds = getattr(action.type, "bounds", None)
         if bounds is None:  # a path or a name: nothing to be past
@@ -92,6 +93,10 @@ def test_a_value_past_either_bound_of_a_bench_flag_is_refused(
             code, out, err = run(capsys, "bench", name, f"{flag}={value}")
             assert (code, out) == (2, ""), f"bench {name} {flag}={value}"
             assert flag in usage_error(err)
+        checked += 1
+    assert checked >= 2, (
+        f"bench {name}: {checked} bounded flags (every bench has --repeats and more)"
+    )
 
 
 @pytest.mark.parametrize("name", ["radix", "layouts", "controller"])
