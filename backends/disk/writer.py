@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 _ZEROS = bytes(64)  # a record's gap and padding
 # Runs a function over groups of items on several threads, the results in item order
 # (IOThreads.spread): how a large batch's two lanes are written at once.
-Spread = Callable[[Callable[[list[Any]], list[Any]], list[Any]], list[Any]] | None
+Spread = Callable[[Callable[[list[Any]], list[Any]], list[Any]], list[Any]]
 # A batch of at least this many bytes is written by two lanes (see lanes.py).
 LANE_BYTES = 16 << 20
 # Two lanes only where the capacity holds this many segments: each lane keeps one open, which
@@ -86,10 +86,11 @@ class _Run:
     entries: list[tuple[str, int, int, int, int]] = field(default_factory=list)
 
 
-def _lane_count(config: DiskConfig, segment_bytes: int) -> int:
-    """Two lanes where a second thread and the room for a second open segment are there."""
+def _lane_count(config: DiskConfig, segment_bytes: int, spread: Spread | None) -> int:
+    """Two lanes where a second thread (``spread``) and the room for a second open segment
+    are there, and writes are buffered."""
     roomy = config.capacity is None or config.capacity >= _LANE_ROOM_SEGMENTS * segment_bytes
-    return 2 if config.threads > 1 and not config.direct and roomy else 1
+    return 2 if spread is not None and not config.direct and roomy else 1
 
 
 def _lane_cut(lengths: list[int]) -> int:
@@ -117,7 +118,12 @@ class Appender:
     """Appends of the slot this process holds (its lock file ``lock_fd`` kept locked)."""
 
     def __init__(
-        self, catalog: Catalog, config: DiskConfig, slot: int, lock_fd: int, spread: Spread = None
+        self,
+        catalog: Catalog,
+        config: DiskConfig,
+        slot: int,
+        lock_fd: int,
+        spread: Spread | None = None,
     ) -> None:
         self.catalog = catalog
         self.config = config
@@ -128,11 +134,11 @@ class Appender:
         # reclaim everything else to fit.
         largest = self.segment_bytes - SEGMENT_HEADER - record_bytes(KEY_MAX_LEN, 0, MAX_GAP)
         self.max_object_bytes = min(largest, (config.capacity or largest * 2) // 2)
-        self.log = LogWriter(catalog.dirs.index, self.slot, config.fsync)
+        self.log = LogWriter(catalog.dirs.index, slot, config.fsync)
         self.log.recover(catalog.own_generation)
         self.shared = LaneShared(catalog, config, slot, lock_fd)
         self.counts = self.shared.counts
-        lanes = _lane_count(config, self.segment_bytes) if spread is not None else 1
+        lanes = _lane_count(config, self.segment_bytes, spread)
         self.lanes = [SegmentLane(self.shared) for _ in range(lanes)]
         self._spread = spread
         self.room: Callable[[int], bool] = lambda nbytes: True  # set by the reclaimer

@@ -54,9 +54,9 @@ async def test_direct_io_goes_around_the_page_cache_through_staging(
 async def test_large_batches_are_shared_by_threads_byte_exact(
     tmp_path: pathlib.Path, threads: int
 ) -> None:
-    """A batch past PARALLEL_BYTES is read in stretches by several threads (or one,
-    io_threads=1) and written by one: every object lands whole, at its place, across a
-    segment boundary."""
+    """A batch past PARALLEL_BYTES is read in stretches by several threads and written by two
+    lanes (read and written by one with io_threads=1): every object lands whole, at its place,
+    across a segment boundary."""
     config = DiskConfig(root=str(tmp_path), segment_bytes=12 << 20, io_threads=threads)
     store = await DiskBackend.open(config)
     values = [random_bytes((1 << 20) + 13 * i, seed=i) for i in range(20)]
